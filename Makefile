@@ -1,0 +1,64 @@
+# hookstats: `make test` and `make demo` set up everything they need on a fresh machine.
+#
+#   make test            venv + torch + test deps, build (CUDA kernels too where a toolkit is found), run all tests
+#   make demo            the same set-up, then `python -m hookstats demo`
+#   make bench           pytest --benchmark-only, then the summary table (benchmarks/report.py)
+#   PYTHON=python3 make test   use that interpreter as is (e.g. on a GPU machine that has torch), no venv
+#
+# TORCH_SPEC picks torch: the default CUDA build compiles the CUDA kernels here even without a GPU;
+# TORCH_SPEC=torch==2.13.0 (a CPU-only build) skips them.
+
+SHELL := /bin/bash
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.14.1
+TEST_DEPS ?= ninja pytest pytest-benchmark numpy expecttest setuptools wheel
+PYTEST_ARGS ?=
+
+ifeq ($(wildcard /usr/local/cuda/bin/nvcc),)
+else
+export CUDA_HOME ?= /usr/local/cuda
+endif
+
+ifeq ($(origin PYTHON), undefined)
+PY := $(VENV)/bin/python
+DEPS := $(VENV)/.deps-installed
+else
+PY := $(PYTHON)
+DEPS :=
+endif
+
+BUILD_STAMP := hookstats/.build-stamp
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
+
+.PHONY: all build test test-fast demo bench clean
+
+all: test
+
+$(VENV)/.deps-installed:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --upgrade pip
+	$(VENV)/bin/python -m pip install "$(TORCH_SPEC)" $(TEST_DEPS)
+	touch $@
+
+$(BUILD_STAMP): $(DEPS) $(SOURCES)
+	$(PY) -m pip install --no-build-isolation --no-deps -e .
+	$(PY) -c "import hookstats, torch; print('hookstats built; CUDA kernels:', hookstats.cuda_kernels_built(), '| torch', torch.__version__)"
+	touch $@
+
+build: $(BUILD_STAMP)
+
+test: build
+	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+
+test-fast: build
+	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+
+demo: build
+	$(PY) -m hookstats demo
+
+bench: build
+	$(PY) -m pytest benchmarks --benchmark-only -q --benchmark-json=bench.json
+	$(PY) benchmarks/report.py bench.json
+
+clean:
+	rm -rf build *.egg-info hookstats/_C*.so $(BUILD_STAMP) bench.json

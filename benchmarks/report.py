@@ -1,0 +1,173 @@
+"""Markdown report of a hookstats stats benchmark run (pytest-benchmark JSON), stdlib only.
+
+    python -m pytest benchmarks --benchmark-only --benchmark-json=bench.json
+    python benchmarks/report.py bench.json [--markdown out.md]
+
+One table per device and dtype. Times are medians. GB/s counts one read of the input (the bytes the fused op
+must move); the roof is the same run's `x.sum()` on CPU and `y.copy_(x)` on CUDA, whose GB/s counts read +
+write. On CUDA, times come from CUDA events around back-to-back launches when the run recorded them
+(extra_info["cuda_event_s"]), else from the host clock with a synchronize per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+CASES = ("fused", "composite", "roof")
+
+
+def _case_seconds(bench: dict) -> tuple[float, str]:
+    extra = bench.get("extra_info", {})
+    if extra.get("cuda_event_s") is not None:
+        return float(extra["cuda_event_s"]), "cuda events"
+    return float(bench["stats"]["median"]), "host clock"
+
+
+def summarize(json_path: str) -> list[dict]:
+    """One dict per (device, dtype, size) group of a pytest-benchmark JSON file, sorted by device, dtype, size.
+
+    Keys: device, dtype, size_log2, numel, bytes, timer, roof (the roof's name), and, None where a case
+    did not run: fused_s, composite_s, roof_s, fused_gbps, roof_gbps (roof's own bytes: 2x for a copy),
+    fused_over_roof (time ratio), speedup (composite time / fused time), copy_fraction (fused GB/s over copy
+    GB/s, CUDA only), rounds and threads (torch threads) of the fused case.
+    """
+    with open(json_path) as f:
+        data = json.load(f)
+    groups: dict[tuple, dict] = {}
+    for bench in data.get("benchmarks", []):
+        extra = bench.get("extra_info", {})
+        if extra.get("case") not in CASES or "bytes" not in extra:
+            continue  # another op family's benchmark
+        key = (extra["device"], extra["dtype"], int(extra["size_log2"]))
+        row = groups.setdefault(
+            key,
+            {
+                "device": extra["device"],
+                "dtype": extra["dtype"],
+                "size_log2": int(extra["size_log2"]),
+                "numel": int(extra["numel"]),
+                "bytes": int(extra["bytes"]),
+                "roof": extra.get("roof", "copy" if extra["device"] == "cuda" else "sum"),
+                "timer": None,
+            },
+        )
+        seconds, timer = _case_seconds(bench)
+        row[f"{extra['case']}_s"] = seconds
+        if extra["case"] == "fused":
+            row["timer"] = timer
+            row["rounds"] = bench["stats"].get("rounds")
+            row["threads"] = extra.get("torch_threads")
+
+    rows = []
+    for key in sorted(groups, key=lambda k: (k[0] != "cpu", k[0], k[1] != "float32", k[1], k[2])):
+        row = groups[key]
+        for case in CASES:
+            row.setdefault(f"{case}_s", None)
+        row.setdefault("rounds", None)
+        row.setdefault("threads", None)
+        fused, comp, roof = row["fused_s"], row["composite_s"], row["roof_s"]
+        roof_bytes = row["bytes"] * (2 if row["roof"] == "copy" else 1)
+        row["fused_gbps"] = row["bytes"] / fused / 1e9 if fused else None
+        row["roof_gbps"] = roof_bytes / roof / 1e9 if roof else None
+        row["fused_over_roof"] = fused / roof if fused and roof else None
+        row["speedup"] = comp / fused if fused and comp else None
+        row["copy_fraction"] = (
+            row["fused_gbps"] / row["roof_gbps"]
+            if row["roof"] == "copy" and row["fused_gbps"] and row["roof_gbps"]
+            else None
+        )
+        rows.append(row)
+    return rows
+
+
+def _fmt_us(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "–"
+    us = seconds * 1e6
+    return f"{us:,.0f}" if us >= 100 else f"{us:.1f}"
+
+
+def _fmt_gbps(gbps: Optional[float]) -> str:
+    if gbps is None:
+        return "–"
+    return f"{gbps:,.0f}" if gbps >= 100 else f"{gbps:.2f}"
+
+
+def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _roof_stalled(group: list[dict]) -> bool:
+    """True when the roof takes about as long at 16x the size: a sign of stalled threads, not of bandwidth."""
+    timed = sorted((r["size_log2"], r["roof_s"]) for r in group if r["roof_s"])
+    return any(
+        k1 - k0 >= 4 and t1 < 2 * t0 and t0 > 1e-3 for (k0, t0), (k1, t1) in zip(timed, timed[1:])
+    )
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: a heading and a table per (device, dtype), in the order of `rows`."""
+    out: list[str] = []
+    tables: dict[tuple, list[dict]] = {}
+    for row in rows:
+        tables.setdefault((row["device"], row["dtype"]), []).append(row)
+    for (device, dtype), group in tables.items():
+        cuda = any(r["roof"] == "copy" for r in group)
+        notes = sorted({r["timer"] for r in group if r["timer"]}) or ["no fused case"]
+        if device == "cpu":
+            threads = sorted({r["threads"] for r in group if r["threads"]})
+            notes += [f"{t} torch thread{'s' if t > 1 else ''}" for t in threads]
+        out.append(f"### hookstats.stats, {device}, {dtype} (median times; {', '.join(notes)})")
+        out.append("")
+        head = ["size", "fused µs", "fused GB/s", "roof GB/s", "fused / roof", "composite µs", "fused speedup"]
+        if cuda:
+            head.append("of copy BW")
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "|".join("---:" for _ in head) + "|")
+        for r in group:
+            cells = [
+                f"2^{r['size_log2']}",
+                _fmt_us(r["fused_s"]),
+                _fmt_gbps(r["fused_gbps"]),
+                _fmt_gbps(r["roof_gbps"]),
+                _fmt(r["fused_over_roof"], ".2f", f"x {r['roof']}"),
+                _fmt_us(r["composite_s"]),
+                _fmt(r["speedup"], ".1f", "x"),
+            ]
+            if cuda:
+                cells.append(_fmt(r["copy_fraction"], ".0%"))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+        if _roof_stalled(group):
+            out.append(
+                "**Warning:** the roof's time does not grow with the size, so these times measure waiting, not "
+                "work: with other load on the machine, each parallel region waits a scheduler tick for a "
+                "busy core. Rerun on a quiet machine or with `HOOKSTATS_BENCH_THREADS=1`."
+            )
+            out.append("")
+    if not out:
+        return "No hookstats.stats benchmarks in this file.\n"
+    out.append(
+        "GB/s: input bytes / median time (the copy roof counts read + write). fused / roof: time ratio, "
+        "lower is better. fused speedup: composite time / fused time. of copy BW (CUDA): fused GB/s / copy GB/s."
+    )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json_path", help="pytest-benchmark JSON (--benchmark-json=PATH)")
+    parser.add_argument("--markdown", metavar="OUT", help="also write the report to this file")
+    args = parser.parse_args(argv)
+    text = format_table(summarize(args.json_path))
+    sys.stdout.write(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+// Argument checks shared by the CPU and CUDA bindings. Every message says what was wrong
+// and what to do. TORCH_CHECK_TYPE raises TypeError in Python, TORCH_CHECK_VALUE ValueError.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "layout.h"
+#include "stats_ops.h"
+
+#define HOOKSTATS_CHECK(cond, ...) TORCH_CHECK(cond, "hookstats: ", __VA_ARGS__)
+
+namespace hookstats {
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The dtype results come back in: fp64 for fp64 inputs, fp32 otherwise.
+inline at::ScalarType result_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline void check_float_input(const at::Tensor& x, const char* op) {
+  TORCH_CHECK_TYPE(x.layout() == at::kStrided, "hookstats.", op, " needs a dense (strided) tensor, got layout ",
+                   x.layout(), "; call .to_dense() first");
+  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()), "hookstats.", op,
+                   " needs a floating tensor (float32, float64, float16 or bfloat16), got ", x.scalar_type());
+}
+
+// A stats_into buffer: 2-D [slots, kNumStatFields], float32 or float64, rows with unit
+// stride, on x's device, slot in range.
+inline void check_stats_buffer(const at::Tensor& x, const at::Tensor& out, int64_t slot) {
+  TORCH_CHECK_TYPE(out.layout() == at::kStrided && (out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble),
+                   "hookstats.stats_into needs a float32 or float64 buffer, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(1) == kNumStatFields,
+                    "hookstats.stats_into needs a buffer of shape [slots, ", int(kNumStatFields),
+                    "] (see hookstats.stats_buffer), got ", out.sizes());
+  TORCH_CHECK_VALUE(out.stride(1) == 1, "hookstats.stats_into needs buffer rows with unit stride, got strides ",
+                    out.strides());
+  TORCH_CHECK_VALUE(out.device() == x.device(), "hookstats.stats_into: the buffer is on ", out.device(),
+                    " but the tensor is on ", x.device(), "; allocate the buffer on the tensor's device");
+  TORCH_CHECK_VALUE(slot >= 0 && slot < out.size(0), "hookstats.stats_into: slot ", slot,
+                    " is out of range for a buffer of ", out.size(0), " slots");
+}
+
+// Flat when the elements fill a dense block (Note [layouts]).
+inline StridedLayout layout_of(const at::Tensor& x) {
+  StridedLayout l;
+  l.ndim = 0;
+  if (x.is_non_overlapping_and_dense()) return l;
+  const bool ok = make_layout(static_cast<int>(x.dim()), x.sizes().data(), x.strides().data(), l);
+  TORCH_CHECK_VALUE(ok, "hookstats: tensor has more than ", kMaxDims,
+                    " non-mergeable dimensions; reshape it or pass .contiguous()");
+  return l;
+}
+
+// Data pointer of the first element. For a flat tensor that is the lowest address, since
+// dense tensors have no negative strides.
+inline const void* first_element(const at::Tensor& x) { return x.const_data_ptr(); }
+
+}  // namespace hookstats

@@ -1,0 +1,328 @@
+// Torch-free statistics math shared by the CPU and the CUDA kernels.
+//
+// Note [stats partials]
+// A kernel reads its input in pieces (a CPU chunk, a CUDA thread's grid-stride share).
+// Each piece is accumulated on the fast path in the input's accumulation type
+// (float for fp16/bf16/fp32, double for fp64) into a FastAcc, then turned into a
+// StatsPartial (doubles and int64 counts), which merges associatively:
+//   * mean / m2 merge with Chan's parallel formula, so var and std stay accurate when
+//     |mean| >> std (no sum-of-squares cancellation);
+//   * the sum of squares and m2 carry a common power-of-two scale exponent `e`
+//     (true value = stored * 4^e), so l2 and std never overflow or underflow when the
+//     true value fits the result dtype; e is non-zero only for fp64 inputs;
+//   * NaN never reaches min/max/m2: counts decide NaN propagation in finalize().
+// A piece whose fast result is not trustworthy (a NaN or Inf inside, or magnitudes
+// so large or small that the squares in the accumulation type would overflow or
+// underflow, see needs_careful) is re-read with careful_*: element by element,
+// in double, exact counts, scaled squares. Healthy tensors never take that path.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define HS_HD __host__ __device__ __forceinline__
+#else
+#define HS_HD inline
+#endif
+
+namespace hookstats {
+
+// Note [stats row layout]: the order of the fields of hookstats.Stats, of a row of a
+// stats_into buffer, and of hookstats._ops.STATS_FIELDS. Change all three together.
+enum StatField : int {
+  kNumel = 0, kSum, kMean, kVar, kStd, kL1, kL2, kLinf, kMin, kMax,
+  kNanCount, kInfCount, kZeroCount, kNumStatFields
+};
+// hookstats::stats returns (values, counts): values are fields kSum..kMax (9, result
+// dtype), counts are numel, nan, inf, zero (int64).
+constexpr int kNumValueFields = kMax - kSum + 1;  // 9
+constexpr int kNumCountFields = 4;
+
+struct StatsPartial {
+  int64_t n;
+  int64_t nan;
+  int64_t inf;
+  int64_t zero;
+  double sum;
+  double l1;
+  double mn;    // over non-NaN values (+inf when none)
+  double mx;    // over non-NaN values (-inf when none)
+  double ssq;   // sum of squares * 4^-e
+  double mean;  // of the finite values (exact meaning only matters when all are finite)
+  double m2;    // sum of squared deviations from mean * 4^-e
+  int64_t e;    // power-of-two scale exponent of ssq and m2
+};
+
+HS_HD StatsPartial empty_partial() {
+  StatsPartial p;
+  p.n = 0; p.nan = 0; p.inf = 0; p.zero = 0;
+  p.sum = 0.0; p.l1 = 0.0;
+  p.mn = INFINITY; p.mx = -INFINITY;
+  p.ssq = 0.0; p.mean = 0.0; p.m2 = 0.0; p.e = 0;
+  return p;
+}
+
+HS_HD double hs_fmin(double a, double b) { return b < a ? b : a; }
+HS_HD double hs_fmax(double a, double b) { return b > a ? b : a; }
+
+// Merges b into a. Associative up to rounding; callers merge in a fixed order so
+// results are deterministic.
+HS_HD void merge(StatsPartial& a, const StatsPartial& b) {
+  if (b.n == 0) return;
+  if (a.n == 0) { a = b; return; }
+  // Align the scaled quantities to the larger exponent; a side whose scaled values are
+  // both zero carries no information about its exponent.
+  int64_t ea = (a.ssq == 0.0 && a.m2 == 0.0) ? b.e : a.e;
+  int64_t eb = (b.ssq == 0.0 && b.m2 == 0.0) ? ea : b.e;
+  const double na = static_cast<double>(a.n);
+  const double nb = static_cast<double>(b.n);
+  const double n = na + nb;
+  const double delta = b.mean - a.mean;
+  if (ea == 0 && eb == 0) {  // the common case: nothing scaled
+    a.m2 = a.m2 + b.m2 + delta * delta * (na * nb / n);
+    a.ssq = a.ssq + b.ssq;
+    a.e = 0;
+  } else {
+    const int64_t e = ea > eb ? ea : eb;
+    const int sa = static_cast<int>(2 * (ea - e) < -2200 ? -2200 : 2 * (ea - e));
+    const int sb = static_cast<int>(2 * (eb - e) < -2200 ? -2200 : 2 * (eb - e));
+    const double delta_s = ldexp(delta, static_cast<int>(-e < -1100 ? -1100 : (-e > 1100 ? 1100 : -e)));
+    a.m2 = ldexp(a.m2, sa) + ldexp(b.m2, sb) + delta_s * delta_s * (na * nb / n);
+    a.ssq = ldexp(a.ssq, sa) + ldexp(b.ssq, sb);
+    a.e = e;
+  }
+  a.mean = a.mean + delta * (nb / n);
+  a.n += b.n; a.nan += b.nan; a.inf += b.inf; a.zero += b.zero;
+  a.sum += b.sum; a.l1 += b.l1;
+  a.mn = hs_fmin(a.mn, b.mn);
+  a.mx = hs_fmax(a.mx, b.mx);
+}
+
+// ---------------------------------------------------------------------------------------
+// Fast path: what a piece accumulates in its accumulation type acc_t (see Note [stats partials]).
+// Values are shifted by k, a guess of the piece's mean (the CPU kernel uses the previous
+// chunk's mean): with d = x - k, sum = n*k + sum(d), sum(x^2) = sum(d^2) + 2k*sum(d) + n*k^2
+// and m2 = sum(d^2) - sum(d)^2/n, all without cancellation when k is near the mean, and with
+// 9 vector operations per element group instead of 12 for separate sum/ssq accumulators.
+template <typename acc_t>
+struct FastAcc {
+  acc_t k;         // shift
+  acc_t sd, ssd;   // sum of (x - k), sum of (x - k)^2
+  acc_t l1;
+  acc_t mn, mx;
+  int64_t zero;
+  int64_t n;
+};
+
+template <typename acc_t> struct FastLimits;
+// Squares of magnitudes in [lo, hi] neither overflow nor lose relative precision when
+// summed in acc_t over up to 2^40 values.
+template <> struct FastLimits<float> {
+  static constexpr float hi = 1.099511627776e12f;  // 2^40
+  static constexpr float lo = 9.094947017729282e-13f;  // 2^-40
+};
+template <> struct FastLimits<double> {
+  static constexpr double hi = 2.5822498780869086e120;  // 2^400
+  static constexpr double lo = 3.872591914849318e-121;  // 2^-400
+};
+
+template <typename acc_t>
+HS_HD void fast_init(FastAcc<acc_t>& f, acc_t k) {
+  f.k = k;
+  f.sd = f.ssd = f.l1 = acc_t(0);
+  f.mn = INFINITY; f.mx = -INFINITY;
+  f.zero = 0; f.n = 0;
+}
+
+// One element on the fast path. The CPU kernel does the same in SIMD lanes.
+template <typename acc_t>
+HS_HD void fast_add(FastAcc<acc_t>& f, acc_t v) {
+  const acc_t d = v - f.k;
+  f.sd += d;
+  f.ssd += d * d;
+  f.l1 += v < acc_t(0) ? -v : v;
+  f.mn = v < f.mn ? v : f.mn;
+  f.mx = v > f.mx ? v : f.mx;
+  f.zero += (v == acc_t(0));
+  f.n += 1;
+}
+
+// True when a fast-path result must be recomputed with careful_*: a NaN or Inf in the
+// piece (l1 not finite), or magnitudes outside FastLimits.
+template <typename acc_t>
+HS_HD bool needs_careful(const FastAcc<acc_t>& f) {
+  if (!(f.l1 - f.l1 == acc_t(0))) return true;  // NaN or Inf somewhere (or l1 overflowed)
+  const acc_t amax = (-f.mn > f.mx) ? -f.mn : f.mx;
+  return amax > FastLimits<acc_t>::hi || (amax < FastLimits<acc_t>::lo && amax > acc_t(0));
+}
+
+// True when the shift k was so far from the piece's mean (by more than about 1.7 standard
+// deviations) that sum(d^2) cancels badly in m2 and sum(x^2); the piece is then summed again
+// with k = its mean. Rare: the CPU kernel shifts by the previous chunk's mean.
+template <typename acc_t>
+HS_HD bool shift_is_poor(const FastAcc<acc_t>& f) {
+  const double n = static_cast<double>(f.n);
+  const double sd = static_cast<double>(f.sd);
+  const double ssd = static_cast<double>(f.ssd);
+  const double between = sd * sd / n;  // n * (mean - k)^2
+  return between > 0.0 && between > 0.75 * ssd;  // i.e. n*(mean-k)^2 > 3 * m2
+}
+
+// The shift for a re-run after shift_is_poor.
+template <typename acc_t>
+HS_HD acc_t fast_mean(const FastAcc<acc_t>& f) {
+  return static_cast<acc_t>(static_cast<double>(f.k) + static_cast<double>(f.sd) / static_cast<double>(f.n));
+}
+
+// Turns a trusted fast result (no NaN/Inf, magnitudes in FastLimits) into a partial.
+template <typename acc_t>
+HS_HD StatsPartial fast_to_partial(const FastAcc<acc_t>& f) {
+  StatsPartial p = empty_partial();
+  if (f.n == 0) return p;
+  const double n = static_cast<double>(f.n);
+  const double k = static_cast<double>(f.k);
+  const double sd = static_cast<double>(f.sd);
+  const double ssd = static_cast<double>(f.ssd);
+  p.n = f.n;
+  p.zero = f.zero;
+  p.sum = n * k + sd;
+  p.l1 = static_cast<double>(f.l1);
+  const double ssq = ssd + 2.0 * k * sd + n * k * k;
+  p.ssq = ssq > 0.0 ? ssq : 0.0;
+  p.mean = k + sd / n;
+  const double m2 = ssd - sd * sd / n;
+  p.m2 = m2 > 0.0 ? m2 : 0.0;
+  p.mn = static_cast<double>(f.mn);
+  p.mx = static_cast<double>(f.mx);
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------
+// Careful path, in two sweeps over the same piece:
+//   sweep 1, careful_count: counts, sum, l1, min, max, and the largest finite magnitude;
+//   sweep 2, careful_moments: scaled squares and Welford mean/m2 over the finite values.
+HS_HD void careful_count(StatsPartial& p, double& amax, double v) {
+  p.n += 1;
+  p.sum += v;
+  p.l1 += fabs(v);
+  if (v != v) { p.nan += 1; return; }
+  p.mn = hs_fmin(p.mn, v);
+  p.mx = hs_fmax(p.mx, v);
+  if (v == 0.0) p.zero += 1;
+  const double a = fabs(v);
+  if (a == INFINITY) { p.inf += 1; return; }
+  amax = hs_fmax(amax, a);
+}
+
+// The scale exponent for a piece whose largest finite magnitude is amax: zero unless the
+// squares would leave double's comfortable range.
+HS_HD int64_t careful_scale_exponent(double amax) {
+  if (amax == 0.0 || (amax <= 2.5822498780869086e120 && amax >= 3.872591914849318e-121)) return 0;
+  int ex;
+  frexp(amax, &ex);  // amax = f * 2^ex with f in [0.5, 1)
+  return ex;
+}
+
+// Welford state of sweep 2, kept in scaled units y = v * 2^-e.
+struct CarefulMoments {
+  double ssq, mean, m2;
+  int64_t k;
+};
+
+HS_HD CarefulMoments careful_moments_init() { CarefulMoments c; c.ssq = c.mean = c.m2 = 0.0; c.k = 0; return c; }
+
+HS_HD void careful_moments(CarefulMoments& c, double v, int64_t e) {
+  if (!(v - v == 0.0)) return;  // NaN / Inf: var and l2 are decided by the counts
+  const double y = e == 0 ? v : ldexp(v, static_cast<int>(-e));
+  c.ssq += y * y;
+  c.k += 1;
+  const double d = y - c.mean;
+  c.mean += d / static_cast<double>(c.k);
+  c.m2 += d * (y - c.mean);
+}
+
+// Completes a careful piece: p holds sweep 1, c sweep 2.
+HS_HD void careful_finish(StatsPartial& p, const CarefulMoments& c, int64_t e) {
+  p.e = e;
+  p.ssq = c.ssq;
+  p.m2 = c.m2;
+  p.mean = e == 0 ? c.mean : ldexp(c.mean, static_cast<int>(e));
+}
+
+// ---------------------------------------------------------------------------------------
+// Final values. out is in Note [stats row layout] order. Semantics (tested against
+// torch): NaN anywhere makes sum, mean, var, std, l1, l2, linf, min and max NaN; an Inf
+// (and no NaN) makes l1/l2/linf inf, min/max +-inf, var/std NaN, and sum/mean what IEEE
+// addition gives (+inf + -inf = NaN). var uses correction=1: NaN for n < 2.
+// Empty input: numel 0, sum/l1/l2/linf 0, mean/var/std/min/max NaN, counts 0.
+HS_HD void finalize(const StatsPartial& p, double* out) {
+  const double nan = NAN;
+  const bool has_nan = p.nan > 0;
+  const bool has_inf = p.inf > 0;
+  const double n = static_cast<double>(p.n);
+  out[kNumel] = n;
+  out[kNanCount] = static_cast<double>(p.nan);
+  out[kInfCount] = static_cast<double>(p.inf);
+  out[kZeroCount] = static_cast<double>(p.zero);
+  out[kSum] = has_nan ? nan : p.sum;
+  out[kMean] = (p.n == 0 || has_nan) ? nan : p.sum / n;
+  // |e| <= 1100 for any double input (careful_scale_exponent); ldexp handles that range.
+  const int s = static_cast<int>(p.e > 4000 ? 4000 : (p.e < -4000 ? -4000 : p.e));
+  if (p.n < 2 || has_nan || has_inf) {
+    out[kVar] = nan;
+    out[kStd] = nan;
+  } else {
+    const double v = p.m2 / (n - 1.0);  // scaled by 4^-e
+    out[kStd] = ldexp(sqrt(v), s);
+    out[kVar] = ldexp(v, 2 * s);
+  }
+  out[kL1] = has_nan ? nan : p.l1;
+  out[kL2] = has_nan ? nan : (has_inf ? static_cast<double>(INFINITY) : ldexp(sqrt(p.ssq), s));
+  if (has_nan || p.n == 0) {
+    out[kMin] = out[kMax] = nan;
+    out[kLinf] = has_nan ? nan : 0.0;
+  } else {
+    out[kMin] = p.mn;
+    out[kMax] = p.mx;
+    out[kLinf] = hs_fmax(fabs(p.mn), fabs(p.mx));
+  }
+}
+
+// Where a finished kernel writes its results: either (values[9] of OutT, counts[4] int64)
+// or one stats_into row of OutT in Note [stats row layout] order.
+struct StatsOut {
+  void* values;    // kSum..kMax, or the whole row when counts == nullptr
+  int64_t* counts; // numel, nan, inf, zero; nullptr for a row
+  bool out_double; // OutT is double (else float)
+};
+
+template <typename OutT>
+HS_HD void store_typed(const double* r, OutT* values, int64_t* counts) {
+  if (counts == nullptr) {
+    for (int i = 0; i < kNumStatFields; ++i) values[i] = static_cast<OutT>(r[i]);
+    return;
+  }
+  for (int i = 0; i < kNumValueFields; ++i) values[i] = static_cast<OutT>(r[kSum + i]);
+  counts[0] = static_cast<int64_t>(r[kNumel]);
+  counts[1] = static_cast<int64_t>(r[kNanCount]);
+  counts[2] = static_cast<int64_t>(r[kInfCount]);
+  counts[3] = static_cast<int64_t>(r[kZeroCount]);
+}
+
+HS_HD void store(const StatsPartial& p, const StatsOut& o) {
+  double r[kNumStatFields];
+  finalize(p, r);
+  if (o.counts != nullptr) {
+    // Counts above 2^53 do not survive a double; take them from the partial directly.
+    if (o.out_double) store_typed<double>(r, static_cast<double*>(o.values), o.counts);
+    else store_typed<float>(r, static_cast<float*>(o.values), o.counts);
+    o.counts[0] = p.n; o.counts[1] = p.nan; o.counts[2] = p.inf; o.counts[3] = p.zero;
+    return;
+  }
+  if (o.out_double) store_typed<double>(r, static_cast<double*>(o.values), nullptr);
+  else store_typed<float>(r, static_cast<float*>(o.values), nullptr);
+}
+
+}  // namespace hookstats

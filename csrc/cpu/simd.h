@@ -1,0 +1,124 @@
+// Portable SIMD for the CPU kernels: GCC/Clang vector extensions, compiled twice, once for
+// the baseline target and once under HS_TARGET_AVX2, chosen at run time (Note [cpu dispatch]).
+//
+// Note [cpu dispatch]
+// A kernel body is a template marked HS_INLINE and written with the 32-byte vector types
+// below. It is instantiated inside two entry points: one with no target attribute (SSE2
+// on x86-64, NEON on arm64) and one marked HS_TARGET_AVX2. Because the body is inlined
+// before vector lowering, the same source becomes AVX2+FMA code in the second. Which entry
+// point runs is decided once per process by cpu_has_avx2(). The extension therefore
+// imports and runs on any x86-64 CPU, and uses AVX2 where the CPU has it, without
+// per-file compiler flags.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#define HS_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__) || defined(__i386__)
+#define HS_HAVE_AVX2_TARGET 1
+#define HS_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define HS_HAVE_AVX2_TARGET 0
+#define HS_TARGET_AVX2
+#endif
+
+namespace hookstats {
+namespace simd {
+
+// Vector types of B bytes: 32 for the AVX2 entry points, 16 for the baseline ones (SSE2 and
+// NEON handle 16-byte vectors natively; wider ones would be split, and selects scalarized).
+template <int B> struct VT {
+  typedef float f32 __attribute__((vector_size(B)));
+  typedef int32_t i32 __attribute__((vector_size(B)));
+  typedef uint32_t u32 __attribute__((vector_size(B)));
+  typedef uint16_t u16 __attribute__((vector_size(B / 2)));
+  typedef double f64 __attribute__((vector_size(B)));
+  typedef int64_t i64 __attribute__((vector_size(B)));
+};
+
+inline bool cpu_has_avx2() {
+#if HS_HAVE_AVX2_TARGET
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// Whether the AVX2 entry points run: the CPU has AVX2, and HOOKSTATS_CPU_ISA is not
+// "default" when the first kernel runs. Tests flip it with set_use_avx2 to cover both.
+inline bool& use_avx2_flag() {
+  static bool flag = [] {
+    const char* env = std::getenv("HOOKSTATS_CPU_ISA");
+    return cpu_has_avx2() && !(env != nullptr && std::strcmp(env, "default") == 0);
+  }();
+  return flag;
+}
+inline bool use_avx2() { return use_avx2_flag(); }
+inline bool set_use_avx2(bool on) {
+  const bool before = use_avx2_flag();
+  use_avx2_flag() = on && cpu_has_avx2();
+  return before;
+}
+
+template <typename F, typename I>
+HS_INLINE F abs_bits(F v) {
+  return (F)((I)v & (sizeof(v[0]) == 4 ? (int64_t)0x7fffffff : (int64_t)0x7fffffffffffffffLL));
+}
+
+// IEEE half -> float, bit exact for normals, subnormals, zeros, inf and NaN (the branch-free
+// method of the FP16 library by Marat Dukhan, on vectors).
+template <int B>
+HS_INLINE typename VT<B>::f32 half_to_float(typename VT<B>::u16 h) {
+  using F = typename VT<B>::f32; using I = typename VT<B>::i32; using U = typename VT<B>::u32;
+  const U w = __builtin_convertvector(h, U) << 16;
+  const U sign = w & 0x80000000u;
+  const U two_w = w + w;
+  const F normalized = (F)((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const F denormalized = (F)((two_w >> 17) | (126u << 23)) - 0.5f;
+  const I is_denorm = (I)(two_w < (1u << 27));
+  const U bits = (U)(((I)denormalized & is_denorm) | ((I)normalized & ~is_denorm));
+  return (F)(sign | bits);
+}
+
+template <int B>
+HS_INLINE typename VT<B>::f32 bf16_to_float(typename VT<B>::u16 h) {
+  return (typename VT<B>::f32)(__builtin_convertvector(h, typename VT<B>::u32) << 16);
+}
+
+// Loads of W lanes in the accumulation type. Tag types keep this header torch-free:
+// the kernel maps c10::Half -> HalfBits and c10::BFloat16 -> BF16Bits.
+struct HalfBits { uint16_t x; };
+struct BF16Bits { uint16_t x; };
+
+template <typename T, int B> struct Lanes;
+template <int B> struct Lanes<float, B> {
+  using acc_t = float; using V = typename VT<B>::f32; using M = typename VT<B>::i32;
+  static constexpr int W = B / 4;
+  static HS_INLINE V load(const void* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+};
+template <int B> struct Lanes<double, B> {
+  using acc_t = double; using V = typename VT<B>::f64; using M = typename VT<B>::i64;
+  static constexpr int W = B / 8;
+  static HS_INLINE V load(const void* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+};
+template <int B> struct Lanes<HalfBits, B> {
+  using acc_t = float; using V = typename VT<B>::f32; using M = typename VT<B>::i32;
+  static constexpr int W = B / 4;
+  static HS_INLINE V load(const void* p) {
+    typename VT<B>::u16 h; std::memcpy(&h, p, sizeof h); return half_to_float<B>(h);
+  }
+};
+template <int B> struct Lanes<BF16Bits, B> {
+  using acc_t = float; using V = typename VT<B>::f32; using M = typename VT<B>::i32;
+  static constexpr int W = B / 4;
+  static HS_INLINE V load(const void* p) {
+    typename VT<B>::u16 h; std::memcpy(&h, p, sizeof h); return bf16_to_float<B>(h);
+  }
+};
+
+}  // namespace simd
+}  // namespace hookstats

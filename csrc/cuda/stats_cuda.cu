@@ -1,0 +1,272 @@
+// CUDA implementation of hookstats::stats and hookstats::stats_into.
+//
+// One launch per tensor, on the current stream, no host sync:
+//   * each thread reads its grid-stride share with 16-byte loads (an aligned body, a scalar
+//     head for misaligned slices and a scalar tail), accumulates on the fast path of
+//     core/stats_ops.h and, only when needs_careful()/shift_is_poor() say so, re-reads its
+//     share (Note [stats partials]);
+//   * partials are merged by warp shuffles and shared memory in a fixed order, written to a
+//     per-block slot of a small workspace (grid <= 2 blocks of 256 threads per SM, ~100 bytes a block);
+//   * the last block to finish (atomic ticket) merges the block partials in block order and
+//     writes the results. No float atomics: results are bitwise reproducible on a device.
+// Non-dense layouts are read element by element through StridedLayout (Note [layouts]).
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "../core/checks.h"
+#include "../core/dispatch.h"
+#include "../core/layout.h"
+#include "../core/stats_ops.h"
+
+namespace hookstats {
+namespace {
+
+constexpr int kThreads = 256;  // ~92 registers a thread: two blocks fit an SM
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;
+
+template <typename scalar_t> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+__device__ __forceinline__ StatsPartial shfl_down(const StatsPartial& p, int offset) {
+  StatsPartial q;
+  q.n = __shfl_down_sync(0xffffffffu, p.n, offset);
+  q.nan = __shfl_down_sync(0xffffffffu, p.nan, offset);
+  q.inf = __shfl_down_sync(0xffffffffu, p.inf, offset);
+  q.zero = __shfl_down_sync(0xffffffffu, p.zero, offset);
+  q.sum = __shfl_down_sync(0xffffffffu, p.sum, offset);
+  q.l1 = __shfl_down_sync(0xffffffffu, p.l1, offset);
+  q.mn = __shfl_down_sync(0xffffffffu, p.mn, offset);
+  q.mx = __shfl_down_sync(0xffffffffu, p.mx, offset);
+  q.ssq = __shfl_down_sync(0xffffffffu, p.ssq, offset);
+  q.mean = __shfl_down_sync(0xffffffffu, p.mean, offset);
+  q.m2 = __shfl_down_sync(0xffffffffu, p.m2, offset);
+  q.e = __shfl_down_sync(0xffffffffu, p.e, offset);
+  return q;
+}
+
+// Block-wide merge in a fixed order; the result is valid in thread 0.
+__device__ StatsPartial block_merge(StatsPartial p, StatsPartial* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const StatsPartial q = shfl_down(p, offset);
+    merge(p, q);
+  }
+  if (lane == 0) smem[warp] = p;
+  __syncthreads();
+  if (warp == 0) {
+    p = lane < kWarps ? smem[lane] : empty_partial();
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const StatsPartial q = shfl_down(p, offset);
+      merge(p, q);
+    }
+  }
+  __syncthreads();
+  return p;
+}
+
+// What one thread reads: its grid-stride share of the tensor.
+template <typename scalar_t>
+struct Share {
+  const scalar_t* __restrict__ x;
+  int64_t n;
+  int64_t head;  // scalar elements before the first 16-byte aligned one (flat layout)
+  StridedLayout layout;
+  bool flat;
+
+  static constexpr int kVec = 16 / sizeof(scalar_t);
+
+  // Calls f(acc value) for every element of thread tid's share, in a fixed order.
+  template <typename F>
+  __device__ __forceinline__ void visit(int64_t tid, int64_t nthreads, F&& f) const {
+    using acc_t = typename AccOf<scalar_t>::type;
+    if (!flat) {
+      for (int64_t i = tid; i < n; i += nthreads) f(static_cast<acc_t>(x[element_offset(layout, i)]));
+      return;
+    }
+    if (tid < head) f(static_cast<acc_t>(x[tid]));
+    const int64_t npacks = (n - head) / kVec;
+    const uint4* packs = reinterpret_cast<const uint4*>(x + head);
+    int64_t p = tid;
+    for (; p + (kUnroll - 1) * nthreads < npacks; p += kUnroll * nthreads) {
+      uint4 r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(packs + p + u * nthreads);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const scalar_t* v = reinterpret_cast<const scalar_t*>(&r[u]);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) f(static_cast<acc_t>(v[j]));
+      }
+    }
+    for (; p < npacks; p += nthreads) {
+      const uint4 r = __ldg(packs + p);
+      const scalar_t* v = reinterpret_cast<const scalar_t*>(&r);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) f(static_cast<acc_t>(v[j]));
+    }
+    const int64_t t = head + npacks * kVec + tid;
+    if (t < n) f(static_cast<acc_t>(x[t]));
+  }
+
+  // A guess of the share's mean for the fast path's shift: the mean of its first pack.
+  __device__ __forceinline__ typename AccOf<scalar_t>::type first_mean(int64_t tid) const {
+    using acc_t = typename AccOf<scalar_t>::type;
+    int64_t first = tid, count = 1;
+    if (flat && tid >= head) {
+      first = head + tid * kVec;
+      count = kVec;
+    } else if (!flat) {
+      return tid < n ? shift_of(static_cast<double>(static_cast<acc_t>(x[element_offset(layout, tid)]))) : acc_t(0);
+    }
+    double s = 0.0;
+    int64_t m = 0;
+    for (int64_t i = first; i < first + count && i < n; ++i) {
+      const double v = static_cast<double>(static_cast<acc_t>(x[i]));
+      if (v - v == 0.0 && fabs(v) < static_cast<double>(FastLimits<acc_t>::hi)) { s += v; ++m; }
+    }
+    return shift_of(m ? s / m : 0.0);
+  }
+
+  // A shift representable in the input dtype (see input_shift in cpu/stats_cpu.cpp).
+  static __device__ __forceinline__ typename AccOf<scalar_t>::type shift_of(double mean) {
+    using acc_t = typename AccOf<scalar_t>::type;
+    const acc_t k = static_cast<acc_t>(static_cast<scalar_t>(static_cast<acc_t>(mean)));
+    return k - k == acc_t(0) ? k : acc_t(0);
+  }
+};
+
+template <typename scalar_t>
+__device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid, int64_t nthreads) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  FastAcc<acc_t> f;
+  fast_init<acc_t>(f, share.first_mean(tid));
+  share.visit(tid, nthreads, [&](acc_t v) { fast_add<acc_t>(f, v); });
+  if (!needs_careful<acc_t>(f)) {
+    if (shift_is_poor<acc_t>(f)) {
+      fast_init<acc_t>(f, Share<scalar_t>::shift_of(static_cast<double>(fast_mean<acc_t>(f))));
+      share.visit(tid, nthreads, [&](acc_t v) { fast_add<acc_t>(f, v); });
+    }
+    return fast_to_partial<acc_t>(f);
+  }
+  StatsPartial c = empty_partial();
+  double amax = 0.0;
+  share.visit(tid, nthreads, [&](acc_t v) { careful_count(c, amax, static_cast<double>(v)); });
+  const int64_t e = careful_scale_exponent(amax);
+  CarefulMoments m = careful_moments_init();
+  share.visit(tid, nthreads, [&](acc_t v) { careful_moments(m, static_cast<double>(v), e); });
+  careful_finish(c, m, e);
+  return c;
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
+             unsigned int* __restrict__ ticket, StatsOut out) {
+  __shared__ StatsPartial smem[kWarps];
+  __shared__ bool is_last;
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  StatsPartial p = block_merge(thread_partial(share, tid, nthreads), smem);
+  if (gridDim.x == 1) {
+    if (threadIdx.x == 0) store(p, out);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    block_partials[blockIdx.x] = p;
+    __threadfence();
+    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // Thread t merges block partials t, t + kThreads, ... in order, then the block merges.
+  StatsPartial q = empty_partial();
+  for (unsigned int b = threadIdx.x; b < gridDim.x; b += kThreads) {
+    const volatile StatsPartial* src = block_partials + b;
+    StatsPartial r;
+    r.n = src->n; r.nan = src->nan; r.inf = src->inf; r.zero = src->zero;
+    r.sum = src->sum; r.l1 = src->l1; r.mn = src->mn; r.mx = src->mx;
+    r.ssq = src->ssq; r.mean = src->mean; r.m2 = src->m2; r.e = src->e;
+    merge(q, r);
+  }
+  q = block_merge(q, smem);
+  if (threadIdx.x == 0) {
+    store(q, out);
+    *ticket = 0u;
+  }
+}
+
+int sm_count(int device) {
+  static int counts[64] = {0};
+  if (device < 0 || device >= 64) device = 0;
+  if (counts[device] == 0) {
+    int c = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device));
+    counts[device] = c > 0 ? c : 1;
+  }
+  return counts[device];
+}
+
+void launch_stats(const at::Tensor& x, const StatsOut& out) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+  const StridedLayout layout = layout_of(x);
+  const int64_t n = x.numel();
+  HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cuda", [&] {
+    Share<scalar_t> share;
+    share.x = static_cast<const scalar_t*>(first_element(x));
+    share.n = n;
+    share.layout = layout;
+    share.flat = layout.ndim == 0;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(share.x);
+    const int64_t head = static_cast<int64_t>(((16 - addr % 16) % 16) / sizeof(scalar_t));
+    share.head = head < n ? head : n;
+    const int64_t per_block = static_cast<int64_t>(kThreads) * Share<scalar_t>::kVec * kUnroll;
+    const int64_t wanted = (n + per_block - 1) / per_block;
+    const int64_t cap = 2 * static_cast<int64_t>(sm_count(x.device().index()));
+    const int blocks = static_cast<int>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+    // Workspace: one partial per block and the ticket, from the caching allocator (stream
+    // ordered, no cudaMalloc once warm).
+    const int64_t ws_bytes = static_cast<int64_t>(blocks) * sizeof(StatsPartial) + 16;
+    at::Tensor ws = at::empty({ws_bytes}, x.options().dtype(at::kByte));
+    auto* partials = reinterpret_cast<StatsPartial*>(ws.data_ptr());
+    auto* ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes - 16);
+    C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
+    stats_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(share, partials, ticket, out);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> stats_cuda(const at::Tensor& x) {
+  check_float_input(x, "stats");
+  const at::ScalarType rt = result_dtype(x.scalar_type());
+  at::Tensor values = at::empty({kNumValueFields}, x.options().dtype(rt));
+  at::Tensor counts = at::empty({kNumCountFields}, x.options().dtype(at::kLong));
+  launch_stats(x, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), rt == at::kDouble});
+  return {values, counts};
+}
+
+void stats_into_cuda(const at::Tensor& x, const at::Tensor& out, int64_t slot) {
+  check_float_input(x, "stats_into");
+  check_stats_buffer(x, out, slot);
+  char* row = static_cast<char*>(out.data_ptr()) + slot * out.stride(0) * out.element_size();
+  launch_stats(x, StatsOut{row, nullptr, out.scalar_type() == at::kDouble});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {
+  m.impl("stats", &stats_cuda);
+  m.impl("stats_into", &stats_into_cuda);
+}
+
+}  // namespace hookstats

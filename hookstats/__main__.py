@@ -1,0 +1,170 @@
+"""The hookstats command line: `python -m hookstats demo|bench`."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, List, Sequence
+
+import torch
+
+import hookstats
+
+_SHOWN = ("numel", "mean", "std", "l2", "min", "max", "nan_count", "inf_count", "zero_count")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if v != v:
+        return "nan"
+    if v in (float("inf"), float("-inf")):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def _examples():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 256, generator=g)
+    act = torch.relu(torch.randn(64, 1024, generator=g))
+    grad = torch.randn(4096, generator=g) * 1e-3
+    grad[17] = float("nan")
+    grad[99] = float("inf")
+    big = torch.full((1000,), 6e4).half()
+    shifted = torch.randn(100_000, generator=g) * 1e-2 + 1e3
+    image = torch.randn(8, 3, 32, 32, generator=g).to(memory_format=torch.channels_last)
+    return [
+        ("weight (randn 512x256)", w),
+        ("ReLU activations", act),
+        ("grad with a NaN and an Inf", grad),
+        ("fp16, 1000 x 6e4", big),
+        ("bf16 weight", w.bfloat16()),
+        ("mean 1e3, std 1e-2", shifted),
+        ("channels_last image batch", image),
+        ("every other column", w[:, ::2]),
+        ("empty", torch.empty(0)),
+    ]
+
+
+def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *[line(r) for r in rows]])
+
+
+def _time(fn: Callable[[], object], device: torch.device, min_time: float = 0.2) -> float:
+    """Median seconds per call of fn over repeats lasting about min_time."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn(); sync()
+    t0 = time.perf_counter(); fn(); sync()
+    once = max(time.perf_counter() - t0, 1e-7)
+    reps = max(3, min(200, int(min_time / once / 5)))
+    samples: List[float] = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / reps)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def _composite(x: torch.Tensor):
+    """The statistics as people write them with plain PyTorch: one pass (at least) each."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (
+        xf.sum(), xf.mean(), xf.var(), xf.std(),
+        torch.linalg.vector_norm(xf, 1), torch.linalg.vector_norm(xf, 2), torch.linalg.vector_norm(xf, float("inf")),
+        torch.aminmax(xf), torch.isnan(xf).sum(), torch.isinf(xf).sum(), (xf == 0).sum(),
+    )
+
+
+def quick_bench(device: torch.device, sizes=(2**16, 2**20, 2**24), dtypes=(torch.float32, torch.bfloat16)) -> str:
+    rows = []
+    for dtype in dtypes:
+        for n in sizes:
+            x = torch.randn(n, device=device).to(dtype)
+            t_fused = _time(lambda: hookstats.stats(x), device)
+            t_comp = _time(lambda: _composite(x), device)
+            if device.type == "cuda":
+                y = torch.empty_like(x)
+                t_roof = _time(lambda: y.copy_(x), device)
+                roof_name = "copy"
+            else:
+                t_roof = _time(lambda: x.sum(), device)
+                roof_name = "x.sum()"
+            gbs = n * x.element_size() / t_fused / 1e9
+            rows.append([
+                str(dtype).replace("torch.", ""), f"2^{n.bit_length() - 1}", f"{t_fused * 1e6:.1f}", f"{gbs:.1f}",
+                f"{t_fused / t_roof:.2f}x {roof_name}", f"{t_comp / t_fused:.1f}x",
+            ])
+    return _table(rows, ["dtype", "numel", "fused us", "GB/s", "fused time vs roof", "speedup vs composite"])
+
+
+def demo(args) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("hookstats demo: --device cuda but no CUDA GPU is visible to torch", file=sys.stderr)
+            return 2
+        if not hookstats.cuda_kernels_built():
+            print("hookstats demo: --device cuda but hookstats was built without CUDA kernels", file=sys.stderr)
+            return 2
+    print(f"hookstats {hookstats.__version__} | torch {torch.__version__} | device {device} | "
+          f"CPU code path {torch.ops.hookstats._cpu_isa('')} | CUDA kernels built: {hookstats.cuda_kernels_built()}")
+    print("\nStatistics of example tensors, one fused read each (hookstats.stats):\n")
+    examples = _examples()
+    rows = []
+    for name, t in examples:
+        t = t.to(device)
+        d = hookstats.stats(t).to_dict()
+        rows.append([name, str(t.dtype).replace("torch.", "")] + [_fmt(d[k]) for k in _SHOWN])
+    print(_table(rows, ["tensor", "dtype", *_SHOWN]))
+    fp16 = examples[3][1].to(device)
+    print(f"\nfp16 1000 x 6e4: torch.linalg.vector_norm gives {torch.linalg.vector_norm(fp16).item()}, "
+          f"hookstats l2 gives {hookstats.stats(fp16).l2.item():.6g} (true: {6e4 * 1000 ** 0.5:.6g})")
+    if not args.no_bench:
+        print("\nBenchmark (median of repeats; roof = one read of the tensor):\n")
+        print(quick_bench(device, sizes=(2**16, 2**20, 2**24) if not args.quick else (2**16, 2**20)))
+        print("\nFull benchmarks: make bench (pytest-benchmark; report in benchmarks/report.py)")
+    return 0
+
+
+def bench(args) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bench_dir = os.path.join(root, "benchmarks")
+    if not os.path.isdir(bench_dir):
+        print(f"hookstats bench: no benchmarks/ folder at {bench_dir} (run it from a source checkout)", file=sys.stderr)
+        return 2
+    out = args.json
+    rc = subprocess.call([sys.executable, "-m", "pytest", bench_dir, "--benchmark-only", "-q",
+                          f"--benchmark-json={out}", *args.pytest_args])
+    if rc != 0:
+        return rc
+    return subprocess.call([sys.executable, os.path.join(bench_dir, "report.py"), out])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="hookstats", description="Fused tensor statistics for PyTorch hooks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="statistics of example tensors and a quick benchmark")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--no-bench", action="store_true", help="skip the quick benchmark")
+    p.add_argument("--quick", action="store_true", help="smaller benchmark sizes")
+    p.set_defaults(fn=demo)
+    p = sub.add_parser("bench", help="run the pytest-benchmark suite and print the summary table")
+    p.add_argument("--json", default="bench.json")
+    p.add_argument("pytest_args", nargs="*")
+    p.set_defaults(fn=bench)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

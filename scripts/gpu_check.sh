@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The one command a GPU machine runs (about 4-5 minutes on an H200): build hookstats against that
+# machine's torch, run the whole test suite (CUDA tests included), and write a benchmark report.
+#   OUT=/some/dir bash scripts/gpu_check.sh        (the device tool sets OUT)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hookstats-gpu-check}
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+{
+  echo "== $(date -u) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+} | tee "$OUT/env.txt"
+
+echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+start=$(date +%s)
+if ! $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+echo "built in $(( $(date +%s) - start )) s"
+$PY -c "import hookstats, sys; ok = hookstats.cuda_kernels_built(); print('CUDA kernels built:', ok); sys.exit(0 if ok else 1)" || exit 1
+
+echo "== tests"
+timeout 200 $PY -m pytest tests -q -x -m "not slow" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tests.log"
+test_rc=${PIPESTATUS[0]}
+
+echo "== benchmark"
+timeout 120 $PY scripts/gpu_bench.py --out "$OUT/gpu_bench.md" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "tests rc=$test_rc bench rc=$bench_rc"
+exit $(( test_rc != 0 || bench_rc != 0 ))
