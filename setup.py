@@ -31,7 +31,7 @@ def build_cuda() -> bool:
 
 def extension():
     sources = [os.path.join("csrc", "hookstats.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
+    cxx = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
     link = ["-fopenmp"]  # at::parallel_for is OpenMP inline code: without it the kernels run on one thread
     if build_cuda():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))

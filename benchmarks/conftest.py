@@ -39,8 +39,12 @@ if os.environ.get("HOOKSTATS_BENCH_THREADS"):
 # Time given to one case (seconds of timed work, after warmup), and its bounds in rounds. The composite gets
 # less: it is 10+ passes, and at 2^24 on a 2-core CPU one call costs a large fraction of a second, so it
 # must not dominate the run. Fused and roof get more: their ratio is the number the report is about.
-BUDGET_S = {"fused": 1.0, "roof": 1.0, "composite": 0.4}
-MIN_ROUNDS = {"fused": 15, "roof": 15, "composite": 5}
+#
+# The histogram benchmarks (test_bench_hist.py) time 6 cases in each of twice as many groups, so they budget by
+# kind rather than by case: "hist" (the hookstats cases and their roof) and "baseline" (torch.histc and
+# torch.histogram: ~0.2-0.3 s a call at 2^24 here, so a few rounds only).
+BUDGET_S = {"fused": 1.0, "roof": 1.0, "composite": 0.4, "hist": 0.5, "baseline": 0.25}
+MIN_ROUNDS = {"fused": 15, "roof": 15, "composite": 5, "hist": 10, "baseline": 3}
 MAX_ROUNDS = 400
 MIN_ROUND_S = 200e-6  # batch calls of tiny ops into rounds of at least this long, so timer overhead vanishes
 
@@ -94,7 +98,8 @@ def make_input(size_log2: int, dtype_name: str, device: str) -> torch.Tensor:
 
 
 def plan_rounds(fn: Callable[[], object], case: str) -> tuple[int, int]:
-    """(rounds, iterations) for benchmark.pedantic, from the time of one warm call of `fn`.
+    """(rounds, iterations) for benchmark.pedantic, from the time of one warm call of `fn`; `case` is a key of
+    BUDGET_S and MIN_ROUNDS.
 
     Rounds are sized by measured cost rather than by tensor size, so the plan holds on a faster or slower
     machine: small ops get many rounds of batched calls, the 2^24 composite gets MIN_ROUNDS single calls.
@@ -146,13 +151,14 @@ def x(device: str, dtype_name: str, size_log2: int) -> torch.Tensor:
 
 @pytest.fixture
 def measure(benchmark):
-    """measure(op, case, device): times `op` with pytest-benchmark, rounds planned by cost (`plan_rounds`).
+    """measure(op, case, device, kind=None): times `op` with pytest-benchmark, rounds planned by cost
+    (`plan_rounds`) from the budget of `kind` (default: the budget of `case`). `case` goes into extra_info.
 
     On CUDA the timed call ends with a synchronize, since pytest-benchmark reads the host clock; the device
     time from CUDA events (`cuda_event_seconds`) goes into extra_info["cuda_event_s"] as well.
     """
 
-    def run(op: Callable[[], object], case: str, device: str) -> None:
+    def run(op: Callable[[], object], case: str, device: str, kind: str | None = None) -> None:
         if device == "cuda":
 
             def fn():
@@ -161,7 +167,7 @@ def measure(benchmark):
 
         else:
             fn = op
-        rounds, iterations = (1, 1) if benchmark.disabled else plan_rounds(fn, case)
+        rounds, iterations = (1, 1) if benchmark.disabled else plan_rounds(fn, kind or case)
         benchmark.extra_info.update(case=case, rounds=rounds, iterations=iterations)
         benchmark.pedantic(fn, rounds=rounds, iterations=iterations, warmup_rounds=1)
         if device == "cuda" and not benchmark.disabled:

@@ -10,12 +10,10 @@ namespace hookstats {
 std::string cpu_isa(const std::string& mode);  // cpu/stats_cpu.cpp
 }
 
-extern "C" {
 // `import hookstats._C` loads this library, whose static initializers register the ops.
-PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
-}
 }
 
 TORCH_LIBRARY(hookstats, m) {
@@ -23,8 +21,14 @@ TORCH_LIBRARY(hookstats, m) {
   // l2, linf, min, max in fp32 (fp64 for fp64 x); counts holds numel, nan, inf, zero
   // counts as int64. See csrc/core/stats_ops.h, Note [stats row layout].
   m.def("stats(Tensor x) -> (Tensor, Tensor)");
-  // The same statistics written into row `slot` of out ([slots, 13], fp32 or fp64).
-  m.def("stats_into(Tensor x, Tensor(a!) out, int slot) -> ()");
+  // The statistics and, in the same read, a histogram (csrc/core/hist_ops.h, Note [histogram
+  // layouts]): mode 1 is a fixed range of `bins` bins over [lo, hi], mode 2 the exponent
+  // histogram of x's dtype. Returns (values, counts, histogram counts as int64).
+  m.def("stats_hist(Tensor x, int hist_mode, int bins, float lo, float hi) -> (Tensor, Tensor, Tensor)");
+  // The statistics written into row `slot` of out ([slots, 13], fp32 or fp64) and, when hist
+  // is given, the histogram added to row `hist_slot` of hist (int64).
+  m.def("stats_into(Tensor x, Tensor(a!) out, int slot, Tensor(b!)? hist=None, int hist_slot=0, int hist_mode=0, "
+        "int bins=0, float lo=0., float hi=0.) -> ()");
   // Which CPU code path runs: "avx2" or "default" (Note [cpu dispatch]); "" only reads it.
   m.def("_cpu_isa(str mode) -> str", &hookstats::cpu_isa);
 }

@@ -1,17 +1,34 @@
 """hookstats: fused tensor statistics for PyTorch hooks, on CPU and CUDA, with no host sync."""
 from ._ops import (
     HAVE_EXTENSION,
+    MAX_HIST_BINS,
     STATS_FIELDS,
+    ExpLayout,
+    Histogram,
     Stats,
     cuda_kernels_built,
+    exp_histogram,
+    exp_layout,
+    histogram,
+    histogram_buffer,
     stats,
     stats_buffer,
     stats_into,
 )
+from .formats import FORMATS, format_fit
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FORMATS",
+    "ExpLayout",
+    "Histogram",
+    "MAX_HIST_BINS",
+    "exp_histogram",
+    "exp_layout",
+    "format_fit",
+    "histogram",
+    "histogram_buffer",
     "HAVE_EXTENSION",
     "STATS_FIELDS",
     "Stats",

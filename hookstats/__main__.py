@@ -100,11 +100,17 @@ def quick_bench(device: torch.device, sizes=(2**16, 2**20, 2**24), dtypes=(torch
                 t_roof = _time(lambda: x.sum(), device)
                 roof_name = "x.sum()"
             gbs = n * x.element_size() / t_fused / 1e9
+            h64 = hookstats.Histogram.range(64, -4.0, 4.0)
+            t_sh = _time(lambda: hookstats.stats(x, histogram=h64), device)
+            xh = x.float() if dtype == torch.bfloat16 else x
+            t_histc = _time(lambda: torch.histc(xh, 64, -4.0, 4.0), device, min_time=0.05)
             rows.append([
                 str(dtype).replace("torch.", ""), f"2^{n.bit_length() - 1}", f"{t_fused * 1e6:.1f}", f"{gbs:.1f}",
-                f"{t_fused / t_roof:.2f}x {roof_name}", f"{t_comp / t_fused:.1f}x",
+                f"{t_fused / t_roof:.2f}x {roof_name}", f"{t_comp / t_fused:.1f}x", f"{t_sh * 1e6:.1f}",
+                f"{t_histc / t_sh:.1f}x",
             ])
-    return _table(rows, ["dtype", "numel", "fused us", "GB/s", "fused time vs roof", "speedup vs composite"])
+    return _table(rows, ["dtype", "numel", "stats us", "GB/s", "stats time vs roof", "speedup vs composite",
+                         "stats+hist64 us", "speedup vs histc"])
 
 
 def demo(args) -> int:
@@ -129,6 +135,15 @@ def demo(args) -> int:
     fp16 = examples[3][1].to(device)
     print(f"\nfp16 1000 x 6e4: torch.linalg.vector_norm gives {torch.linalg.vector_norm(fp16).item()}, "
           f"hookstats l2 gives {hookstats.stats(fp16).l2.item():.6g} (true: {6e4 * 1000 ** 0.5:.6g})")
+    g = torch.Generator().manual_seed(1)
+    acts = (torch.randn(1 << 16, generator=g) * 300).to(device)
+    s, h = hookstats.stats(acts, histogram="exp")
+    fit = hookstats.format_fit(h, acts.dtype)
+    print("\nWould activations with std 300 fit low-precision formats? (exponent histogram, same read as the stats)")
+    print(_table([[name, f"{float(v['overflow']):.2%}", f"{float(v['underflow']):.2%}", f"{float(v['subnormal']):.2%}"]
+                  for name, v in fit.items()], ["format", "overflow", "underflow (to 0)", "subnormal"]))
+    counts = hookstats.histogram(acts, 8, range=(-600.0, 600.0)).tolist()
+    print(f"8-bin histogram over [-600, 600]: {counts[:8]}, below: {counts[8]}, above: {counts[9]}, NaN: {counts[10]}")
     if not args.no_bench:
         print("\nBenchmark (median of repeats; roof = one read of the tensor):\n")
         print(quick_bench(device, sizes=(2**16, 2**20, 2**24) if not args.quick else (2**16, 2**20)))

@@ -1,6 +1,7 @@
 """Typed wrappers over torch.ops.hookstats.*, and a fake kernel for each op (torch.compile)."""
 from __future__ import annotations
 
+import math
 import warnings
 from typing import NamedTuple, Optional
 
@@ -112,13 +113,125 @@ if HAVE_EXTENSION:
         return x.new_empty((9,), dtype=rt), x.new_empty((4,), dtype=torch.int64)
 
     @torch.library.register_fake("hookstats::stats_into")
-    def _stats_into_fake(x, out, slot):
-        if out.device != x.device:
+    def _stats_into_fake(x, out, slot, hist=None, hist_slot=0, hist_mode=0, bins=0, lo=0.0, hi=0.0):
+        if out.device != x.device or (hist is not None and hist.device != x.device):
             raise ValueError(
-                f"hookstats.stats_into: the buffer is on {out.device} but the tensor is on {x.device}; "
-                "allocate the buffer on the tensor's device"
+                f"hookstats.stats_into: the buffers must be on the tensor's device {x.device}, got {out.device}"
+                + ("" if hist is None else f" and {hist.device}")
             )
         return None
+
+    @torch.library.register_fake("hookstats::stats_hist")
+    def _stats_hist_fake(x, hist_mode, bins, lo, hi):
+        values, counts = _stats_fake(x)
+        return values, counts, x.new_empty((_hist_length(x.dtype, hist_mode, bins),), dtype=torch.int64)
+
+
+# Note [histogram layouts] (csrc/core/hist_ops.h), mirrored here.
+_EXP_BITS = {torch.float32: (8, 23), torch.bfloat16: (8, 7), torch.float16: (5, 10), torch.float64: (11, 52)}
+MAX_HIST_BINS = 8192
+_MODE_RANGE, _MODE_EXP = 1, 2
+
+
+def _hist_length(dtype: torch.dtype, mode: int, bins: int) -> int:
+    if mode == _MODE_RANGE:
+        return bins + 3
+    e, _ = _EXP_BITS[dtype]
+    return 2 * (2**e - 2) + 6
+
+
+class ExpLayout(NamedTuple):
+    """Where each count of an exponent histogram of `dtype` is (Note [histogram layouts])."""
+
+    dtype: torch.dtype
+    emin: int  # exponent of the smallest normal: floor(log2(finfo.tiny))
+    emax: int  # exponent of the largest finite
+    mantissa_bits: int
+    neg: slice  # negative normals, index i <-> exponent emin + i
+    pos: slice  # positive normals
+    neg_subnormal: int
+    pos_subnormal: int
+    zero: int
+    neg_inf: int
+    pos_inf: int
+    nan: int
+    length: int
+
+
+def exp_layout(dtype: torch.dtype) -> ExpLayout:
+    if dtype not in _EXP_BITS:
+        raise TypeError(f"hookstats.exp_layout: no exponent histogram for {dtype}; supported: float32, float64, "
+                        "float16, bfloat16")
+    e, m = _EXP_BITS[dtype]
+    bias = 2 ** (e - 1) - 1
+    n = 2**e - 2
+    return ExpLayout(dtype, 1 - bias, bias, m, slice(0, n), slice(n, 2 * n), 2 * n, 2 * n + 1, 2 * n + 2,
+                     2 * n + 3, 2 * n + 4, 2 * n + 5, 2 * n + 6)
+
+
+class Histogram(NamedTuple):
+    """Which histogram to compute in the same read as the statistics.
+
+    `Histogram.range(bins, lo, hi)`: `bins` equal bins over [lo, hi] plus underflow (< lo, -inf included), overflow
+    (> hi, +inf included) and NaN counts, `bins + 3` int64 counts that always sum to numel. In-range values are
+    binned exactly as `torch.histc` bins float64 values: `floor((x - lo) * bins / (hi - lo))`, with `hi` in the
+    last bin. `Histogram.exponent()`: counts of `floor(log2|x|)` per exponent of the input's dtype, by sign, plus
+    subnormal, zero, inf and NaN counts (see `exp_layout`).
+    """
+
+    mode: int
+    bins: int = 0
+    lo: float = 0.0
+    hi: float = 0.0
+
+    @classmethod
+    def range(cls, bins: int, lo: float, hi: float) -> "Histogram":
+        if isinstance(bins, bool) or not isinstance(bins, int):
+            raise TypeError(f"hookstats: histogram bins must be an int, got {type(bins).__name__}")
+        if not 1 <= bins <= MAX_HIST_BINS:
+            raise ValueError(f"hookstats: histogram needs 1 <= bins <= {MAX_HIST_BINS}, got bins={bins}")
+        lo, hi = float(lo), float(hi)
+        if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(hi - lo)):
+            raise ValueError(f"hookstats: histogram needs a finite range, got ({lo}, {hi})")
+        if not lo < hi:
+            raise ValueError(f"hookstats: histogram needs lo < hi, got range ({lo}, {hi})")
+        return cls(_MODE_RANGE, bins, lo, hi)
+
+    @classmethod
+    def exponent(cls) -> "Histogram":
+        return cls(_MODE_EXP)
+
+    @property
+    def kind(self) -> str:
+        return "range" if self.mode == _MODE_RANGE else "exp"
+
+    def length(self, dtype: torch.dtype) -> int:
+        """Number of counts for an input of `dtype`."""
+        return _hist_length(dtype, self.mode, self.bins)
+
+    def edges(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The bins + 1 bin edges of a range histogram; for an exponent histogram, the lower edge 2^e of each normal
+        exponent of `dtype`."""
+        if self.mode == _MODE_RANGE:
+            return torch.linspace(self.lo, self.hi, self.bins + 1, dtype=torch.float64)
+        lay = exp_layout(dtype)
+        return torch.pow(2.0, torch.arange(lay.emin, lay.emax + 1, dtype=torch.float64))
+
+
+def as_histogram(spec) -> Histogram:
+    """A Histogram from what users pass: a Histogram, "exp", or (bins, (lo, hi))."""
+    if isinstance(spec, Histogram):
+        return spec
+    if isinstance(spec, str):
+        if spec in ("exp", "exponent"):
+            return Histogram.exponent()
+        raise ValueError(f"hookstats: unknown histogram {spec!r}; use 'exp' or (bins, (lo, hi))")
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], tuple) and len(spec[1]) == 2:
+        return Histogram.range(spec[0], *spec[1])
+    raise TypeError(
+        f"hookstats: histogram must be hookstats.Histogram.range(bins, lo, hi), Histogram.exponent(), 'exp' or "
+        f"(bins, (lo, hi)); got {spec!r}"
+    )
 
 
 def _stats_from_parts(values: torch.Tensor, counts: torch.Tensor) -> Stats:
@@ -127,8 +240,11 @@ def _stats_from_parts(values: torch.Tensor, counts: torch.Tensor) -> Stats:
     return Stats(c[0], v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], c[1], c[2], c[3])
 
 
-def stats(x: torch.Tensor) -> Stats:
+def stats(x: torch.Tensor, histogram=None):
     """All statistics of `x` in one fused read, as a `Stats` of 0-d tensors on `x.device`. No host sync.
+
+    With `histogram` (a `Histogram`, `"exp"` or `(bins, (lo, hi))`), returns `(Stats, counts)` where `counts` is
+    the int64 histogram computed in the same read.
 
     Semantics match PyTorch's (`sum`, `mean`, `var(correction=1)`, `std`, `linalg.vector_norm` for l1/l2/linf,
     `amin`/`amax`, `isnan/isinf/== 0` counts) with these deliberate differences: results are float32 for
@@ -137,6 +253,15 @@ def stats(x: torch.Tensor) -> Stats:
     linf 0 and NaN for mean/var/std/min/max instead of raising.
     """
     check_tensor(x, "stats")
+    if histogram is not None:
+        h = as_histogram(histogram)
+        if not HAVE_EXTENSION:
+            from . import reference
+
+            return reference.stats(x), reference.histogram_of(x, h)
+        check_device(x, "stats")
+        values, counts, hist = torch.ops.hookstats.stats_hist.default(x.detach(), h.mode, h.bins, h.lo, h.hi)
+        return _stats_from_parts(values, counts), hist
     if not HAVE_EXTENSION:
         from . import reference
 
@@ -144,6 +269,29 @@ def stats(x: torch.Tensor) -> Stats:
     check_device(x, "stats")
     values, counts = torch.ops.hookstats.stats.default(x.detach())
     return _stats_from_parts(values, counts)
+
+
+def histogram(x: torch.Tensor, bins: int = 64, *, range) -> torch.Tensor:
+    """Fixed-range histogram of `x`: int64 counts of length `bins + 3` (the bins, then underflow, overflow, NaN),
+    computed on `x.device` with no host sync; nothing is dropped. See `Histogram` for the bin rule."""
+    check_tensor(x, "histogram")
+    if not (isinstance(range, (tuple, list)) and len(range) == 2):
+        raise TypeError(f"hookstats.histogram needs range=(lo, hi), got {range!r}")
+    return stats(x, Histogram.range(bins, range[0], range[1]))[1]
+
+
+def exp_histogram(x: torch.Tensor) -> torch.Tensor:
+    """Exponent histogram of `x` (no range, no min/max pass): see `Histogram.exponent` and `exp_layout`."""
+    check_tensor(x, "exp_histogram")
+    return stats(x, Histogram.exponent())[1]
+
+
+def histogram_buffer(slots: int, histogram, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Zeroed int64 buffer of `slots` rows for `stats_into(..., hist=...)` histograms of inputs of `dtype`."""
+    h = as_histogram(histogram)
+    if not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"hookstats.histogram_buffer needs slots >= 1, got {slots!r}")
+    return torch.zeros((slots, h.length(dtype)), dtype=torch.int64, device=device)
 
 
 def stats_buffer(slots: int, device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -158,19 +306,35 @@ def stats_buffer(slots: int, device=None, dtype: torch.dtype = torch.float64) ->
     return torch.full((slots, len(STATS_FIELDS)), float("nan"), dtype=dtype, device=device)
 
 
-def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int) -> None:
+def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[torch.Tensor] = None,
+               hist_slot: Optional[int] = None, histogram=None) -> None:
     """Writes the statistics of `x` into row `slot` of `out` (see `stats_buffer`), on the device, no host sync.
 
+    With `hist` (an int64 buffer from `histogram_buffer`) and `histogram`, the histogram of `x` from the same read
+    is *added* to row `hist_slot` (default: `slot`) of `hist`, so histograms accumulate across calls and steps.
     Many hooks can fill one preallocated buffer; read it back once with `out.cpu()`.
     """
     check_tensor(x, "stats_into")
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"hookstats.stats_into needs a buffer tensor, got {type(out).__name__}")
+    mode = bins = 0
+    lo = hi = 0.0
+    if hist is not None:
+        if histogram is None:
+            raise ValueError("hookstats.stats_into: hist= needs histogram= (hookstats.Histogram.range(...) or 'exp')")
+        h = as_histogram(histogram)
+        mode, bins, lo, hi = h.mode, h.bins, h.lo, h.hi
+        hist_slot = slot if hist_slot is None else hist_slot
     if not HAVE_EXTENSION:
         from . import reference
 
         reference.stats_into(x, out, slot)
+        if hist is not None:
+            hist[hist_slot] += reference.histogram_of(x, h).to(hist.device)
         return
     check_device(x, "stats_into")
-    # The op checks the buffer (dtype: TypeError; shape, device, slot: ValueError), see csrc/core/checks.h.
-    torch.ops.hookstats.stats_into.default(x.detach(), out, slot)
+    # The op checks the buffers (dtype: TypeError; shape, device, slot: ValueError), see csrc/core/checks.h.
+    if hist is None:
+        torch.ops.hookstats.stats_into.default(x.detach(), out, slot)
+    else:
+        torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, hist_slot, mode, bins, lo, hi)

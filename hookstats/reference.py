@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import STATS_FIELDS, Stats, check_tensor, result_dtype
+from ._ops import STATS_FIELDS, Histogram, Stats, check_tensor, exp_layout, result_dtype
 
 
 def _pow2_scale(xd: torch.Tensor) -> torch.Tensor:
@@ -76,3 +76,29 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int) -> None:
         raise ValueError(f"hookstats.stats_into: slot {slot} is out of range for a buffer of {out.shape[0]} slots")
     s = stats(x)
     out[slot] = torch.stack([getattr(s, f).to(out.dtype) for f in STATS_FIELDS])
+
+
+def histogram_of(x: torch.Tensor, h: Histogram) -> torch.Tensor:
+    """The histogram `hookstats.stats(x, histogram=h)` returns, in plain PyTorch (Note [histogram layouts])."""
+    xd = x.detach().reshape(-1).to(torch.float64)
+    if h.kind == "range":
+        inside = xd[(xd >= h.lo) & (xd <= h.hi)]
+        bins = torch.histc(inside, bins=h.bins, min=h.lo, max=h.hi).to(torch.int64)
+        extra = torch.stack([(xd < h.lo).sum(), (xd > h.hi).sum(), torch.isnan(xd).sum()])
+        return torch.cat([bins, extra])
+    lay = exp_layout(x.dtype)
+    tiny = torch.finfo(x.dtype).tiny
+    a = xd.abs()
+    neg = torch.signbit(xd)
+    normal = torch.isfinite(xd) & (a >= tiny)
+    _, e = torch.frexp(xd[normal])  # x = m * 2^e with 0.5 <= |m| < 1: floor(log2|x|) = e - 1
+    slot = (e.to(torch.int64) - 1 - lay.emin) + torch.where(neg[normal], 0, lay.pos.start)
+    counts = torch.bincount(slot, minlength=lay.length)[: lay.length].clone()
+    sub = torch.isfinite(xd) & (a > 0) & (a < tiny)
+    counts[lay.neg_subnormal] = (sub & neg).sum()
+    counts[lay.pos_subnormal] = (sub & ~neg).sum()
+    counts[lay.zero] = (xd == 0).sum()
+    counts[lay.neg_inf] = (xd == float("-inf")).sum()
+    counts[lay.pos_inf] = (xd == float("inf")).sum()
+    counts[lay.nan] = torch.isnan(xd).sum()
+    return counts

@@ -3,7 +3,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
+#include <cmath>
+#include <tuple>
+
+#include "hist_ops.h"
 #include "layout.h"
 #include "stats_ops.h"
 
@@ -52,6 +57,48 @@ inline StridedLayout layout_of(const at::Tensor& x) {
   TORCH_CHECK_VALUE(ok, "hookstats: tensor has more than ", kMaxDims,
                     " non-mergeable dimensions; reshape it or pass .contiguous()");
   return l;
+}
+
+// The (values, counts) outputs of hookstats::stats (Note [stats row layout]).
+inline std::tuple<at::Tensor, at::Tensor> stats_outputs(const at::Tensor& x) {
+  return {at::empty({kNumValueFields}, x.options().dtype(result_dtype(x.scalar_type()))),
+          at::empty({kNumCountFields}, x.options().dtype(at::kLong))};
+}
+
+inline HistSpec checked_hist_spec(const at::Tensor& x, int64_t mode, int64_t bins, double lo, double hi) {
+  TORCH_CHECK_VALUE(mode == kHistRange || mode == kHistExp, "hookstats: histogram mode must be 1 (range) or 2 "
+                    "(exponent), got ", mode);
+  if (mode == kHistRange) {
+    TORCH_CHECK_VALUE(bins >= 1 && bins <= kMaxHistBins, "hookstats.histogram needs 1 <= bins <= ", kMaxHistBins,
+                      ", got bins=", bins);
+    TORCH_CHECK_VALUE(std::isfinite(lo) && std::isfinite(hi) && std::isfinite(hi - lo),
+                      "hookstats.histogram needs a finite range, got (", lo, ", ", hi, ")");
+    TORCH_CHECK_VALUE(lo < hi, "hookstats.histogram needs lo < hi, got range (", lo, ", ", hi, ")");
+  }
+  return make_hist_spec(static_cast<int>(mode), mode == kHistRange ? bins : 0, lo, hi);
+}
+
+// Counts in a histogram of x's dtype (Note [histogram layouts]).
+inline int64_t hist_length(at::ScalarType t, const HistSpec& h) {
+  if (h.mode == kHistRange) return static_cast<int64_t>(h.bins) + 3;
+  switch (t) {
+    case at::kDouble: return exp_hist_length<11>();
+    case at::kHalf: return exp_hist_length<5>();
+    default: return exp_hist_length<8>();
+  }
+}
+
+inline void check_hist_buffer(const at::Tensor& x, const at::Tensor& hist, int64_t slot, int64_t len) {
+  TORCH_CHECK_TYPE(hist.layout() == at::kStrided && hist.scalar_type() == at::kLong,
+                   "hookstats: a histogram buffer must be int64 (see hookstats.histogram_buffer), got ",
+                   hist.scalar_type());
+  TORCH_CHECK_VALUE(hist.dim() == 2 && hist.size(1) == len && hist.stride(1) == 1,
+                    "hookstats: this histogram needs a buffer of shape [slots, ", len,
+                    "] with unit-stride rows (see hookstats.histogram_buffer), got ", hist.sizes());
+  TORCH_CHECK_VALUE(hist.device() == x.device(), "hookstats: the histogram buffer is on ", hist.device(),
+                    " but the tensor is on ", x.device());
+  TORCH_CHECK_VALUE(slot >= 0 && slot < hist.size(0), "hookstats: histogram slot ", slot,
+                    " is out of range for a buffer of ", hist.size(0), " slots");
 }
 
 // Data pointer of the first element. For a flat tensor that is the lowest address, since

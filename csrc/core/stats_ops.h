@@ -24,7 +24,7 @@
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define HS_HD __host__ __device__ __forceinline__
 #else
-#define HS_HD inline
+#define HS_HD inline __attribute__((always_inline))
 #endif
 
 namespace hookstats {

@@ -15,10 +15,12 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 #include <type_traits>
 
 #include "../core/checks.h"
 #include "../core/dispatch.h"
+#include "../core/hist_ops.h"
 #include "../core/layout.h"
 #include "../core/stats_ops.h"
 #include "simd.h"
@@ -44,8 +46,142 @@ using acc_of = typename simd::Lanes<typename BitsOf<scalar_t>::type, 16>::acc_t;
 // within ~1e-6 of the truth (a single lane over the whole chunk drifted to ~5e-6).
 constexpr int64_t kBlock = 512;
 
-template <int B, typename scalar_t>
-HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k) {
+// Raw bits of a value, for the exponent histogram (Note [histogram layouts]).
+template <typename scalar_t> HS_INLINE int32_t exp_slot_of(const scalar_t& v);
+template <> HS_INLINE int32_t exp_slot_of<float>(const float& v) {
+  uint32_t b; std::memcpy(&b, &v, 4); return exp_slot<8, 23>(b);
+}
+template <> HS_INLINE int32_t exp_slot_of<double>(const double& v) {
+  uint64_t b; std::memcpy(&b, &v, 8); return exp_slot<11, 52>(b);
+}
+template <> HS_INLINE int32_t exp_slot_of<c10::Half>(const c10::Half& v) { return exp_slot<5, 10>(v.x); }
+template <> HS_INLINE int32_t exp_slot_of<c10::BFloat16>(const c10::BFloat16& v) { return exp_slot<8, 7>(v.x); }
+
+// Note [cpu histogram counters]
+// Each thread counts into `copies` interleaved uint32 copies of the histogram (SIMD lane j
+// -> copy j % copies), so runs of values in one bin do not serialize on a single counter's
+// store-to-load latency. The copies are added into the thread's int64 totals before any
+// counter can wrap (every 2^31 increments) and at the end; threads' totals are summed last.
+// Counts are integers: the result does not depend on threads or order.
+struct HistCounters {
+  uint32_t* c;     // copies x len
+  int64_t* total;  // len
+  int64_t len;
+  int copies;      // power of two
+  int64_t pending;
+};
+
+inline void flush_counters(HistCounters& h) {
+  for (int r = 0; r < h.copies; ++r) {
+    uint32_t* c = h.c + r * h.len;
+    for (int64_t i = 0; i < h.len; ++i) { h.total[i] += c[i]; c[i] = 0; }
+  }
+  h.pending = 0;
+}
+
+template <int HM, typename scalar_t>
+HS_INLINE void bin_scalar(HistCounters& h, int lane, const scalar_t& raw, const HistSpec& hs) {
+  uint32_t* c = h.c + (lane & (h.copies - 1)) * h.len;
+  if (HM == kHistRange) c[fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), hs)] += 1;
+  if (HM == kHistExp) c[exp_slot_of<scalar_t>(raw)] += 1;
+}
+
+// Constants of the SIMD range binning, see bin_lanes.
+struct RangeConsts {
+  float scale, shift, lo_clamp, hi_clamp, band;
+  int32_t bins;
+};
+
+inline RangeConsts range_consts(const HistSpec& hs) {
+  RangeConsts r;
+  r.scale = hs.scale_f;
+  r.shift = hs.shift_f;
+  r.lo_clamp = -1.5f;
+  r.hi_clamp = static_cast<float>(hs.bins) + 1.5f;
+  // fixed_slot's band, bounded once for every t in [lo_clamp, hi_clamp], where
+  // |x * scale| <= |t| + |shift|.
+  const double tmax = hs.bins + 1.5;
+  r.band = static_cast<float>((2.0 * tmax + 2.0 * std::fabs(static_cast<double>(hs.shift_f)) + 1.0) *
+                              static_cast<double>(BinTolerance<float>::rel));
+  r.bins = hs.bins;
+  return r;
+}
+
+template <typename Vec>
+HS_INLINE bool any_lane(const Vec& m) {
+  uint64_t w[sizeof(Vec) / 8];
+  std::memcpy(w, &m, sizeof(Vec));
+  uint64_t a = 0;
+  for (size_t j = 0; j < sizeof(Vec) / 8; ++j) a |= w[j];
+  return a != 0;
+}
+
+template <typename scalar_t> struct ExpBits;
+template <> struct ExpBits<float> { static constexpr int E = 8, M = 23; };
+template <> struct ExpBits<c10::BFloat16> { static constexpr int E = 8, M = 7; };
+template <> struct ExpBits<c10::Half> { static constexpr int E = 5, M = 10; };
+
+// Bins W float lanes v (raw: the same W input values) in SIMD; a vector holding a value the
+// fast formula cannot place for sure (near a bin edge, NaN; for exponents: subnormal, inf,
+// NaN) is binned lane by lane with the exact scalar functions of core/hist_ops.h.
+template <int B, int HM, typename scalar_t>
+HS_INLINE void bin_lanes(HistCounters& h, const scalar_t* raw, const typename simd::VT<B>::f32& v,
+                         const HistSpec& hs, const RangeConsts& rc) {
+  using V = typename simd::VT<B>::f32;
+  using I = typename simd::VT<B>::i32;
+  using U = typename simd::VT<B>::u32;
+  constexpr int W = B / 4;
+  I slot;
+  I special;
+  if (HM == kHistRange) {
+    const V t = v * rc.scale + rc.shift;
+    V tc = t > rc.lo_clamp ? t : V{} + rc.lo_clamp;
+    tc = tc < rc.hi_clamp ? tc : V{} + rc.hi_clamp;
+    I i = __builtin_convertvector(tc, I);  // truncation; tc is within int range
+    const V fi = __builtin_convertvector(i, V);
+    const I up = (I)(fi > tc);  // -1 where truncation rounded a negative value up
+    i += up;
+    const V frac = tc - (fi + __builtin_convertvector(up, V));
+    special = (I)(frac < rc.band) | (I)((1.0f - frac) < rc.band) | (I)(v != v);
+    slot = i < 0 ? I{} + rc.bins : (i >= rc.bins ? I{} + (rc.bins + 1) : i);
+  } else {
+    constexpr int E = ExpBits<scalar_t>::E, M = ExpBits<scalar_t>::M;
+    constexpr uint32_t nE = (1u << E) - 2, emask = (1u << E) - 1;
+    U bits;
+    if (sizeof(scalar_t) == 4) {
+      std::memcpy(&bits, &v, sizeof bits);
+    } else {
+      typename simd::VT<B>::u16 r16;
+      std::memcpy(&r16, raw, sizeof r16);
+      bits = __builtin_convertvector(r16, U);
+    }
+    const U e = (bits >> M) & emask;
+    const U pos = 1u - ((bits >> (E + M)) & 1u);
+    const I zero = (I)((bits & ((1u << (E + M)) - 1u)) == 0u);
+    slot = (I)(e - 1u + pos * nE);
+    slot = zero ? I{} + static_cast<int32_t>(2 * nE + 2) : slot;
+    special = ((I)(e == 0u) & ~zero) | (I)(e == emask);
+  }
+  // Lane j counts into copy j % copies: add the copies' offsets in SIMD, then increment.
+  I lane_off;
+  for (int j = 0; j < W; ++j) lane_off[j] = static_cast<int32_t>((j & (h.copies - 1)) * h.len);
+  alignas(32) int32_t idx[W];
+  const I at = slot + lane_off;
+  std::memcpy(idx, &at, sizeof idx);
+  uint32_t* const c = h.c;
+  if (any_lane(special)) {
+    for (int j = 0; j < W; ++j) {
+      if (special[j]) bin_scalar<HM>(h, j, raw[j], hs);
+      else c[idx[j]] += 1;
+    }
+    return;
+  }
+  for (int j = 0; j < W; ++j) c[idx[j]] += 1;
+}
+
+template <int B, typename scalar_t, int HM = kHistNone>
+HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k,
+                                                    HistCounters* hist = nullptr, const HistSpec* hs = nullptr) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   using acc_t = typename L::acc_t;
   using V = typename L::V;
@@ -56,6 +192,17 @@ HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n
     M z;
   };
   const V vk = V{} + k;
+  const RangeConsts rc = HM == kHistRange ? range_consts(*hs) : RangeConsts{};
+  // SIMD binning for float lanes; float64 lanes bin one by one.
+  auto bin = [&](const scalar_t* raw, const V& v) {
+    if constexpr (HM != kHistNone) {
+      if constexpr (std::is_same_v<acc_t, float>) {
+        bin_lanes<B, HM, scalar_t>(*hist, raw, v, *hs, rc);
+      } else {
+        for (int j = 0; j < W; ++j) bin_scalar<HM>(*hist, j, raw[j], *hs);
+      }
+    }
+  };
   auto init = [](Lanes& a) {
     a.sd = V{}; a.ssd = V{}; a.l1 = V{}; a.z = M{};
     a.mn = V{} + static_cast<acc_t>(INFINITY);
@@ -80,11 +227,17 @@ HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n
     init(b);
     const int64_t end = std::min(n_vec, i + kBlock);
     for (; i + 2 * W <= end; i += 2 * W) {
-      step(a, L::load(p + i));
-      step(b, L::load(p + i + W));
+      const V v0 = L::load(p + i);
+      const V v1 = L::load(p + i + W);
+      step(a, v0);
+      step(b, v1);
+      bin(p + i, v0);
+      bin(p + i + W, v1);
     }
     if (i + W <= end) {
-      step(a, L::load(p + i));
+      const V v0 = L::load(p + i);
+      step(a, v0);
+      bin(p + i, v0);
       i += W;
     }
     acc_t sd = 0, ssd = 0, l1 = 0;
@@ -103,7 +256,11 @@ HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n
     f.l1 += l1;
   }
   f.n = i;
-  for (; i < n; ++i) fast_add<acc_t>(f, static_cast<acc_t>(p[i]));
+  for (; i < n; ++i) {
+    const acc_t v = static_cast<acc_t>(p[i]);
+    fast_add<acc_t>(f, v);
+    if constexpr (HM != kHistNone) bin_scalar<HM>(*hist, static_cast<int>(i), p[i], *hs);
+  }
   return f;
 }
 
@@ -117,10 +274,16 @@ HS_INLINE acc_of<scalar_t> input_shift(double mean) {
 
 // A whole chunk: fast path shifted by k, again with a better shift when k was poor, the
 // careful path when the fast result cannot be trusted. `k` is updated to this chunk's mean.
-template <int B, typename scalar_t>
-HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, acc_of<scalar_t>& k) {
+// The histogram is filled once, by the first fast pass; the re-reads only redo statistics.
+template <int B, typename scalar_t, int HM>
+HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, acc_of<scalar_t>& k, HistCounters* hist,
+                                       const HistSpec* hs) {
   using acc_t = acc_of<scalar_t>;
-  FastAcc<acc_t> f = fast_chunk_simd<B, scalar_t>(p, n, k);
+  FastAcc<acc_t> f = fast_chunk_simd<B, scalar_t, HM>(p, n, k, hist, hs);
+  if constexpr (HM != kHistNone) {
+    hist->pending += n;
+    if (hist->pending >= (int64_t(1) << 31)) flush_counters(*hist);
+  }
   if (!needs_careful<acc_t>(f)) {
     if (shift_is_poor<acc_t>(f)) f = fast_chunk_simd<B, scalar_t>(p, n, input_shift<scalar_t>(fast_mean<acc_t>(f)));
     k = input_shift<scalar_t>(fast_mean<acc_t>(f));
@@ -137,12 +300,29 @@ HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, acc_of<scal
   return c;
 }
 
-template <typename scalar_t>
-StatsPartial chunk_default(const scalar_t* p, int64_t n, acc_of<scalar_t>& k) { return fast_chunk_body<16>(p, n, k); }
+template <typename scalar_t, int HM>
+StatsPartial chunk_default(const scalar_t* p, int64_t n, acc_of<scalar_t>& k, HistCounters* hist,
+                           const HistSpec* hs) {
+  return fast_chunk_body<16, scalar_t, HM>(p, n, k, hist, hs);
+}
+
+template <typename scalar_t, int HM>
+HS_TARGET_AVX2 StatsPartial chunk_avx2(const scalar_t* p, int64_t n, acc_of<scalar_t>& k, HistCounters* hist,
+                                       const HistSpec* hs) {
+  return fast_chunk_body<32, scalar_t, HM>(p, n, k, hist, hs);
+}
 
 template <typename scalar_t>
-HS_TARGET_AVX2 StatsPartial chunk_avx2(const scalar_t* p, int64_t n, acc_of<scalar_t>& k) {
-  return fast_chunk_body<32>(p, n, k);
+using chunk_fn = StatsPartial (*)(const scalar_t*, int64_t, acc_of<scalar_t>&, HistCounters*, const HistSpec*);
+
+template <typename scalar_t>
+chunk_fn<scalar_t> pick_chunk_fn(int mode) {
+  const bool avx2 = simd::use_avx2();
+  switch (mode) {
+    case kHistRange: return avx2 ? &chunk_avx2<scalar_t, kHistRange> : &chunk_default<scalar_t, kHistRange>;
+    case kHistExp: return avx2 ? &chunk_avx2<scalar_t, kHistExp> : &chunk_default<scalar_t, kHistExp>;
+    default: return avx2 ? &chunk_avx2<scalar_t, kHistNone> : &chunk_default<scalar_t, kHistNone>;
+  }
 }
 
 // The first shift of a task: the mean of its first few values (finite ones; 0 if none).
@@ -186,68 +366,126 @@ void gather(const scalar_t* base, const StridedLayout& l, int64_t start, int64_t
   }
 }
 
+// Where the histogram goes: hist_len int64 counters, written (accumulate false) or added to.
+struct HistOut {
+  HistSpec spec;
+  int64_t* counts;
+  int64_t len;
+  bool accumulate;
+};
+
 template <typename scalar_t>
-StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const StridedLayout& layout) {
-  using chunk_fn = StatsPartial (*)(const scalar_t*, int64_t, acc_of<scalar_t>&);
-  const chunk_fn chunk = simd::use_avx2() ? &chunk_avx2<scalar_t> : &chunk_default<scalar_t>;
+StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const StridedLayout& layout, const HistOut& ho) {
+  const int mode = ho.counts != nullptr ? ho.spec.mode : kHistNone;
+  const chunk_fn<scalar_t> chunk = pick_chunk_fn<scalar_t>(mode);
   const int64_t nchunks = (numel + kChunk - 1) / kChunk;
   const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>({kMaxTasks, nchunks, numel / kMinTaskElems}));
   const int64_t chunks_per_task = (nchunks + ntasks - 1) / ntasks;
+  // Per-thread histogram counters (Note [cpu histogram counters]), cached per calling thread:
+  // no allocation once warm.
+  const int64_t nthreads = ntasks == 1 ? 1 : at::get_num_threads();
+  const int64_t len = ho.len;
+  const int copies = len <= 1024 ? 8 : 2;
+  static thread_local std::vector<uint32_t> counter_cache;
+  static thread_local std::vector<int64_t> total_cache;
+  static thread_local std::vector<HistCounters> counter_refs;
+  HistCounters* counters = nullptr;
+  if (mode != kHistNone) {
+    counter_cache.assign(static_cast<size_t>(nthreads * copies * len), 0u);
+    total_cache.assign(static_cast<size_t>(nthreads * len), 0);
+    counter_refs.resize(static_cast<size_t>(nthreads));
+    counters = counter_refs.data();
+    for (int64_t t = 0; t < nthreads; ++t) {
+      counters[t] = HistCounters{counter_cache.data() + t * copies * len, total_cache.data() + t * len, len, copies, 0};
+    }
+  }
+  // The lambda below runs on worker threads: it reaches the caches only through `counters`,
+  // never through the thread_locals' names (those would be each worker's own, empty, vectors).
   StatsPartial task_partials[kMaxTasks];
-  auto run_task = [&](int64_t t) {
+  auto run_task = [&](int64_t t, int64_t thread) {
     StatsPartial acc = empty_partial();
     alignas(64) scalar_t buf[kChunk];
     acc_of<scalar_t> k = 0;
+    HistCounters* hist = mode != kHistNone ? &counters[thread] : nullptr;
     const int64_t c_end = std::min(nchunks, (t + 1) * chunks_per_task);
     for (int64_t c = t * chunks_per_task; c < c_end; ++c) {
       const int64_t start = c * kChunk;
-      const int64_t len = std::min(kChunk, numel - start);
+      const int64_t clen = std::min(kChunk, numel - start);
       const scalar_t* p = base + start;
       if (layout.ndim != 0) {
-        gather(base, layout, start, len, buf);
+        gather(base, layout, start, clen, buf);
         p = buf;
       }
-      if (c == t * chunks_per_task) k = initial_shift(p, len);
-      merge(acc, chunk(p, len, k));
+      if (c == t * chunks_per_task) k = initial_shift(p, clen);
+      merge(acc, chunk(p, clen, k, hist, &ho.spec));
     }
     task_partials[t] = acc;
   };
   if (ntasks == 1) {
-    run_task(0);
+    run_task(0, 0);
   } else {
     at::parallel_for(0, ntasks, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) run_task(t);
+      const int64_t thread = std::min<int64_t>(at::get_thread_num(), nthreads - 1);
+      for (int64_t t = b; t < e; ++t) run_task(t, thread);
     });
   }
   StatsPartial total = empty_partial();
   for (int64_t t = 0; t < ntasks; ++t) merge(total, task_partials[t]);
+  if (mode != kHistNone) {
+    for (int64_t t = 0; t < nthreads; ++t) flush_counters(counters[t]);
+    for (int64_t i = 0; i < len; ++i) {
+      int64_t c = 0;
+      for (int64_t t = 0; t < nthreads; ++t) c += counters[t].total[i];
+      ho.counts[i] = ho.accumulate ? ho.counts[i] + c : c;
+    }
+  }
   return total;
 }
 
-StatsPartial stats_partial_cpu(const at::Tensor& x) {
+StatsPartial stats_partial_cpu(const at::Tensor& x, const HistOut& ho) {
   const StridedLayout layout = layout_of(x);
+  if (x.numel() == 0) {
+    if (ho.counts != nullptr && !ho.accumulate) std::fill(ho.counts, ho.counts + ho.len, 0);
+    return empty_partial();
+  }
   StatsPartial p = empty_partial();
-  if (x.numel() == 0) return p;
   HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cpu", [&] {
-    p = stats_partial_cpu<scalar_t>(static_cast<const scalar_t*>(first_element(x)), x.numel(), layout);
+    p = stats_partial_cpu<scalar_t>(static_cast<const scalar_t*>(first_element(x)), x.numel(), layout, ho);
   });
   return p;
 }
 
 std::tuple<at::Tensor, at::Tensor> stats_cpu(const at::Tensor& x) {
   check_float_input(x, "stats");
-  const at::ScalarType rt = result_dtype(x.scalar_type());
-  at::Tensor values = at::empty({kNumValueFields}, x.options().dtype(rt));
-  at::Tensor counts = at::empty({kNumCountFields}, x.options().dtype(at::kLong));
-  const StatsPartial p = stats_partial_cpu(x);
-  store(p, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), rt == at::kDouble});
+  auto [values, counts] = stats_outputs(x);
+  const StatsPartial p = stats_partial_cpu(x, HistOut{make_hist_spec(kHistNone, 0, 0, 0), nullptr, 0, false});
+  store(p, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble});
   return {values, counts};
 }
 
-void stats_into_cpu(const at::Tensor& x, const at::Tensor& out, int64_t slot) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_hist_cpu(const at::Tensor& x, int64_t mode, int64_t bins,
+                                                              double lo, double hi) {
+  check_float_input(x, "stats");
+  const HistSpec spec = checked_hist_spec(x, mode, bins, lo, hi);
+  auto [values, counts] = stats_outputs(x);
+  at::Tensor hist = at::empty({hist_length(x.scalar_type(), spec)}, x.options().dtype(at::kLong));
+  const StatsPartial p = stats_partial_cpu(x, HistOut{spec, hist.data_ptr<int64_t>(), hist.numel(), false});
+  store(p, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble});
+  return {values, counts, hist};
+}
+
+void stats_into_cpu(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
+                    int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi) {
   check_float_input(x, "stats_into");
   check_stats_buffer(x, out, slot);
-  const StatsPartial p = stats_partial_cpu(x);
+  HistOut ho{make_hist_spec(kHistNone, 0, 0, 0), nullptr, 0, true};
+  if (hist.has_value()) {
+    ho.spec = checked_hist_spec(x, mode, bins, lo, hi);
+    ho.len = hist_length(x.scalar_type(), ho.spec);
+    check_hist_buffer(x, *hist, hist_slot, ho.len);
+    ho.counts = hist->data_ptr<int64_t>() + hist_slot * hist->stride(0);
+  }
+  const StatsPartial p = stats_partial_cpu(x, ho);
   char* row = static_cast<char*>(out.data_ptr()) + slot * out.stride(0) * out.element_size();
   store(p, StatsOut{row, nullptr, out.scalar_type() == at::kDouble});
 }
@@ -265,6 +503,7 @@ std::string cpu_isa(const std::string& mode) {
 TORCH_LIBRARY_IMPL(hookstats, CPU, m) {
   m.impl("stats", &stats_cpu);
   m.impl("stats_into", &stats_into_cpu);
+  m.impl("stats_hist", &stats_hist_cpu);
 }
 
 }  // namespace hookstats

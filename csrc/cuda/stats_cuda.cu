@@ -22,6 +22,7 @@
 
 #include "../core/checks.h"
 #include "../core/dispatch.h"
+#include "../core/hist_ops.h"
 #include "../core/layout.h"
 #include "../core/stats_ops.h"
 
@@ -84,15 +85,14 @@ struct Share {
 
   static constexpr int kVec = 16 / sizeof(scalar_t);
 
-  // Calls f(acc value) for every element of thread tid's share, in a fixed order.
+  // Calls f(value) for every element of thread tid's share, in a fixed order.
   template <typename F>
   __device__ __forceinline__ void visit(int64_t tid, int64_t nthreads, F&& f) const {
-    using acc_t = typename AccOf<scalar_t>::type;
     if (!flat) {
-      for (int64_t i = tid; i < n; i += nthreads) f(static_cast<acc_t>(x[element_offset(layout, i)]));
+      for (int64_t i = tid; i < n; i += nthreads) f(x[element_offset(layout, i)]);
       return;
     }
-    if (tid < head) f(static_cast<acc_t>(x[tid]));
+    if (tid < head) f(x[tid]);
     const int64_t npacks = (n - head) / kVec;
     const uint4* packs = reinterpret_cast<const uint4*>(x + head);
     int64_t p = tid;
@@ -104,17 +104,17 @@ struct Share {
       for (int u = 0; u < kUnroll; ++u) {
         const scalar_t* v = reinterpret_cast<const scalar_t*>(&r[u]);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) f(static_cast<acc_t>(v[j]));
+        for (int j = 0; j < kVec; ++j) f(v[j]);
       }
     }
     for (; p < npacks; p += nthreads) {
       const uint4 r = __ldg(packs + p);
       const scalar_t* v = reinterpret_cast<const scalar_t*>(&r);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) f(static_cast<acc_t>(v[j]));
+      for (int j = 0; j < kVec; ++j) f(v[j]);
     }
     const int64_t t = head + npacks * kVec + tid;
-    if (t < n) f(static_cast<acc_t>(x[t]));
+    if (t < n) f(x[t]);
   }
 
   // A guess of the share's mean for the fast path's shift: the mean of its first pack.
@@ -144,25 +144,48 @@ struct Share {
   }
 };
 
+__device__ __forceinline__ int32_t exp_slot_raw(float v) { return exp_slot<8, 23>(__float_as_uint(v)); }
+__device__ __forceinline__ int32_t exp_slot_raw(double v) {
+  return exp_slot<11, 52>(static_cast<uint64_t>(__double_as_longlong(v)));
+}
+__device__ __forceinline__ int32_t exp_slot_raw(c10::Half v) { return exp_slot<5, 10>(v.x); }
+__device__ __forceinline__ int32_t exp_slot_raw(c10::BFloat16 v) { return exp_slot<8, 7>(v.x); }
+
+// The histogram is counted in the first pass only, into the block's shared-memory copy
+// (integer atomics: exact and order-free); re-reads only redo statistics.
 template <typename scalar_t>
-__device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid, int64_t nthreads) {
+__device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
+                                       const HistSpec& hs, uint32_t* sh_hist) {
   using acc_t = typename AccOf<scalar_t>::type;
   FastAcc<acc_t> f;
   fast_init<acc_t>(f, share.first_mean(tid));
-  share.visit(tid, nthreads, [&](acc_t v) { fast_add<acc_t>(f, v); });
+  if (hs.mode == kHistRange) {
+    share.visit(tid, nthreads, [&](scalar_t r) {
+      const acc_t v = static_cast<acc_t>(r);
+      fast_add<acc_t>(f, v);
+      atomicAdd(sh_hist + fixed_slot<acc_t>(v, hs), 1u);
+    });
+  } else if (hs.mode == kHistExp) {
+    share.visit(tid, nthreads, [&](scalar_t r) {
+      fast_add<acc_t>(f, static_cast<acc_t>(r));
+      atomicAdd(sh_hist + exp_slot_raw(r), 1u);
+    });
+  } else {
+    share.visit(tid, nthreads, [&](scalar_t r) { fast_add<acc_t>(f, static_cast<acc_t>(r)); });
+  }
   if (!needs_careful<acc_t>(f)) {
     if (shift_is_poor<acc_t>(f)) {
       fast_init<acc_t>(f, Share<scalar_t>::shift_of(static_cast<double>(fast_mean<acc_t>(f))));
-      share.visit(tid, nthreads, [&](acc_t v) { fast_add<acc_t>(f, v); });
+      share.visit(tid, nthreads, [&](scalar_t r) { fast_add<acc_t>(f, static_cast<acc_t>(r)); });
     }
     return fast_to_partial<acc_t>(f);
   }
   StatsPartial c = empty_partial();
   double amax = 0.0;
-  share.visit(tid, nthreads, [&](acc_t v) { careful_count(c, amax, static_cast<double>(v)); });
+  share.visit(tid, nthreads, [&](scalar_t r) { careful_count(c, amax, static_cast<double>(static_cast<acc_t>(r))); });
   const int64_t e = careful_scale_exponent(amax);
   CarefulMoments m = careful_moments_init();
-  share.visit(tid, nthreads, [&](acc_t v) { careful_moments(m, static_cast<double>(v), e); });
+  share.visit(tid, nthreads, [&](scalar_t r) { careful_moments(m, static_cast<double>(static_cast<acc_t>(r)), e); });
   careful_finish(c, m, e);
   return c;
 }
@@ -170,12 +193,20 @@ __device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
-             unsigned int* __restrict__ ticket, StatsOut out) {
+             unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len,
+             unsigned long long* __restrict__ hist_out) {
   __shared__ StatsPartial smem[kWarps];
   __shared__ bool is_last;
+  extern __shared__ uint32_t sh_hist[];
+  for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) sh_hist[i] = 0u;
+  if (hist_len > 0) __syncthreads();
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  StatsPartial p = block_merge(thread_partial(share, tid, nthreads), smem);
+  StatsPartial p = block_merge(thread_partial(share, tid, nthreads, hs, sh_hist), smem);  // syncs the block
+  for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
+    const uint32_t c = sh_hist[i];
+    if (c != 0u) atomicAdd(hist_out + i, static_cast<unsigned long long>(c));
+  }
   if (gridDim.x == 1) {
     if (threadIdx.x == 0) store(p, out);
     return;
@@ -216,11 +247,17 @@ int sm_count(int device) {
   return counts[device];
 }
 
-void launch_stats(const at::Tensor& x, const StatsOut& out) {
+// hist: int64 counts on x's device (nullptr: no histogram); zeroed first unless accumulate.
+void launch_stats(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
+                  bool accumulate) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const StridedLayout layout = layout_of(x);
   const int64_t n = x.numel();
+  if (hist == nullptr) hist_len = 0;
+  if (hist_len > 0 && !accumulate) {
+    C10_CUDA_CHECK(cudaMemsetAsync(hist, 0, hist_len * sizeof(int64_t), stream));
+  }
   HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cuda", [&] {
     Share<scalar_t> share;
     share.x = static_cast<const scalar_t*>(first_element(x));
@@ -241,25 +278,49 @@ void launch_stats(const at::Tensor& x, const StatsOut& out) {
     auto* partials = reinterpret_cast<StatsPartial*>(ws.data_ptr());
     auto* ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes - 16);
     C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
-    stats_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(share, partials, ticket, out);
+    const size_t smem = static_cast<size_t>(hist_len) * sizeof(uint32_t);
+    stats_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
+        share, partials, ticket, out, hs, hist_len, reinterpret_cast<unsigned long long*>(hist));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
+const HistSpec kNoHist = make_hist_spec(kHistNone, 0, 0.0, 0.0);
+
 std::tuple<at::Tensor, at::Tensor> stats_cuda(const at::Tensor& x) {
   check_float_input(x, "stats");
-  const at::ScalarType rt = result_dtype(x.scalar_type());
-  at::Tensor values = at::empty({kNumValueFields}, x.options().dtype(rt));
-  at::Tensor counts = at::empty({kNumCountFields}, x.options().dtype(at::kLong));
-  launch_stats(x, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), rt == at::kDouble});
+  auto [values, counts] = stats_outputs(x);
+  launch_stats(x, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble},
+               kNoHist, nullptr, 0, false);
   return {values, counts};
 }
 
-void stats_into_cuda(const at::Tensor& x, const at::Tensor& out, int64_t slot) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_hist_cuda(const at::Tensor& x, int64_t mode, int64_t bins,
+                                                               double lo, double hi) {
+  check_float_input(x, "stats");
+  const HistSpec spec = checked_hist_spec(x, mode, bins, lo, hi);
+  auto [values, counts] = stats_outputs(x);
+  at::Tensor hist = at::empty({hist_length(x.scalar_type(), spec)}, x.options().dtype(at::kLong));
+  launch_stats(x, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble},
+               spec, hist.data_ptr<int64_t>(), hist.numel(), false);
+  return {values, counts, hist};
+}
+
+void stats_into_cuda(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
+                     int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi) {
   check_float_input(x, "stats_into");
   check_stats_buffer(x, out, slot);
+  HistSpec spec = kNoHist;
+  int64_t* hrow = nullptr;
+  int64_t hlen = 0;
+  if (hist.has_value()) {
+    spec = checked_hist_spec(x, mode, bins, lo, hi);
+    hlen = hist_length(x.scalar_type(), spec);
+    check_hist_buffer(x, *hist, hist_slot, hlen);
+    hrow = hist->data_ptr<int64_t>() + hist_slot * hist->stride(0);
+  }
   char* row = static_cast<char*>(out.data_ptr()) + slot * out.stride(0) * out.element_size();
-  launch_stats(x, StatsOut{row, nullptr, out.scalar_type() == at::kDouble});
+  launch_stats(x, StatsOut{row, nullptr, out.scalar_type() == at::kDouble}, spec, hrow, hlen, true);
 }
 
 }  // namespace
@@ -267,6 +328,7 @@ void stats_into_cuda(const at::Tensor& x, const at::Tensor& out, int64_t slot) {
 TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {
   m.impl("stats", &stats_cuda);
   m.impl("stats_into", &stats_into_cuda);
+  m.impl("stats_hist", &stats_hist_cuda);
 }
 
 }  // namespace hookstats

@@ -1,0 +1,166 @@
+"""hookstats histograms against torch.histc / torch.histogram, and against a one-read roof.
+
+Each group `hist-{device}-{dtype}-{bins}b-2^{k}` holds these cases on one input (the shared seeded randn input,
+~1% zeros; range (-4, 4), so a few values fall outside):
+  hist             hookstats.histogram(x, bins, range=(lo, hi))
+  stats_hist       hookstats.stats(x, histogram=Histogram.range(bins, lo, hi)): statistics + histogram, one read
+  stats_exp        hookstats.stats(x, histogram=Histogram.exponent()): 64-bin groups only (it has no bins)
+  histc            torch.histc(x, bins, lo, hi)
+  torch_histogram  torch.histogram(x, bins, range=(lo, hi)): CPU only
+  roof             x.sum() on CPU (the cheapest full read); y.copy_(x) on CUDA (read + write)
+For bfloat16 the PyTorch cases time `x.float()` + the op and are recorded as `histc_f32` / `torch_histogram_f32`:
+given bf16 they return bf16 counts, which stop growing past 256 (exact counts need the upcast).
+
+`hookstats.histogram` is `stats(x, histogram=...)` with the statistics dropped (one kernel computes both), so
+`hist` and `stats_hist` time the same kernel. `benchmarks/report.py` turns the JSON into the histogram table.
+No timing is asserted: speed targets live in the report. Every case checks its result before it is timed, so a
+broken kernel cannot post a fast time.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+LO, HI = -4.0, 4.0
+SIZES_LOG2 = (16, 20, 24)
+# 2^26 float32 is 256 MB, the size of the issue's GPU target (2^24 is the smallest size that leaves the L2
+# cache of an H100/H200 at all); on CPU it would only add minutes, so it is a CUDA-only size.
+CUDA_SIZES_LOG2 = (26,)
+ALL_SIZES_LOG2 = SIZES_LOG2 + (CUDA_SIZES_LOG2 if torch.cuda.is_available() else ())
+BINS = (64, 256)
+CASES = ("hist", "stats_hist", "stats_exp", "histc", "torch_histogram", "roof")
+# The exponent histogram has no bins: time it once per input, in the 64-bin group.
+GRID = [(b, c) for b in BINS for c in CASES if c != "stats_exp" or b == BINS[0]]
+# Budget kind (conftest.BUDGET_S): the PyTorch baselines cost up to ~0.3 s a call at 2^24 on a 2-core CPU.
+KIND = {"histc": "baseline", "torch_histogram": "baseline"}
+
+
+@pytest.fixture(params=ALL_SIZES_LOG2, ids=[f"2^{k}" for k in ALL_SIZES_LOG2])
+def size_log2(request, device) -> int:
+    """Overrides conftest's size grid for this file."""
+    if request.param in CUDA_SIZES_LOG2 and device != "cuda":
+        pytest.skip(f"2^{request.param} is a CUDA-only size")
+    return request.param
+
+
+_REFERENCES: dict[tuple, torch.Tensor] = {}
+
+
+def reference_counts(x: torch.Tensor, bins: int) -> torch.Tensor:
+    """The range histogram of `x` from float64 torch.histc (which bins exactly as hookstats documents) plus
+    underflow / overflow / NaN counts: int64, on the CPU. Cached for the last two (input, bins): the cases of a
+    group share their input, and a float64 histc at 2^24 costs about a second here."""
+    key = (x.data_ptr(), x.dtype, x.device, x.numel(), bins)
+    if key not in _REFERENCES:
+        if len(_REFERENCES) >= 2:
+            _REFERENCES.pop(next(iter(_REFERENCES)))
+        xd = x.double()
+        inside = torch.histc(xd, bins, LO, HI).to(torch.int64)
+        extra = torch.stack([(xd < LO).sum(), (xd > HI).sum(), torch.isnan(xd).sum()])
+        _REFERENCES[key] = torch.cat([inside, extra]).cpu()
+    return _REFERENCES[key]
+
+
+def check_range_counts(counts: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> None:
+    """hookstats' range histogram: int64, bins + 3 counts summing to numel, equal to the float64 reference."""
+    assert counts.dtype == torch.int64 and counts.device == x.device and counts.shape == ref.shape
+    counts = counts.cpu()
+    assert counts.sum().item() == x.numel()
+    assert torch.equal(counts, ref), (counts - ref).nonzero().flatten()[:8].tolist()
+    assert 0 < ref[-3].item() + ref[-2].item() < 1e-3 * x.numel()  # the input does test under/overflow
+
+
+def check_stats(s, x: torch.Tensor) -> None:
+    """The statistics that come with the histogram, against float64 PyTorch (full checks: test_bench_stats)."""
+    xd = x.double()
+    l1 = torch.linalg.vector_norm(xd, 1).item()
+    l2 = torch.linalg.vector_norm(xd, 2).item()
+    assert s.numel.item() == x.numel()
+    assert s.min.item() == xd.min().item() and s.max.item() == xd.max().item()
+    assert abs(s.sum.item() - xd.sum().item()) <= 1e-5 * l1, (s.sum.item(), xd.sum().item())
+    assert abs(s.l2.item() - l2) <= 1e-5 * l2, (s.l2.item(), l2)
+    assert s.zero_count.item() == (x == 0).sum().item() > 0
+
+
+def check_exp_counts(hookstats, counts: torch.Tensor, x: torch.Tensor) -> None:
+    """Exponent histogram: floor(log2|x|) of each nonzero value from torch.frexp, by sign, and the zero count."""
+    lay = hookstats.exp_layout(x.dtype)
+    xd = x.double().cpu()
+    nz = xd[xd != 0]
+    assert torch.isfinite(xd).all() and nz.abs().min().item() >= torch.finfo(x.dtype).tiny  # no inf/subnormal
+    _, e = torch.frexp(nz)  # nz = m * 2^e with 0.5 <= |m| < 1: floor(log2|nz|) = e - 1
+    slot = e.to(torch.int64) - 1 - lay.emin + torch.where(nz < 0, lay.neg.start, lay.pos.start)
+    ref = torch.bincount(slot, minlength=lay.length)
+    ref[lay.zero] = xd.numel() - nz.numel()
+    assert counts.dtype == torch.int64 and counts.shape == (lay.length,)
+    assert torch.equal(counts.cpu(), ref), (counts.cpu() - ref).nonzero().flatten()[:8].tolist()
+
+
+def check_torch_counts(counts: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> None:
+    """A PyTorch baseline's float counts: every in-range value counted once; bins as the float64 reference up to
+    a few values on bin edges (float32 edge arithmetic)."""
+    counts = counts.double().cpu()
+    inside = ref[:-3].double()
+    assert counts.shape == inside.shape
+    assert counts.sum().item() == inside.sum().item()
+    assert (counts - inside).abs().sum().item() <= 1e-4 * x.numel()
+
+
+@pytest.mark.parametrize("bins,case", GRID, ids=[f"{b}b-{c}" for b, c in GRID])
+def test_hist(benchmark, measure, hookstats, device, dtype_name, size_log2, x, bins, case):
+    # bf16 counts in torch.histc / torch.histogram stop at 256: time the upcast the user needs for exact counts
+    upcast = x.dtype in (torch.float16, torch.bfloat16)
+    name = case
+    if case in ("hist", "stats_hist"):
+        ref = reference_counts(x, bins)
+        if case == "hist":
+            check_range_counts(hookstats.histogram(x, bins, range=(LO, HI)), ref, x)
+            op = lambda: hookstats.histogram(x, bins, range=(LO, HI))  # noqa: E731
+        else:
+            spec = hookstats.Histogram.range(bins, LO, HI)
+            s, counts = hookstats.stats(x, histogram=spec)
+            check_stats(s, x)
+            check_range_counts(counts, ref, x)
+            op = lambda: hookstats.stats(x, histogram=spec)  # noqa: E731
+    elif case == "stats_exp":
+        spec = hookstats.Histogram.exponent()
+        s, counts = hookstats.stats(x, histogram=spec)
+        check_stats(s, x)
+        check_exp_counts(hookstats, counts, x)
+        op = lambda: hookstats.stats(x, histogram=spec)  # noqa: E731
+    elif case == "histc":
+        name = "histc_f32" if upcast else "histc"
+        cvt = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
+        ref = reference_counts(x, bins)
+        check_torch_counts(torch.histc(cvt(x), bins, LO, HI), ref, x)
+        op = lambda: torch.histc(cvt(x), bins, LO, HI)  # noqa: E731
+    elif case == "torch_histogram":
+        if device != "cpu":
+            pytest.skip("torch.histogram is CPU-only")
+        name = "torch_histogram_f32" if upcast else "torch_histogram"
+        cvt = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
+        ref = reference_counts(x, bins)
+        check_torch_counts(torch.histogram(cvt(x), bins, range=(LO, HI)).hist, ref, x)
+        op = lambda: torch.histogram(cvt(x), bins, range=(LO, HI))  # noqa: E731
+    elif device == "cuda":
+        y = torch.empty_like(x)
+        y.copy_(x)
+        assert torch.equal(y, x)
+        op = lambda: y.copy_(x)  # noqa: E731
+    else:
+        op = lambda: x.sum()  # noqa: E731
+
+    benchmark.group = f"hist-{device}-{dtype_name}-{bins}b-2^{size_log2}"
+    benchmark.extra_info.update(
+        family="hist",  # report.summarize (the stats table) skips these: they share the case name "roof"
+        device=device,
+        dtype=dtype_name,
+        numel=x.numel(),
+        size_log2=size_log2,
+        bytes=x.numel() * x.element_size(),  # one read of x; the CUDA copy roof moves twice this
+        bins=bins,
+        range=[LO, HI],
+        roof="copy" if device == "cuda" else "sum",
+        torch_threads=torch.get_num_threads(),
+    )
+    measure(op, name, device, kind=KIND.get(case, "hist"))

@@ -1,0 +1,1106 @@
+"""Histograms: hookstats.histogram, exp_histogram, stats(x, histogram=...), stats_into(..., hist=...) and format_fit.
+
+Counts are compared exactly: against hookstats.reference.histogram_of (torch.histc on float64, frexp), against an
+independent scalar formula for values on and next to bin edges, against closed forms (peaked data, one value per
+binade), and format_fit against what a cast to each format actually does. Known kernel bugs are at the end of the
+file, so that `pytest -x` runs everything else first.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import hookstats
+from hookstats import reference
+
+from conftest import DEVICES, DTYPES, assert_bitwise_equal, bits, cuda_ready
+
+H = hookstats.Histogram
+NAN = float("nan")
+INF = float("inf")
+
+RANGE_HISTS = {
+    "64_pm4": H.range(64, -4.0, 4.0),
+    "7_odd": H.range(7, -0.5, 3.1),
+    "256": H.range(256, -3.0, 5.0),
+    "1bin": H.range(1, -1.0, 1.0),
+}
+HISTS = {**RANGE_HISTS, "exp": H.exponent()}
+EXP_LENGTH = {torch.float32: 514, torch.bfloat16: 514, torch.float16: 66, torch.float64: 4098}
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def dtype_id(dt: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}[dt]
+
+
+def slot_name(h: H, i: int, dtype: torch.dtype) -> str:
+    if h.kind == "range":
+        return f"bin {i}" if i < h.bins else ("underflow", "overflow", "nan")[i - h.bins]
+    lay = hookstats.exp_layout(dtype)
+    if i < lay.pos.start:
+        return f"-2^{lay.emin + i}"
+    if i < lay.pos.stop:
+        return f"+2^{lay.emin + i - lay.pos.start}"
+    return ("neg_subnormal", "pos_subnormal", "zero", "neg_inf", "pos_inf", "nan")[i - lay.neg_subnormal]
+
+
+def assert_counts_equal(got: torch.Tensor, want: torch.Tensor, h: H, dtype: torch.dtype, what: str = "") -> None:
+    got, want = got.cpu(), want.cpu()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    if torch.equal(got, want):
+        return
+    diff = (got != want).nonzero().flatten().tolist()
+    lines = [f"{slot_name(h, i, dtype)}: got {int(got[i])}, expected {int(want[i])}" for i in diff[:12]]
+    raise AssertionError(f"{what} {h} {dtype}: {len(diff)} counts differ:\n  " + "\n  ".join(lines))
+
+
+def hist_of(x: torch.Tensor, h: H):
+    """stats(x, histogram=h), with the counts' dtype, shape, device and total checked. Returns (Stats, counts)."""
+    s, c = hookstats.stats(x, histogram=h)
+    assert c.dtype == torch.int64, c.dtype
+    assert c.shape == (h.length(x.dtype),), (tuple(c.shape), h)
+    assert c.device == x.device
+    assert int(c.sum()) == x.numel(), f"counts sum to {int(c.sum())}, numel is {x.numel()}"
+    return s, c
+
+
+def expected_range(values, h: H) -> torch.Tensor:
+    """The documented rule, one Python float (IEEE float64) at a time: independent of torch.histc."""
+    c = [0] * (h.bins + 3)
+    for v in values:
+        if v != v:
+            c[h.bins + 2] += 1
+        elif v < h.lo:
+            c[h.bins] += 1
+        elif v > h.hi:
+            c[h.bins + 1] += 1
+        else:
+            c[min(int((v - h.lo) * h.bins / (h.hi - h.lo)), h.bins - 1)] += 1
+    return torch.tensor(c, dtype=torch.int64)
+
+
+def exp_slot(v: float, dtype: torch.dtype) -> int:
+    """The exponent-histogram slot of one value of `dtype`, from math.frexp (independent of the kernel's bit
+    twiddling and of the reference's torch.frexp)."""
+    lay = hookstats.exp_layout(dtype)
+    if v != v:
+        return lay.nan
+    if math.isinf(v):
+        return lay.pos_inf if v > 0 else lay.neg_inf
+    if v == 0:
+        return lay.zero
+    neg = math.copysign(1.0, v) < 0
+    if abs(v) < torch.finfo(dtype).tiny:
+        return lay.neg_subnormal if neg else lay.pos_subnormal
+    e = math.frexp(v)[1] - 1
+    assert lay.emin <= e <= lay.emax
+    return (lay.neg.start if neg else lay.pos.start) + e - lay.emin
+
+
+def expected_exp(values, dtype: torch.dtype) -> torch.Tensor:
+    c = torch.zeros(hookstats.exp_layout(dtype).length, dtype=torch.int64)
+    for v in values:
+        c[exp_slot(v, dtype)] += 1
+    return c
+
+
+def as_floats(x: torch.Tensor) -> list:
+    return x.detach().cpu().reshape(-1).to(torch.float64).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The main sweep: device x dtype x size x layout x CPU code path, every histogram kind, against the reference
+# ---------------------------------------------------------------------------------------------------------
+
+SIZES = [0, 1, 7, 4095, 4097, 65537, 2**20 + 3]
+
+
+def sweep_values(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """randn * 2.5 (some under- and overflow of every range), with every 5th value on an edge of the 64-, 256- and
+    1-bin ranges, every 11th on an edge of the 7-bin one, and sparse NaN, +-inf, -0.0, subnormals and +-max."""
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * 2.5
+    x[::5] = torch.round(x[::5] * 8) / 8
+    e7 = RANGE_HISTS["7_odd"].edges()
+    k = len(range(3, n, 11))
+    x[3::11] = e7[torch.randint(0, 8, (k,), generator=gen)]
+    fi = torch.finfo(dtype)
+    for start, step, v in ((6, 1009, NAN), (500, 1013, INF), (700, 1019, -INF), (900, 1021, -0.0),
+                           (1000, 1031, fi.tiny / 4), (1050, 1049, -fi.tiny / 4), (1100, 1033, -fi.max),
+                           (1200, 1039, fi.max)):
+        x[start::step] = v
+    return x.to(dtype)
+
+
+def _rows(n: int, c: int) -> int:
+    return -(-n // c)
+
+
+# Each layout builds a tensor of about n elements from mk(m), which returns m fresh values on the test's device.
+LAYOUTS = {
+    "contiguous": lambda n, mk: mk(n),
+    "transposed": lambda n, mk: mk(3 * _rows(n, 3)).reshape(3, _rows(n, 3)).t(),
+    "every_other_column": lambda n, mk: mk(6 * _rows(n, 3)).reshape(_rows(n, 3), 6)[:, ::2],
+    "misaligned": lambda n, mk: mk(n + 1).view(-1)[1:],
+    "expanded": lambda n, mk: mk(_rows(n, 3)).reshape(-1, 1).expand(-1, 3),
+    "channels_last": lambda n, mk: mk(12 * _rows(n, 12)).reshape(_rows(n, 12), 3, 2, 2).to(
+        memory_format=torch.channels_last),
+}
+
+_ORACLE: dict = {}
+
+
+def _oracle(key, x: torch.Tensor, h: H) -> torch.Tensor:
+    """reference.histogram_of, cached: the same input is built again for each CPU code path and device."""
+    if key not in _ORACLE:
+        _ORACLE[key] = reference.histogram_of(x.cpu(), h)
+    return _ORACLE[key]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_reference(device, dtype, n, layout, isa):
+    gen = seeded("sweep", dtype, n, layout)
+    x = LAYOUTS[layout](n, lambda m: sweep_values(m, dtype, gen).to(device))
+    if layout != "contiguous" and n > 1:
+        assert not x.is_contiguous()
+    plain = hookstats.stats(x)
+    for name, h in HISTS.items():
+        s, c = hist_of(x, h)
+        assert_counts_equal(c, _oracle((dtype, n, layout, name), x, h), h, dtype, name)
+        assert_bitwise_equal(s, plain)  # the same read gives the same statistics
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_half_bit_pattern(device, dtype, isa):
+    """All 65,536 fp16 / bf16 values (subnormals, +-0, +-inf, NaNs with any payload), through the SIMD
+    conversions and the scalar tail alike."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.randperm(65536, generator=seeded("halfbits", dtype)).add_(0)].to(device)
+    lay = hookstats.exp_layout(dtype)
+    fi = torch.finfo(dtype)
+    hists = [H.exponent(), H.range(64, -4.0, 4.0), H.range(8192, -float(fi.max), float(fi.max)),
+             H.range(100, -fi.tiny, fi.tiny), H.range(3, 0.0, 1e-6), H.range(7, -0.5, 3.1)]
+    for h in hists:
+        _, c = hist_of(x, h)
+        assert_counts_equal(c, reference.histogram_of(x.cpu(), h), h, dtype)
+    c = hist_of(x, H.exponent())[1].cpu()
+    # closed form: each sign has 2^M patterns per normal exponent and 2^M - 1 subnormals; 2^(M+1) - 2 NaNs
+    per = 2**lay.mantissa_bits
+    assert (c[lay.neg] == per).all() and (c[lay.pos] == per).all()
+    assert int(c[lay.neg_subnormal]) == int(c[lay.pos_subnormal]) == per - 1
+    assert [int(c[lay.zero]), int(c[lay.neg_inf]), int(c[lay.pos_inf]), int(c[lay.nan])] == [2, 1, 1, 2 * per - 2]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")])
+def test_random_bit_patterns(dtype, isa):
+    """Every exponent of fp32 / fp64 with random mantissas and signs (infs, NaNs and subnormals included)."""
+    gen = seeded("bits", dtype)
+    if dtype == torch.float32:
+        raw = torch.randint(-2**31, 2**31, (2**18,), generator=gen, dtype=torch.int64).to(torch.int32)
+    else:
+        raw = torch.randint(-2**62, 2**62, (2**17,), generator=gen, dtype=torch.int64)
+        raw[::2] ^= torch.tensor(-2**63)  # both signs
+    x = raw.view(dtype)
+    for h in (H.exponent(), H.range(64, -4.0, 4.0), H.range(7, -1e30, 1e30), H.range(8192, -1e-30, 1e-30)):
+        assert_counts_equal(hist_of(x, h)[1], reference.histogram_of(x, h), h, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Values on, next to and far from bin edges, against the documented rule evaluated one Python float at a time
+# ---------------------------------------------------------------------------------------------------------
+
+EDGE_RANGES = {
+    "64_pm4": (64, -4.0, 4.0),
+    "7_odd": (7, -0.5, 3.1),
+    "10_unrepresentable": (10, 0.1, 0.7),
+    "3_from_zero": (3, 0.0, 1.0),
+    "256": (256, -3.0, 5.0),
+    "1bin": (1, -1.0, 1.0),
+    "8192_narrow": (8192, -1e-3, 1e-3),
+    "5_offset": (5, 1000.0, 1000.5),
+    "13_tiny": (13, 0.0, 1e-6),
+}
+
+
+def edge_values(h: H, dtype: torch.dtype) -> torch.Tensor:
+    """The bins + 1 edges (float64 linspace) rounded to dtype, their neighbours in dtype, the float64 edges'
+    own float64 neighbours, bin midpoints, +-0.0 and lo, hi."""
+    e = h.edges()
+    ed = e.to(dtype)
+    up = torch.nextafter(ed, torch.full_like(ed, INF))
+    down = torch.nextafter(ed, torch.full_like(ed, -INF))
+    e_up = torch.nextafter(e, torch.full_like(e, INF)).to(dtype)
+    e_down = torch.nextafter(e, torch.full_like(e, -INF)).to(dtype)
+    mids = ((e[1:] + e[:-1]) / 2).to(dtype)
+    extra = torch.tensor([0.0, -0.0, h.lo, h.hi], dtype=torch.float64).to(dtype)
+    return torch.cat([ed, up, down, e_up, e_down, mids, extra])
+
+
+@pytest.mark.parametrize("rng", list(EDGE_RANGES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_values_on_and_next_to_edges(device, dtype, rng, isa):
+    h = H.range(*EDGE_RANGES[rng])
+    vals = edge_values(h, dtype)
+    reps = max(1, _rows(100, vals.numel()))
+    base = vals.repeat(reps)
+    want = expected_range(as_floats(base), h)
+    for lead in (0, 1, 3, 7, 13):  # shifts every value through each SIMD lane and the scalar tail
+        x = torch.cat([torch.full((lead,), NAN, dtype=dtype), base]).to(device)
+        w = want.clone()
+        w[h.bins + 2] += lead
+        _, c = hist_of(x, h)
+        assert_counts_equal(c, w, h, dtype, f"lead {lead}")
+        assert_counts_equal(c, reference.histogram_of(x.cpu(), h), h, dtype, f"reference, lead {lead}")
+
+
+def _single_slot(v: torch.Tensor, h: H) -> int:
+    """The one slot that 37 copies of the 0-d value v land in (SIMD lanes and the tail)."""
+    c = hist_of(v.reshape(1).expand(37).contiguous(), h)[1].cpu()
+    nz = c.nonzero().flatten().tolist()
+    assert len(nz) == 1 and int(c[nz[0]]) == 37, f"{float(v)!r} split over {nz}"
+    return nz[0]
+
+
+@pytest.mark.parametrize("rng", ["64_pm4", "7_odd", "3_from_zero", "256", "1bin", "5_offset"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_lo_and_hi_themselves(device, dtype, rng, isa):
+    """lo -> bin 0, hi -> the last bin (torch.histc's rule), their outer neighbours -> underflow / overflow."""
+    h = H.range(*EDGE_RANGES[rng])
+    lo = torch.tensor(h.lo, dtype=dtype, device=device)
+    hi = torch.tensor(h.hi, dtype=dtype, device=device)
+    if float(lo) != h.lo or float(hi) != h.hi:
+        pytest.skip(f"{h.lo} or {h.hi} is not a {dtype} value")
+    assert _single_slot(lo, h) == 0
+    assert _single_slot(hi, h) == h.bins - 1
+    assert _single_slot(torch.nextafter(lo, torch.tensor(-INF, dtype=dtype, device=device)), h) == h.bins
+    assert _single_slot(torch.nextafter(hi, torch.tensor(INF, dtype=dtype, device=device)), h) == h.bins + 1
+    assert _single_slot(torch.nextafter(lo, hi), h) == 0
+    assert _single_slot(torch.nextafter(hi, lo), h) == h.bins - 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_signed_zeros_at_lo_zero(device, isa):
+    h = H.range(3, 0.0, 1.0)
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        assert _single_slot(torch.tensor(0.0, dtype=dt, device=device), h) == 0
+        assert _single_slot(torch.tensor(-0.0, dtype=dt, device=device), h) == 0  # -0.0 < 0.0 is false
+        neg_sub = -torch.finfo(dt).tiny / 4
+        assert _single_slot(torch.tensor(neg_sub, dtype=dt, device=device), h) == h.bins  # underflow
+        assert _single_slot(torch.tensor(torch.finfo(dt).tiny / 4, dtype=dt, device=device), h) == 0
+    h = H.range(4, -1.0, 0.0)  # 0.0 == hi: the last bin, -0.0 too
+    for v in (0.0, -0.0):
+        assert _single_slot(torch.tensor(v, device=device), h) == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unrepresentable_edges_fp32(device, isa):
+    h = H.range(10, 0.1, 0.7)
+    lo32 = torch.tensor(0.1, dtype=torch.float32, device=device)
+    hi32 = torch.tensor(0.7, dtype=torch.float32, device=device)
+    assert float(lo32) > 0.1 and float(hi32) < 0.7  # the premise: float32 rounds 0.1 up and 0.7 down
+    assert _single_slot(lo32, h) == 0
+    assert _single_slot(torch.nextafter(lo32, torch.zeros_like(lo32)), h) == 10  # below 0.1: underflow
+    assert _single_slot(hi32, h) == 9
+    assert _single_slot(torch.nextafter(hi32, torch.ones_like(hi32)), h) == 11  # above 0.7: overflow
+    # the float64 edge 0.1 + 0.06 * 5 = 0.4 (approximately): the float32 values around it
+    e5 = float(h.edges()[5])
+    v = torch.tensor(e5, dtype=torch.float32, device=device)
+    for w in (v, torch.nextafter(v, torch.zeros_like(v)), torch.nextafter(v, torch.ones_like(v))):
+        assert _single_slot(w, h) == int(expected_range([float(w)], h).nonzero())
+
+
+def _extreme_values(dtype: torch.dtype) -> torch.Tensor:
+    fi = torch.finfo(dtype)
+    mags = [fi.max, float(torch.nextafter(torch.tensor(fi.max, dtype=dtype), torch.tensor(0.0, dtype=dtype))),
+            1e38, 3e38, 1e30, 65504.0, 6e4, 1e4, 1e-3, fi.tiny, fi.tiny / 4, fi.tiny * fi.eps, fi.tiny * 1.5,
+            1e-30, 1e-40, 1e300, 1e-300]
+    vals = [s * m for m in mags for s in (1.0, -1.0)] + [INF, -INF, NAN, 0.0, -0.0]
+    x = torch.tensor(vals, dtype=torch.float64).to(dtype)  # out-of-range magnitudes become inf or 0
+    nan_neg = torch.tensor([NAN], dtype=dtype).neg()
+    return torch.cat([x, nan_neg])
+
+
+EXTREME_RANGES = [(64, -4.0, 4.0), (7, 1e-3, 2e-3), (5, -1e-30, 1e-30), (8192, -1.0, 1.0), (4, 0.0, 1e-38),
+                  (3, -1e30, 1e30), (9, 1e38, 3e38), (2, -1e300, 1e300), (11, 6e4, 65504.0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_extreme_values(device, dtype, isa):
+    """Far out of range, +-inf, NaN of both signs, subnormals, +-max, 1e38 with a small range, and ranges whose
+    scale or shift over- or underflows float32."""
+    base = _extreme_values(dtype)
+    x = base.repeat(4)
+    x = x[torch.randperm(x.numel(), generator=seeded("extreme", dtype))]
+    for spec in EXTREME_RANGES:
+        h = H.range(*spec)
+        for lead in (0, 5):
+            xx = torch.cat([torch.zeros(lead, dtype=dtype), x]).to(device)
+            _, c = hist_of(xx, h)
+            assert_counts_equal(c, expected_range(as_floats(xx), h), h, dtype, f"lead {lead}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_inf_and_out_of_range_buckets(device, dtype, isa):
+    h = H.range(4, -1.0, 1.0)
+    x = torch.tensor([NAN, INF, -INF, -1e4, 1e4, -1.5, 1.5, 0.25, NAN, INF], dtype=dtype, device=device)
+    c = hist_of(x, h)[1].cpu().tolist()
+    assert c == [0, 0, 1, 0, 3, 3, 3]  # 0.25 -> bin 2; -inf, -1e4, -1.5 under; inf, 1e4, 1.5, inf over; 2 NaN
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exponent histograms
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exp_layout_matches_finfo(dtype):
+    lay = hookstats.exp_layout(dtype)
+    fi = torch.finfo(dtype)
+    assert lay.length == EXP_LENGTH[dtype] == H.exponent().length(dtype) == hookstats.Histogram.exponent().length(dtype)
+    assert 2.0**lay.emin == fi.tiny
+    assert 2.0**-lay.mantissa_bits == fi.eps
+    assert (2 - fi.eps) * 2.0**lay.emax == fi.max
+    n = lay.emax - lay.emin + 1
+    assert (lay.neg.start, lay.neg.stop, lay.pos.start, lay.pos.stop) == (0, n, n, 2 * n)
+    assert [lay.neg_subnormal, lay.pos_subnormal, lay.zero, lay.neg_inf, lay.pos_inf, lay.nan, lay.length] == \
+        list(range(2 * n, 2 * n + 7))
+    edges = H.exponent().edges(dtype)
+    assert edges.numel() == n and float(edges[0]) == fi.tiny and float(edges[-1]) == 2.0**lay.emax
+    assert torch.equal(edges[1:] / edges[:-1], torch.full((n - 1,), 2.0, dtype=torch.float64))
+
+
+def _binade_values(dtype: torch.dtype) -> torch.Tensor:
+    """For each normal exponent and sign: 2^e, 1.25 * 2^e and the largest value of the binade; the smallest,
+    a middle and the largest subnormal of each sign; +-0; +-inf; three NaNs (negative, with a payload)."""
+    lay = hookstats.exp_layout(dtype)
+    fi = torch.finfo(dtype)
+    e = torch.arange(lay.emin, lay.emax + 1, dtype=torch.float64)
+    p = torch.pow(2.0, e)
+    normals = torch.cat([p, p * 1.25, p * (2 - fi.eps)])
+    subs = torch.tensor([fi.tiny * fi.eps, fi.tiny / 4, fi.tiny - fi.tiny * fi.eps], dtype=torch.float64)
+    pos = torch.cat([normals, subs])
+    x = torch.cat([pos, -pos, torch.tensor([0.0, -0.0, INF, -INF, NAN], dtype=torch.float64)]).to(dtype)
+    int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    qnan = torch.tensor([NAN], dtype=dtype)
+    neg_nan = qnan.neg()
+    payload = (qnan.view(int_t) + 1).view(dtype)  # a NaN with another mantissa
+    assert torch.isnan(neg_nan).all() and torch.isnan(payload).all() and bool(torch.signbit(neg_nan))
+    x = torch.cat([x, neg_nan, payload])
+    assert torch.equal(x.to(torch.float64)[: pos.numel()], pos)  # every value is exact in dtype
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_exp_histogram_closed_form(device, dtype, isa):
+    lay = hookstats.exp_layout(dtype)
+    x = _binade_values(dtype)
+    x = x[torch.randperm(x.numel(), generator=seeded("binades", dtype))].to(device)
+    c = hookstats.exp_histogram(x)
+    assert c.shape == (lay.length,) and c.dtype == torch.int64 and c.device == x.device
+    c = c.cpu()
+    want = torch.zeros(lay.length, dtype=torch.int64)
+    want[lay.neg] = 3
+    want[lay.pos] = 3
+    want[[lay.neg_subnormal, lay.pos_subnormal]] = 3
+    want[lay.zero] = 2
+    want[lay.neg_inf] = want[lay.pos_inf] = 1
+    want[lay.nan] = 3
+    assert_counts_equal(c, want, H.exponent(), dtype)
+    assert_counts_equal(c, expected_exp(as_floats(x), dtype), H.exponent(), dtype, "frexp")
+    assert_counts_equal(c, reference.histogram_of(x.cpu(), H.exponent()), H.exponent(), dtype, "reference")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_subnormals_are_subnormal_in_fp16(device, isa):
+    """2^-15 .. 2^-24 are normal floats once converted, but subnormal halfs: counted as subnormal."""
+    lay = hookstats.exp_layout(torch.float16)
+    vals = [2.0**-15, 2.0**-24, 3 * 2.0**-20, 2.0**-14 - 2.0**-24]
+    x = torch.tensor(vals + [-v for v in vals] + [2.0**-14, -(2.0**-14)], dtype=torch.float16).repeat(9).to(device)
+    c = hookstats.exp_histogram(x).cpu()
+    assert int(c[lay.pos_subnormal]) == int(c[lay.neg_subnormal]) == 36
+    assert int(c[lay.pos.start]) == int(c[lay.neg.start]) == 9  # 2^-14 is the smallest normal half
+    assert int(c.sum()) == x.numel()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_exp_histogram_randn_scales(device, dtype, isa):
+    gen = seeded("exp_scales", dtype)
+    fi = torch.finfo(dtype)
+    parts = [torch.randn(5000, generator=gen, dtype=torch.float64) * s for s in (1.0, 1e-3, 1e3)]
+    parts.append(torch.randn(3000, generator=gen, dtype=torch.float64) * fi.tiny)  # straddles subnormals
+    parts.append(torch.randn(3000, generator=gen, dtype=torch.float64) * fi.max / 4)  # some overflow to inf
+    x = torch.cat(parts).to(dtype).to(device)
+    c = hookstats.exp_histogram(x)
+    assert_counts_equal(c, reference.histogram_of(x.cpu(), H.exponent()), H.exponent(), dtype)
+    assert_counts_equal(c, expected_exp(as_floats(x), dtype), H.exponent(), dtype, "frexp")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Peaked data: every value in one slot (a lost or doubled counter copy shows at once)
+# ---------------------------------------------------------------------------------------------------------
+
+PEAKS = [0.0, -0.0, 0.5, -4.0, 4.0, 3.9999, NAN, INF, -INF, 1e-6]
+
+
+@pytest.mark.parametrize("n", [2 * 4096 + 17, 2**20 + 3], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_peaked(device, dtype, n, isa):
+    for v in PEAKS:
+        x = torch.full((n,), v, dtype=dtype, device=device)
+        xv = float(x[0])
+        for name in ("64_pm4", "1bin", "exp"):
+            h = HISTS[name]
+            _, c = hist_of(x, h)
+            c = c.cpu()
+            slot = exp_slot(xv, dtype) if h.kind == "exp" else int(expected_range([xv], h).nonzero())
+            assert int(c[slot]) == n, f"{v} ({name}): {slot_name(h, slot, dtype)} holds {int(c[slot])} of {n}"
+    # expanded: one value read n times
+    x = torch.tensor([0.5], dtype=dtype, device=device).expand(n)
+    assert int(hist_of(x, HISTS["64_pm4"])[1][36]) == n
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The statistics from the same read
+# ---------------------------------------------------------------------------------------------------------
+
+def _stats_values(kind: str, dtype: torch.dtype) -> torch.Tensor:
+    gen = seeded("same_pass", kind, dtype)
+    n = 3 * 4096 + 5
+    fi = torch.finfo(dtype)
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    if kind == "nan_inf":
+        x[[5, 4097, n - 1]] = torch.tensor([NAN, INF, -INF], dtype=torch.float64)
+    elif kind == "inf":
+        x[[17, 9000]] = INF
+    elif kind == "huge":
+        x = x * (fi.max / 1e3)
+    elif kind == "subnormal":
+        x = torch.randint(-3, 4, (n,), generator=gen).to(torch.float64) * (fi.tiny / 4)
+    elif kind == "offset":
+        x = x + 1e4
+    elif kind == "empty":
+        x = x[:0]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["randn", "nan_inf", "inf", "huge", "subnormal", "offset", "empty"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_pass_stats_bitwise(device, dtype, kind, isa):
+    x = _stats_values(kind, dtype).to(device)
+    plain = hookstats.stats(x)
+    for name, h in HISTS.items():
+        s, c = hist_of(x, h)
+        assert_bitwise_equal(s, plain)
+        values, counts, hist = torch.ops.hookstats.stats_hist.default(x, h.mode, h.bins, h.lo, h.hi)
+        assert torch.equal(hist, c), name
+        assert torch.equal(bits(values), bits(torch.stack([plain.sum, plain.mean, plain.var, plain.std, plain.l1,
+                                                           plain.l2, plain.linf, plain.min, plain.max])))
+        assert torch.equal(counts.cpu(), torch.stack([plain.numel, plain.nan_count, plain.inf_count,
+                                                      plain.zero_count]).cpu())
+    for buf_dtype in (torch.float32, torch.float64):
+        ref_buf = hookstats.stats_buffer(1, device=device, dtype=buf_dtype)
+        hookstats.stats_into(x, ref_buf, 0)
+        for name, h in HISTS.items():
+            buf = hookstats.stats_buffer(1, device=device, dtype=buf_dtype)
+            hb = hookstats.histogram_buffer(1, h, dtype=dtype, device=device)
+            hookstats.stats_into(x, buf, 0, hist=hb, histogram=h)
+            assert torch.equal(bits(buf), bits(ref_buf)), f"stats_into row with {name} histogram"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stats_into: histograms are added to a row of an int64 buffer
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("buf_dtype", [pytest.param(torch.float32, id="buf32"), pytest.param(torch.float64, id="buf64")])
+@pytest.mark.parametrize("hname", ["7_odd", "exp"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_stats_into_accumulates(device, dtype, hname, buf_dtype, isa):
+    h = HISTS[hname]
+    gen = seeded("accumulate", dtype, hname)
+    x = sweep_values(70001, dtype, gen).to(device)
+    y = sweep_values(5003, dtype, gen).to(device)[::2]
+    hx, hy = hist_of(x, h)[1], hist_of(y, h)[1]
+    L = h.length(dtype)
+    out = hookstats.stats_buffer(4, device=device, dtype=buf_dtype)
+    hb = hookstats.histogram_buffer(4, h, dtype=dtype, device=device)
+    assert hb.shape == (4, L) and hb.dtype == torch.int64 and hb.device == x.device and not hb.any()
+    zero = torch.zeros(L, dtype=torch.int64, device=device)
+
+    hookstats.stats_into(x, out, 1, hist=hb, histogram=h)
+    assert torch.equal(hb[1], hx)
+    for r in (0, 2, 3):
+        assert torch.equal(hb[r], zero), f"row {r} was touched"
+    hookstats.stats_into(x, out, 1, hist=hb, histogram=h)
+    assert torch.equal(hb[1], 2 * hx)
+    # another hist_slot than slot: the stats go to row 0, the histogram to row 3
+    hookstats.stats_into(y, out, 0, hist=hb, hist_slot=3, histogram=h)
+    assert torch.equal(hb[3], hy) and torch.equal(hb[1], 2 * hx) and torch.equal(hb[0], zero)
+    assert torch.isnan(out[2:]).all(), "stats rows 2 and 3 were written"
+    # the raw op adds too
+    torch.ops.hookstats.stats_into.default(y, out, 2, hb, 1, h.mode, h.bins, h.lo, h.hi)
+    assert torch.equal(hb[1], 2 * hx + hy)
+    # the stats rows are stats_into without a histogram
+    ref = hookstats.stats_buffer(4, device=device, dtype=buf_dtype)
+    hookstats.stats_into(x, ref, 1)
+    hookstats.stats_into(y, ref, 0)
+    hookstats.stats_into(y, ref, 2)
+    assert torch.equal(bits(out[:3]), bits(ref[:3]))
+    # added, not written: a buffer that already holds counts
+    pre = torch.full((2, L), 2**40 + 3, dtype=torch.int64, device=device)
+    hookstats.stats_into(x, out, 0, hist=pre, hist_slot=1, histogram=h)
+    assert torch.equal(pre[1], hx + (2**40 + 3)) and (pre[0] == 2**40 + 3).all()
+    # an empty tensor adds nothing
+    hookstats.stats_into(x[:0], out, 0, hist=pre, hist_slot=1, histogram=h)
+    assert torch.equal(pre[1], hx + (2**40 + 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_histogram_buffer_with_padded_rows_and_offset(device, isa):
+    """Rows with unit stride but a row stride above the length, starting past the storage's beginning: only the
+    chosen row's counts change."""
+    h = HISTS["7_odd"]
+    x = sweep_values(9001, torch.float32, seeded("padded")).to(device)
+    hx = hist_of(x, h)[1]
+    L = h.length(torch.float32)
+    big = torch.full((5, L + 5), -1, dtype=torch.int64, device=device)
+    view = big[1:4, :L]
+    hookstats.stats_into(x, hookstats.stats_buffer(1, device=device), 0, hist=view, hist_slot=1, histogram=h)
+    expect = torch.full((5, L + 5), -1, dtype=torch.int64, device=device)
+    expect[2, :L] += hx
+    assert torch.equal(big, expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_spec_spellings_agree(device, isa):
+    x = sweep_values(20001, torch.float32, seeded("spellings")).to(device)
+    want_r = hist_of(x, H.range(32, -2.0, 2.0))[1]
+    for spec in ((32, (-2.0, 2.0)), (32, (-2, 2)), H.range(32, -2, 2)):
+        assert torch.equal(hookstats.stats(x, histogram=spec)[1], want_r), spec
+    assert torch.equal(hookstats.histogram(x, 32, range=(-2.0, 2.0)), want_r)
+    assert torch.equal(hookstats.histogram(x, 32, range=[-2.0, 2.0]), want_r)
+    assert hookstats.histogram(x, range=(-2.0, 2.0)).shape == (64 + 3,)  # bins=64 by default
+    want_e = hist_of(x, H.exponent())[1]
+    for spec in ("exp", "exponent", H.exponent()):
+        assert torch.equal(hookstats.stats(x, histogram=spec)[1], want_e), spec
+    assert torch.equal(hookstats.exp_histogram(x), want_e)
+    assert H.range(5, 0, 1).length(torch.float16) == 8 and H.range(8192, 0, 1).length(torch.float64) == 8195
+    e = H.range(5, -1, 1.5).edges()
+    assert e.dtype == torch.float64 and e.numel() == 6 and float(e[0]) == -1.0 and float(e[-1]) == 1.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_tensor(device, dtype):
+    for shape in ((0,), (3, 0), (0, 4, 5)):
+        x = torch.empty(shape, dtype=dtype, device=device)
+        for h in HISTS.values():
+            s, c = hist_of(x, h)
+            assert not c.any() and int(s.numel) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Determinism
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_thread_count_does_not_change_bits(dtype, isa, restore_threads):
+    xs = [sweep_values(2**20 + 3, dtype, seeded("det", dtype)),
+          sweep_values(4099 * 70, dtype, seeded("det2", dtype)).reshape(4099, 70)[:, ::3]]
+    for x in xs:
+        for h in (HISTS["64_pm4"], HISTS["exp"]):
+            results = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                results.append(hist_of(x, h))
+            for s, c in results[1:]:
+                assert torch.equal(c, results[0][1])
+                assert_bitwise_equal(s, results[0][0])
+            assert_counts_equal(results[0][1], reference.histogram_of(x, h), h, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Will it fit? format_fit against the casts themselves
+# ---------------------------------------------------------------------------------------------------------
+
+TARGETS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
+           "float8_e5m2": torch.float8_e5m2}
+
+
+def test_formats_match_finfo():
+    assert set(hookstats.FORMATS) == set(TARGETS)
+    for name, f in hookstats.FORMATS.items():
+        fi = torch.finfo(TARGETS[name])
+        assert f.max == fi.max, name
+        assert 2.0**f.emin == fi.smallest_normal, name
+        assert 2.0**-f.mantissa_bits == fi.eps, name
+        assert f.emax == math.floor(math.log2(fi.max)), name
+
+
+def _actual_fit(x: torch.Tensor, target: torch.dtype) -> dict:
+    """Fractions of x's values whose cast to target overflows (finite -> inf/NaN), underflows (nonzero -> 0),
+    is subnormal, or that are inf/NaN already."""
+    y = x.to(target).to(torch.float64)
+    xf = x.to(torch.float64)
+    fin = torch.isfinite(xf)
+    tiny = torch.finfo(target).smallest_normal
+    n = max(x.numel(), 1)
+    return {
+        "overflow": int((fin & ~torch.isfinite(y)).sum()) / n,
+        "underflow": int((fin & (xf != 0) & (y == 0)).sum()) / n,
+        "subnormal": int((torch.isfinite(y) & (y != 0) & (y.abs() < tiny)).sum()) / n,
+        "nonfinite": int((~fin).sum()) / n,
+    }
+
+
+def _fit_values(dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    """m * 2^e for every normal exponent of dtype, m in {1, 1.25, 1.5} (no value in a format's top binade above
+    its max), both signs, 1 + e % 4 copies each; zeros, infs, NaNs and dtype's subnormals. Leaves out the binade
+    below the format's smallest subnormal, where format_fit's documented one-binade resolution and the cast
+    disagree, and dtype's subnormals where they straddle the format's underflow threshold."""
+    lay = hookstats.exp_layout(dtype)
+    f = hookstats.FORMATS[fmt]
+    target = TARGETS[fmt]
+    fi = torch.finfo(dtype)
+    vals = []
+    for e in range(lay.emin, lay.emax + 1):
+        if e == f.emin - f.mantissa_bits - 1:
+            continue
+        for m in (1.0, 1.25, 1.5):
+            vals += [m * 2.0**e, -m * 2.0**e] * (1 + e % 4)
+    subs = torch.tensor([fi.tiny * fi.eps, fi.tiny / 4, fi.tiny - fi.tiny * fi.eps], dtype=dtype)
+    under = (subs.to(target).to(torch.float64) == 0).tolist()
+    if all(under) or not any(under):
+        vals += as_floats(subs) * 3 + [-v for v in as_floats(subs)]
+    vals += [0.0, -0.0, 0.0, INF, -INF, NAN, NAN]
+    return torch.tensor(vals, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", list(TARGETS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_format_fit_matches_casts(device, dtype, fmt):
+    x = _fit_values(dtype, fmt).to(device)
+    counts = hookstats.exp_histogram(x)
+    fit = hookstats.format_fit(counts, dtype, [fmt])
+    assert list(fit) == [fmt]
+    want = _actual_fit(x.cpu(), TARGETS[fmt])
+    assert set(fit[fmt]) == set(want)
+    for k, v in fit[fmt].items():
+        assert v.dtype == torch.float64 and v.shape == () and v.device == counts.device
+        assert float(v) == want[k], f"{fmt} from {dtype}: {k} is {float(v)!r}, a cast gives {want[k]!r}"
+    assert any(want[k] > 0 for k in ("overflow", "underflow", "subnormal")) or fmt == "bfloat16"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_format_fit_boundary_binades(device):
+    """The documented one-binade resolution, checked directly where a cast would say otherwise."""
+
+    def fit_of(values, dtype=torch.float64, fmt=None):
+        c = hookstats.exp_histogram(torch.tensor(values, dtype=dtype, device=device))
+        return {k: float(v) for k, v in hookstats.format_fit(c, dtype, [fmt])[fmt].items()}
+
+    # the top binade of e4m3fn is [256, 512) but its max is 448: 480 becomes NaN in a cast, yet "fits"
+    assert torch.isnan(torch.tensor(480.0).to(torch.float8_e4m3fn).float())
+    assert fit_of([480.0, 500.0], fmt="float8_e4m3fn")["overflow"] == 0.0
+    assert fit_of([512.0, 1.0], fmt="float8_e4m3fn")["overflow"] == 0.5
+    # float16: 65520 rounds to inf, 65536 is in the next binade
+    assert fit_of([65520.0, 1.0], torch.float32, "float16")["overflow"] == 0.0
+    assert fit_of([65536.0, 1.0], torch.float32, "float16")["overflow"] == 0.5
+    # the binade just below the smallest subnormal counts as underflow, even where the cast rounds up
+    for fmt, f in hookstats.FORMATS.items():
+        e = f.emin - f.mantissa_bits
+        v = 1.75 * 2.0**(e - 1)
+        assert float(torch.tensor(v).to(TARGETS[fmt]).double()) == 2.0**e  # the cast rounds it up to nonzero
+        r = fit_of([v, 2.0**e, 2.0**(f.emin - 1), 1.0], fmt=fmt)
+        assert (r["underflow"], r["subnormal"]) == (0.25, 0.5), fmt
+        assert fit_of([2.0**(f.emax + 1), -(2.0**f.emax) * 1.5], fmt=fmt)["overflow"] == 0.5, fmt
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_format_fit_input_subnormals_counted_once(dtype):
+    """dtype's own subnormals have no exponent in the histogram: each is counted exactly once, as underflow when
+    every one of them underflows in the format, as subnormal when none does. (float32 -> bfloat16 and
+    float16 -> float8_e5m2 straddle the threshold: there only the single count is checked.)"""
+    fi = torch.finfo(dtype)
+    subs = torch.tensor([fi.tiny * fi.eps, fi.tiny / 4, fi.tiny - fi.tiny * fi.eps], dtype=dtype)
+    x = torch.cat([subs, -subs, torch.ones(2, dtype=dtype)])
+    fit = hookstats.format_fit(hookstats.exp_histogram(x), dtype)
+    for fmt, target in TARGETS.items():
+        r = {k: float(v) for k, v in fit[fmt].items()}
+        assert r["overflow"] == 0.0 and r["nonfinite"] == 0.0
+        assert r["underflow"] + r["subnormal"] == 0.75, (fmt, r)
+        under = (subs.to(target).to(torch.float64) == 0).tolist()
+        if all(under):
+            assert r["underflow"] == 0.75, (fmt, r)
+        elif not any(under):
+            assert r["subnormal"] == 0.75, (fmt, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_format_fit_from_a_stats_into_row(device):
+    x = _fit_values(torch.float32, "float8_e4m3fn").to(device)
+    hb = hookstats.histogram_buffer(3, "exp", dtype=torch.float32, device=device)
+    hookstats.stats_into(x, hookstats.stats_buffer(3, device=device), 2, hist=hb, histogram="exp")
+    hookstats.stats_into(x, hookstats.stats_buffer(3, device=device), 2, hist=hb, histogram="exp")
+    a = hookstats.format_fit(hb[2], torch.float32)
+    b = hookstats.format_fit(hookstats.exp_histogram(x), torch.float32)
+    assert set(a) == set(hookstats.FORMATS)
+    for fmt in a:
+        for k in a[fmt]:
+            assert float(a[fmt][k]) == float(b[fmt][k]), (fmt, k)  # fractions: doubling every count changes none
+
+
+def test_format_fit_arguments():
+    c = hookstats.exp_histogram(torch.randn(100))
+    with pytest.raises(ValueError, match="514"):
+        hookstats.format_fit(c[:-1], torch.float32)
+    with pytest.raises(ValueError, match="66"):
+        hookstats.format_fit(c, torch.float16)
+    with pytest.raises(ValueError):
+        hookstats.format_fit(c.reshape(2, 257), torch.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fnuz"):
+        hookstats.format_fit(c, torch.float32, ["float8_e4m3fnuz"])
+    with pytest.raises(TypeError):
+        hookstats.format_fit(c, torch.int32)
+    empty = hookstats.format_fit(torch.zeros(514, dtype=torch.int64), torch.float32)
+    assert all(float(v) == 0.0 for d in empty.values() for v in d.values())  # not NaN
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors: raised before any work
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bins", [0, -1, hookstats.MAX_HIST_BINS + 1, 10**12])
+def test_rejects_bins_out_of_range(bins):
+    assert hookstats.MAX_HIST_BINS == 8192
+    x = torch.ones(3)
+    with pytest.raises(ValueError, match="bins"):
+        hookstats.histogram(x, bins, range=(0, 1))
+    with pytest.raises(ValueError, match="bins"):
+        H.range(bins, 0.0, 1.0)
+    with pytest.raises(ValueError, match="bins"):
+        hookstats.stats(x, histogram=(bins, (0.0, 1.0)))
+    if abs(bins) < 2**31:
+        with pytest.raises(ValueError, match="bins"):
+            torch.ops.hookstats.stats_hist.default(x, 1, bins, 0.0, 1.0)
+
+
+def test_max_bins_accepted():
+    x = torch.linspace(-1, 1, 10001)
+    c = hookstats.histogram(x, hookstats.MAX_HIST_BINS, range=(-1, 1))
+    assert c.shape == (8195,) and int(c.sum()) == 10001
+    assert_counts_equal(c, reference.histogram_of(x, H.range(8192, -1.0, 1.0)), H.range(8192, -1.0, 1.0),
+                        torch.float32)
+
+
+@pytest.mark.parametrize("bins", [2.0, True, "4", None, np.int64(4)], ids=repr)
+def test_rejects_non_int_bins(bins):
+    with pytest.raises(TypeError, match="int"):
+        hookstats.histogram(torch.ones(3), bins, range=(0, 1))
+    with pytest.raises(TypeError, match="int"):
+        hookstats.stats(torch.ones(3), histogram=(bins, (0, 1)))
+
+
+BAD_RANGES = [(1.0, 1.0), (2.0, 1.0), (0.0, -0.0), (NAN, 1.0), (0.0, NAN), (0.0, INF), (-INF, 0.0), (-INF, INF),
+              (-1e308, 1e308), (-1.7e308, 1.7e308)]
+
+
+@pytest.mark.parametrize("lo,hi", BAD_RANGES, ids=repr)
+def test_rejects_bad_range(lo, hi):
+    x = torch.ones(3)
+    out = hookstats.stats_buffer(1)
+    hb = torch.zeros(1, 7, dtype=torch.int64)
+    for call in (lambda: hookstats.histogram(x, 4, range=(lo, hi)), lambda: H.range(4, lo, hi),
+                 lambda: hookstats.stats(x, histogram=(4, (lo, hi))),
+                 lambda: torch.ops.hookstats.stats_hist.default(x, 1, 4, lo, hi),
+                 lambda: torch.ops.hookstats.stats_into.default(x, out, 0, hb, 0, 1, 4, lo, hi)):
+        with pytest.raises(ValueError, match="range"):
+            call()
+    assert torch.isnan(out).all() and not hb.any()
+
+
+@pytest.mark.parametrize("spec", ["log", "", "EXP"], ids=repr)
+def test_rejects_unknown_histogram_name(spec):
+    with pytest.raises(ValueError, match="unknown histogram"):
+        hookstats.stats(torch.ones(3), histogram=spec)
+    with pytest.raises(ValueError, match="unknown histogram"):
+        hookstats.histogram_buffer(2, spec)
+
+
+@pytest.mark.parametrize("spec", [5, [64, (0, 1)], (64, 0, 1), (64, (0, 1, 2)), (64, [0, 1]), {"bins": 4}, 1.5],
+                         ids=repr)
+def test_rejects_malformed_histogram_spec(spec):
+    x = torch.ones(3)
+    with pytest.raises(TypeError, match="histogram"):
+        hookstats.stats(x, histogram=spec)
+    out, hb = hookstats.stats_buffer(1), torch.zeros(1, 7, dtype=torch.int64)
+    with pytest.raises(TypeError, match="histogram"):
+        hookstats.stats_into(x, out, 0, hist=hb, histogram=spec)
+    assert torch.isnan(out).all() and not hb.any()
+
+
+def test_rejects_bad_mode():
+    x = torch.ones(3)
+    for mode in (0, 3, -1):
+        with pytest.raises(ValueError, match="mode"):
+            torch.ops.hookstats.stats_hist.default(x, mode, 4, 0.0, 1.0)
+        out, hb = hookstats.stats_buffer(1), torch.zeros(1, 7, dtype=torch.int64)
+        with pytest.raises(ValueError, match="mode"):
+            torch.ops.hookstats.stats_into.default(x, out, 0, hb, 0, mode, 4, 0.0, 1.0)
+        assert torch.isnan(out).all() and not hb.any()
+    with pytest.raises(ValueError, match="mode"):
+        hookstats.stats(x, histogram=H(3, 4, 0.0, 1.0))
+
+
+BAD_DTYPES = [torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES, ids=str)
+def test_rejects_non_float_inputs(dtype):
+    x = torch.ones(4, dtype=dtype)
+    name = str(dtype)
+    with pytest.raises(TypeError, match=name):
+        hookstats.histogram(x, 4, range=(0, 1))
+    with pytest.raises(TypeError, match=name):
+        hookstats.exp_histogram(x)
+    with pytest.raises(TypeError, match=name):
+        hookstats.stats(x, histogram="exp")
+    out, hb = hookstats.stats_buffer(1), hookstats.histogram_buffer(1, (4, (0, 1)))
+    with pytest.raises(TypeError, match=name):
+        hookstats.stats_into(x, out, 0, hist=hb, histogram=(4, (0, 1)))
+    for mode in (1, 2):
+        with pytest.raises(TypeError, match="floating tensor"):
+            torch.ops.hookstats.stats_hist.default(x, mode, 4, 0.0, 1.0)
+    with pytest.raises(TypeError, match="floating tensor"):
+        torch.ops.hookstats.stats_into.default(x, out, 0, hb, 0, 1, 4, 0.0, 1.0)
+    with pytest.raises(TypeError):
+        hookstats.exp_layout(dtype)
+    assert torch.isnan(out).all() and not hb.any()
+
+
+def _into_both(x, out, slot, hb, hist_slot, h):
+    """stats_into with a histogram through the Python wrapper and through the raw op."""
+    yield lambda: hookstats.stats_into(x, out, slot, hist=hb, hist_slot=hist_slot, histogram=h)
+    yield lambda: torch.ops.hookstats.stats_into.default(x, out, slot, hb, hist_slot, h.mode, h.bins, h.lo, h.hi)
+
+
+@pytest.mark.parametrize("hb_dtype", [torch.int32, torch.float32, torch.float64, torch.uint8, torch.bool], ids=str)
+def test_rejects_hist_buffer_dtype(hb_dtype):
+    h = HISTS["7_odd"]
+    out = hookstats.stats_buffer(2)
+    hb = torch.zeros(2, h.length(torch.float32), dtype=hb_dtype)
+    for call in _into_both(torch.ones(3), out, 0, hb, 0, h):
+        with pytest.raises(TypeError, match="int64"):
+            call()
+    assert torch.isnan(out).all() and not hb.any()
+
+
+@pytest.mark.parametrize("case", ["short", "long", "1d", "3d", "transposed", "exp_for_fp64", "exp_for_fp16",
+                                  "range_other_bins"])
+def test_rejects_hist_buffer_shape(case):
+    h = HISTS["7_odd"] if case not in ("exp_for_fp64", "exp_for_fp16") else HISTS["exp"]
+    L = h.length(torch.float32)
+    hb = {
+        "short": lambda: torch.zeros(2, L - 1, dtype=torch.int64),
+        "long": lambda: torch.zeros(2, L + 1, dtype=torch.int64),
+        "1d": lambda: torch.zeros(L, dtype=torch.int64),
+        "3d": lambda: torch.zeros(2, L, 1, dtype=torch.int64),
+        "transposed": lambda: torch.zeros(L, 2, dtype=torch.int64).t(),
+        "exp_for_fp64": lambda: hookstats.histogram_buffer(2, "exp", dtype=torch.float64),
+        "exp_for_fp16": lambda: hookstats.histogram_buffer(2, "exp", dtype=torch.float16),
+        "range_other_bins": lambda: hookstats.histogram_buffer(2, (8, (-0.5, 3.1))),
+    }[case]()
+    out = hookstats.stats_buffer(2)
+    for call in _into_both(torch.ones(3), out, 0, hb, 0, h):
+        with pytest.raises(ValueError, match="shape"):
+            call()
+    assert torch.isnan(out).all() and not hb.any()
+
+
+@pytest.mark.parametrize("hist_slot", [-1, 2, 100])
+def test_rejects_hist_slot_out_of_range(hist_slot):
+    h = HISTS["exp"]
+    out, hb = hookstats.stats_buffer(4), hookstats.histogram_buffer(2, h)
+    for call in _into_both(torch.ones(3), out, 3, hb, hist_slot, h):
+        with pytest.raises(ValueError, match="out of range"):
+            call()
+    assert torch.isnan(out).all() and not hb.any()
+    # the default hist_slot is slot: 3 is a valid stats row but not a histogram row
+    with pytest.raises(ValueError, match="out of range"):
+        hookstats.stats_into(torch.ones(3), out, 3, hist=hb, histogram=h)
+    assert torch.isnan(out).all() and not hb.any()
+
+
+def test_rejects_hist_buffer_on_other_device():
+    h = HISTS["7_odd"]
+    out = hookstats.stats_buffer(2)
+    hb = hookstats.histogram_buffer(2, h, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        hookstats.stats_into(torch.ones(3), out, 0, hist=hb, histogram=h)
+    assert torch.isnan(out).all()
+    if cuda_ready():
+        hb = hookstats.histogram_buffer(2, h, device="cuda")
+        for call in _into_both(torch.ones(3), out, 0, hb, 0, h):
+            with pytest.raises(ValueError, match="cuda"):
+                call()
+        assert torch.isnan(out).all() and not hb.any()
+
+
+def test_hist_without_histogram_spec():
+    out, hb = hookstats.stats_buffer(1), hookstats.histogram_buffer(1, "exp")
+    with pytest.raises(ValueError, match="histogram="):
+        hookstats.stats_into(torch.ones(3), out, 0, hist=hb)
+    assert torch.isnan(out).all() and not hb.any()
+
+
+def test_histogram_buffer_arguments():
+    hb = hookstats.histogram_buffer(3, (10, (0, 1)), dtype=torch.float64)
+    assert hb.shape == (3, 13) and hb.dtype == torch.int64 and not hb.any()
+    for dt in DTYPES:
+        dt = dt.values[0]
+        assert hookstats.histogram_buffer(2, "exp", dtype=dt).shape == (2, EXP_LENGTH[dt])
+    for slots in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="slots"):
+            hookstats.histogram_buffer(slots, "exp")
+    with pytest.raises(TypeError):
+        hookstats.histogram_buffer(2, "exp", dtype=torch.int32)
+    with pytest.raises(TypeError, match="histogram"):
+        hookstats.histogram(torch.ones(3), 4, range=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Over 2^31 elements (slow)
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_than_2_31_elements_expanded(device):
+    n = 2**31 + 7
+    x = torch.tensor([0.5], device=device).expand(n)  # stride 0: no memory
+    h = H.range(64, -3.0, 3.0)  # 0.5 is bin 37, away from an edge
+    out = hookstats.stats_buffer(1, device=device, dtype=torch.float64)
+    hb = torch.full((1, h.length(torch.float32)), 2**33, dtype=torch.int64, device=device)
+    hookstats.stats_into(x, out, 0, hist=hb, histogram=h)
+    want = torch.full((h.length(torch.float32),), 2**33, dtype=torch.int64)
+    want[37] += n
+    assert torch.equal(hb[0].cpu(), want)
+    assert int(out[0, 0]) == n  # numel
+    lay = hookstats.exp_layout(torch.bfloat16)
+    c = hookstats.exp_histogram(torch.tensor([-0.5], dtype=torch.bfloat16, device=device).expand(n)).cpu()
+    assert int(c[lay.neg.start - 1 - lay.emin]) == n and int(c.sum()) == n
+
+
+# ---------------------------------------------------------------------------------------------------------
+# opcheck and torch.compile
+# ---------------------------------------------------------------------------------------------------------
+
+OPCHECK_INPUTS = {
+    "fp32_contiguous": lambda d: torch.randn(33, 17, device=d),
+    "fp64_transposed": lambda d: torch.randn(17, 33, dtype=torch.float64, device=d).t(),
+    "fp16_misaligned": lambda d: torch.randn(1001, device=d).half()[1:],
+    "bf16_expanded": lambda d: torch.randn(1, 40, device=d).bfloat16().expand(30, 40),
+    "fp32_nan": lambda d: torch.tensor([1.0, NAN, INF, 0.5], device=d),
+}
+OPCHECK_HISTS = {"range": (1, 64, -3.0, 3.0), "exp": (2, 0, 0.0, 0.0)}
+
+
+@pytest.mark.parametrize("hname", list(OPCHECK_HISTS))
+@pytest.mark.parametrize("inp", list(OPCHECK_INPUTS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_stats_hist(device, inp, hname):
+    x = OPCHECK_INPUTS[inp](device)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if x.numel() < 2 or not torch.isfinite(x).all():
+        utils = utils[:-1]  # NaN outputs fail its equal_nan=False comparison by construction (see test_stats.py)
+    torch.library.opcheck(torch.ops.hookstats.stats_hist.default, (x, *OPCHECK_HISTS[hname]), test_utils=utils)
+
+
+def _hist_fn(x):
+    s, counts = hookstats.stats(x, histogram=(64, (-3.0, 3.0)))
+    return counts.float().sum() + s.l2
+
+
+def _exp_fn(x):
+    s, counts = hookstats.stats(x, histogram="exp")
+    return counts[: counts.shape[0] // 2].sum() * 2 + s.nan_count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_stats_with_histogram(device):
+    torch._dynamo.reset()
+    for fn in (_hist_fn, _exp_fn):
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        for x in (torch.randn(100, 7), torch.tensor([1.0, NAN, 2.0, 10.0]), torch.randn(50, dtype=torch.float64)):
+            x = x.to(device)
+            torch.testing.assert_close(compiled(x), fn(x), rtol=0, atol=0, equal_nan=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Known bugs (kept failing; see the report): last, so that `pytest -x` runs everything above first
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bins", [2, 7, 8192])
+@pytest.mark.parametrize("device", DEVICES)
+def test_range_whose_scaled_width_overflows(device, bins, isa):
+    """hi - lo is finite but (x - lo) * bins overflows float64 for the upper values of the range: hi must still be
+    in the last bin (or the range must be refused with a ValueError, like one whose hi - lo overflows)."""
+    lo, hi = -1e308, 7e307
+    try:
+        h = H.range(bins, lo, hi)
+    except ValueError:
+        return
+    e = h.edges()
+    vals = [hi, 6e307, 0.0, float(e[bins // 2]), float(e[-2]), lo]
+    x = torch.tensor(vals, dtype=torch.float64, device=device)
+    want = [min(math.floor((v - lo) / (hi - lo) * bins), bins - 1) for v in vals]  # no overflow this way round
+    got = [_single_slot(x[i], h) for i in range(len(vals))]
+    assert got == want, f"bins of {vals}: got {got}, expected {want}"
+
+
+@pytest.mark.parametrize("hname", list(OPCHECK_HISTS))
+@pytest.mark.parametrize("inp", ["fp32_contiguous", "fp16_misaligned"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_stats_into_with_hist(device, inp, hname):
+    x = OPCHECK_INPUTS[inp](device)
+    mode, bins, lo, hi = OPCHECK_HISTS[hname]
+    h = H.exponent() if mode == 2 else H.range(bins, lo, hi)
+    buf = hookstats.stats_buffer(5, device=device)
+    hb = hookstats.histogram_buffer(3, h, dtype=x.dtype, device=device)
+    torch.library.opcheck(torch.ops.hookstats.stats_into.default, (x, buf, 3, hb, 1, mode, bins, lo, hi))
+
+
+def _into_hist_fn(x, buf, hb):
+    hookstats.stats_into(x, buf, 1, hist=hb, histogram="exp")
+    hookstats.stats_into(x * 2, buf, 0, hist=hb, hist_slot=1, histogram=(16, (-2.0, 2.0)) if False else "exp")
+    return hb.sum()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_stats_into_with_hist(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(_into_hist_fn, fullgraph=True, backend="aot_eager")
+    x = torch.randn(100, 7, device=device)
+    b1, b2 = hookstats.stats_buffer(2, device=device), hookstats.stats_buffer(2, device=device)
+    h1, h2 = hookstats.histogram_buffer(2, "exp", device=device), hookstats.histogram_buffer(2, "exp", device=device)
+    torch.testing.assert_close(compiled(x, b1, h1), _into_hist_fn(x, b2, h2), rtol=0, atol=0)
+    assert torch.equal(h1, h2)
+    torch.testing.assert_close(b1, b2, rtol=0, atol=0, equal_nan=True)
