@@ -136,6 +136,9 @@ _MODE_RANGE, _MODE_EXP = 1, 2
 def _hist_length(dtype: torch.dtype, mode: int, bins: int) -> int:
     if mode == _MODE_RANGE:
         return bins + 3
+    if dtype not in _EXP_BITS:
+        raise TypeError(f"hookstats: no exponent histogram for {dtype}; supported: float32, float64, float16, "
+                        "bfloat16")
     e, _ = _EXP_BITS[dtype]
     return 2 * (2**e - 2) + 6
 
@@ -195,6 +198,9 @@ class Histogram(NamedTuple):
             raise ValueError(f"hookstats: histogram needs a finite range, got ({lo}, {hi})")
         if not lo < hi:
             raise ValueError(f"hookstats: histogram needs lo < hi, got range ({lo}, {hi})")
+        if not math.isfinite((hi - lo) * bins):
+            raise ValueError(f"hookstats: histogram: (hi - lo) * bins overflows float64 for range ({lo}, {hi}) and "
+                             f"{bins} bins; use a narrower range")
         return cls(_MODE_RANGE, bins, lo, hi)
 
     @classmethod

@@ -33,7 +33,10 @@ def format_fit(counts: torch.Tensor, dtype: torch.dtype, formats: Optional[Itera
 
     Resolution is one binade (power of two): a value is counted by its exponent floor(log2|x|), so values in the
     top binade of a format whose largest finite is below the binade's end (e4m3fn: 448 < 512) count as fitting,
-    and values in the binade just below the smallest subnormal count as underflow.
+    and values in the binade just below the smallest subnormal count as underflow. The input's own subnormals
+    (one bucket, no exponent) count as underflow when all lie below the format's smallest subnormal, as fitting
+    when all are normal in the format, and as subnormal otherwise (float32 -> bfloat16, float16 -> e5m2: some of
+    them may in fact flush to zero).
     """
     lay = exp_layout(dtype)
     if counts.dim() != 1 or counts.shape[0] != lay.length:
@@ -56,12 +59,20 @@ def format_fit(counts: torch.Tensor, dtype: torch.dtype, formats: Optional[Itera
         over = (exps > f.emax).to(c.device, torch.float64)
         under = (exps < min_sub).to(c.device, torch.float64)
         sub = ((exps >= min_sub) & (exps < f.emin)).to(c.device, torch.float64)
-        # The input's own subnormals lie below 2^lay.emin.
-        subs_underflow = lay.emin - 1 < min_sub
+        # The input's own subnormals have exponents emin - mantissa_bits .. emin - 1: all below the
+        # format's smallest subnormal (underflow), all normal in the format (fit), or else counted
+        # as subnormal (some of them may flush to zero: the histogram cannot tell which).
+        sub_lo, sub_hi = lay.emin - lay.mantissa_bits, lay.emin - 1
+        if sub_hi < min_sub:
+            sub_under, sub_sub = subnormal_in, 0.0
+        elif sub_lo >= f.emin:
+            sub_under, sub_sub = 0.0, 0.0
+        else:
+            sub_under, sub_sub = 0.0, subnormal_in
         out[name] = {
             "overflow": (per_exp * over).sum() / total,
-            "underflow": ((per_exp * under).sum() + (subnormal_in if subs_underflow else 0.0)) / total,
-            "subnormal": ((per_exp * sub).sum() + (0.0 if subs_underflow else subnormal_in)) / total,
+            "underflow": ((per_exp * under).sum() + sub_under) / total,
+            "subnormal": ((per_exp * sub).sum() + sub_sub) / total,
             "nonfinite": nonfinite / total,
         }
     return out

@@ -2,15 +2,14 @@
 
 Counts are compared exactly: against hookstats.reference.histogram_of (torch.histc on float64, frexp), against an
 independent scalar formula for values on and next to bin edges, against closed forms (peaked data, one value per
-binade), and format_fit against what a cast to each format actually does. Known kernel bugs are at the end of the
-file, so that `pytest -x` runs everything else first.
+binade), and format_fit against what a cast to each format actually does. The tests written for one specific bug
+found while writing this file are at its end ("Known bugs"), so that `pytest -x` runs the rest first.
 """
 from __future__ import annotations
 
 import math
 import zlib
 
-import numpy as np
 import pytest
 import torch
 
@@ -35,10 +34,6 @@ EXP_LENGTH = {torch.float32: 514, torch.bfloat16: 514, torch.float16: 66, torch.
 
 def seeded(*key) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def dtype_id(dt: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}[dt]
 
 
 def slot_name(h: H, i: int, dtype: torch.dtype) -> str:
@@ -164,15 +159,19 @@ def _oracle(key, x: torch.Tensor, h: H) -> torch.Tensor:
     return _ORACLE[key]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+# 2^20 + 3 runs flat and gathered only (the reference is slow); 65537 already takes two tasks in every layout.
+SWEEP = [(n, layout) for n in SIZES for layout in LAYOUTS
+         if n < 2**17 or layout in ("contiguous", "every_other_column")]
+
+
+@pytest.mark.parametrize("n,layout", SWEEP, ids=[f"n{n}-{layout}" for n, layout in SWEEP])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_reference(device, dtype, n, layout, isa):
     gen = seeded("sweep", dtype, n, layout)
     x = LAYOUTS[layout](n, lambda m: sweep_values(m, dtype, gen).to(device))
-    if layout != "contiguous" and n > 1:
-        assert not x.is_contiguous()
+    if n > 12:  # the layout is what its name says
+        assert x.storage_offset() == 1 if layout == "misaligned" else x.is_contiguous() == (layout == "contiguous")
     plain = hookstats.stats(x)
     for name, h in HISTS.items():
         s, c = hist_of(x, h)
@@ -186,7 +185,7 @@ def test_every_half_bit_pattern(device, dtype, isa):
     """All 65,536 fp16 / bf16 values (subnormals, +-0, +-inf, NaNs with any payload), through the SIMD
     conversions and the scalar tail alike."""
     x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
-    x = x[torch.randperm(65536, generator=seeded("halfbits", dtype)).add_(0)].to(device)
+    x = x[torch.randperm(65536, generator=seeded("halfbits", dtype))].to(device)
     lay = hookstats.exp_layout(dtype)
     fi = torch.finfo(dtype)
     hists = [H.exponent(), H.range(64, -4.0, 4.0), H.range(8192, -float(fi.max), float(fi.max)),
@@ -209,8 +208,8 @@ def test_random_bit_patterns(dtype, isa):
     if dtype == torch.float32:
         raw = torch.randint(-2**31, 2**31, (2**18,), generator=gen, dtype=torch.int64).to(torch.int32)
     else:
-        raw = torch.randint(-2**62, 2**62, (2**17,), generator=gen, dtype=torch.int64)
-        raw[::2] ^= torch.tensor(-2**63)  # both signs
+        halves = torch.randint(0, 2**32, (2, 2**17), generator=gen, dtype=torch.int64)
+        raw = (halves[0] << 32) | halves[1]  # all 64 bits random: every exponent, both signs
     x = raw.view(dtype)
     for h in (H.exponent(), H.range(64, -4.0, 4.0), H.range(7, -1e30, 1e30), H.range(8192, -1e-30, 1e-30)):
         assert_counts_equal(hist_of(x, h)[1], reference.histogram_of(x, h), h, dtype)
@@ -287,8 +286,8 @@ def test_lo_and_hi_themselves(device, dtype, rng, isa):
     assert _single_slot(hi, h) == h.bins - 1
     assert _single_slot(torch.nextafter(lo, torch.tensor(-INF, dtype=dtype, device=device)), h) == h.bins
     assert _single_slot(torch.nextafter(hi, torch.tensor(INF, dtype=dtype, device=device)), h) == h.bins + 1
-    assert _single_slot(torch.nextafter(lo, hi), h) == 0
-    assert _single_slot(torch.nextafter(hi, lo), h) == h.bins - 1
+    for inner in (torch.nextafter(lo, hi), torch.nextafter(hi, lo)):  # in bin 0 / the last bin unless bins are tiny
+        assert _single_slot(inner, h) == int(expected_range([float(inner)], h).nonzero())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -329,7 +328,8 @@ def _extreme_values(dtype: torch.dtype) -> torch.Tensor:
             1e-30, 1e-40, 1e300, 1e-300]
     vals = [s * m for m in mags for s in (1.0, -1.0)] + [INF, -INF, NAN, 0.0, -0.0]
     x = torch.tensor(vals, dtype=torch.float64).to(dtype)  # out-of-range magnitudes become inf or 0
-    nan_neg = torch.tensor([NAN], dtype=dtype).neg()
+    int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    nan_neg = (torch.tensor([NAN], dtype=dtype).view(int_t) | torch.iinfo(int_t).min).view(dtype)
     return torch.cat([x, nan_neg])
 
 
@@ -359,7 +359,7 @@ def test_nan_inf_and_out_of_range_buckets(device, dtype, isa):
     h = H.range(4, -1.0, 1.0)
     x = torch.tensor([NAN, INF, -INF, -1e4, 1e4, -1.5, 1.5, 0.25, NAN, INF], dtype=dtype, device=device)
     c = hist_of(x, h)[1].cpu().tolist()
-    assert c == [0, 0, 1, 0, 3, 3, 3]  # 0.25 -> bin 2; -inf, -1e4, -1.5 under; inf, 1e4, 1.5, inf over; 2 NaN
+    assert c == [0, 0, 1, 0, 3, 4, 2]  # 0.25 -> bin 2; -inf, -1e4, -1.5 under; inf, 1e4, 1.5, inf over; 2 NaN
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def _binade_values(dtype: torch.dtype) -> torch.Tensor:
     x = torch.cat([pos, -pos, torch.tensor([0.0, -0.0, INF, -INF, NAN], dtype=torch.float64)]).to(dtype)
     int_t = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     qnan = torch.tensor([NAN], dtype=dtype)
-    neg_nan = qnan.neg()
+    neg_nan = (qnan.view(int_t) | torch.iinfo(int_t).min).view(dtype)  # the sign bit set (neg() may drop it)
     payload = (qnan.view(int_t) + 1).view(dtype)  # a NaN with another mantissa
     assert torch.isnan(neg_nan).all() and torch.isnan(payload).all() and bool(torch.signbit(neg_nan))
     x = torch.cat([x, neg_nan, payload])
@@ -442,9 +442,9 @@ def test_fp16_subnormals_are_subnormal_in_fp16(device, isa):
 def test_exp_histogram_randn_scales(device, dtype, isa):
     gen = seeded("exp_scales", dtype)
     fi = torch.finfo(dtype)
-    parts = [torch.randn(5000, generator=gen, dtype=torch.float64) * s for s in (1.0, 1e-3, 1e3)]
-    parts.append(torch.randn(3000, generator=gen, dtype=torch.float64) * fi.tiny)  # straddles subnormals
-    parts.append(torch.randn(3000, generator=gen, dtype=torch.float64) * fi.max / 4)  # some overflow to inf
+    parts = [torch.randn(1500, generator=gen, dtype=torch.float64) * s for s in (1.0, 1e-3, 1e3)]
+    parts.append(torch.randn(1000, generator=gen, dtype=torch.float64) * fi.tiny)  # straddles subnormals
+    parts.append(torch.randn(1000, generator=gen, dtype=torch.float64) * fi.max / 4)  # some overflow to inf
     x = torch.cat(parts).to(dtype).to(device)
     c = hookstats.exp_histogram(x)
     assert_counts_equal(c, reference.histogram_of(x.cpu(), H.exponent()), H.exponent(), dtype)
@@ -458,7 +458,7 @@ def test_exp_histogram_randn_scales(device, dtype, isa):
 PEAKS = [0.0, -0.0, 0.5, -4.0, 4.0, 3.9999, NAN, INF, -INF, 1e-6]
 
 
-@pytest.mark.parametrize("n", [2 * 4096 + 17, 2**20 + 3], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("n", [2 * 4096 + 17, 2**17 + 3], ids=lambda n: f"n{n}")  # 1 and 4 tasks
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_peaked(device, dtype, n, isa):
@@ -638,154 +638,6 @@ def test_thread_count_does_not_change_bits(dtype, isa, restore_threads):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Will it fit? format_fit against the casts themselves
-# ---------------------------------------------------------------------------------------------------------
-
-TARGETS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
-           "float8_e5m2": torch.float8_e5m2}
-
-
-def test_formats_match_finfo():
-    assert set(hookstats.FORMATS) == set(TARGETS)
-    for name, f in hookstats.FORMATS.items():
-        fi = torch.finfo(TARGETS[name])
-        assert f.max == fi.max, name
-        assert 2.0**f.emin == fi.smallest_normal, name
-        assert 2.0**-f.mantissa_bits == fi.eps, name
-        assert f.emax == math.floor(math.log2(fi.max)), name
-
-
-def _actual_fit(x: torch.Tensor, target: torch.dtype) -> dict:
-    """Fractions of x's values whose cast to target overflows (finite -> inf/NaN), underflows (nonzero -> 0),
-    is subnormal, or that are inf/NaN already."""
-    y = x.to(target).to(torch.float64)
-    xf = x.to(torch.float64)
-    fin = torch.isfinite(xf)
-    tiny = torch.finfo(target).smallest_normal
-    n = max(x.numel(), 1)
-    return {
-        "overflow": int((fin & ~torch.isfinite(y)).sum()) / n,
-        "underflow": int((fin & (xf != 0) & (y == 0)).sum()) / n,
-        "subnormal": int((torch.isfinite(y) & (y != 0) & (y.abs() < tiny)).sum()) / n,
-        "nonfinite": int((~fin).sum()) / n,
-    }
-
-
-def _fit_values(dtype: torch.dtype, fmt: str) -> torch.Tensor:
-    """m * 2^e for every normal exponent of dtype, m in {1, 1.25, 1.5} (no value in a format's top binade above
-    its max), both signs, 1 + e % 4 copies each; zeros, infs, NaNs and dtype's subnormals. Leaves out the binade
-    below the format's smallest subnormal, where format_fit's documented one-binade resolution and the cast
-    disagree, and dtype's subnormals where they straddle the format's underflow threshold."""
-    lay = hookstats.exp_layout(dtype)
-    f = hookstats.FORMATS[fmt]
-    target = TARGETS[fmt]
-    fi = torch.finfo(dtype)
-    vals = []
-    for e in range(lay.emin, lay.emax + 1):
-        if e == f.emin - f.mantissa_bits - 1:
-            continue
-        for m in (1.0, 1.25, 1.5):
-            vals += [m * 2.0**e, -m * 2.0**e] * (1 + e % 4)
-    subs = torch.tensor([fi.tiny * fi.eps, fi.tiny / 4, fi.tiny - fi.tiny * fi.eps], dtype=dtype)
-    under = (subs.to(target).to(torch.float64) == 0).tolist()
-    if all(under) or not any(under):
-        vals += as_floats(subs) * 3 + [-v for v in as_floats(subs)]
-    vals += [0.0, -0.0, 0.0, INF, -INF, NAN, NAN]
-    return torch.tensor(vals, dtype=torch.float64).to(dtype)
-
-
-@pytest.mark.parametrize("fmt", list(TARGETS))
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("device", DEVICES)
-def test_format_fit_matches_casts(device, dtype, fmt):
-    x = _fit_values(dtype, fmt).to(device)
-    counts = hookstats.exp_histogram(x)
-    fit = hookstats.format_fit(counts, dtype, [fmt])
-    assert list(fit) == [fmt]
-    want = _actual_fit(x.cpu(), TARGETS[fmt])
-    assert set(fit[fmt]) == set(want)
-    for k, v in fit[fmt].items():
-        assert v.dtype == torch.float64 and v.shape == () and v.device == counts.device
-        assert float(v) == want[k], f"{fmt} from {dtype}: {k} is {float(v)!r}, a cast gives {want[k]!r}"
-    assert any(want[k] > 0 for k in ("overflow", "underflow", "subnormal")) or fmt == "bfloat16"
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_format_fit_boundary_binades(device):
-    """The documented one-binade resolution, checked directly where a cast would say otherwise."""
-
-    def fit_of(values, dtype=torch.float64, fmt=None):
-        c = hookstats.exp_histogram(torch.tensor(values, dtype=dtype, device=device))
-        return {k: float(v) for k, v in hookstats.format_fit(c, dtype, [fmt])[fmt].items()}
-
-    # the top binade of e4m3fn is [256, 512) but its max is 448: 480 becomes NaN in a cast, yet "fits"
-    assert torch.isnan(torch.tensor(480.0).to(torch.float8_e4m3fn).float())
-    assert fit_of([480.0, 500.0], fmt="float8_e4m3fn")["overflow"] == 0.0
-    assert fit_of([512.0, 1.0], fmt="float8_e4m3fn")["overflow"] == 0.5
-    # float16: 65520 rounds to inf, 65536 is in the next binade
-    assert fit_of([65520.0, 1.0], torch.float32, "float16")["overflow"] == 0.0
-    assert fit_of([65536.0, 1.0], torch.float32, "float16")["overflow"] == 0.5
-    # the binade just below the smallest subnormal counts as underflow, even where the cast rounds up
-    for fmt, f in hookstats.FORMATS.items():
-        e = f.emin - f.mantissa_bits
-        v = 1.75 * 2.0**(e - 1)
-        assert float(torch.tensor(v).to(TARGETS[fmt]).double()) == 2.0**e  # the cast rounds it up to nonzero
-        r = fit_of([v, 2.0**e, 2.0**(f.emin - 1), 1.0], fmt=fmt)
-        assert (r["underflow"], r["subnormal"]) == (0.25, 0.5), fmt
-        assert fit_of([2.0**(f.emax + 1), -(2.0**f.emax) * 1.5], fmt=fmt)["overflow"] == 0.5, fmt
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_format_fit_input_subnormals_counted_once(dtype):
-    """dtype's own subnormals have no exponent in the histogram: each is counted exactly once, as underflow when
-    every one of them underflows in the format, as subnormal when none does. (float32 -> bfloat16 and
-    float16 -> float8_e5m2 straddle the threshold: there only the single count is checked.)"""
-    fi = torch.finfo(dtype)
-    subs = torch.tensor([fi.tiny * fi.eps, fi.tiny / 4, fi.tiny - fi.tiny * fi.eps], dtype=dtype)
-    x = torch.cat([subs, -subs, torch.ones(2, dtype=dtype)])
-    fit = hookstats.format_fit(hookstats.exp_histogram(x), dtype)
-    for fmt, target in TARGETS.items():
-        r = {k: float(v) for k, v in fit[fmt].items()}
-        assert r["overflow"] == 0.0 and r["nonfinite"] == 0.0
-        assert r["underflow"] + r["subnormal"] == 0.75, (fmt, r)
-        under = (subs.to(target).to(torch.float64) == 0).tolist()
-        if all(under):
-            assert r["underflow"] == 0.75, (fmt, r)
-        elif not any(under):
-            assert r["subnormal"] == 0.75, (fmt, r)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_format_fit_from_a_stats_into_row(device):
-    x = _fit_values(torch.float32, "float8_e4m3fn").to(device)
-    hb = hookstats.histogram_buffer(3, "exp", dtype=torch.float32, device=device)
-    hookstats.stats_into(x, hookstats.stats_buffer(3, device=device), 2, hist=hb, histogram="exp")
-    hookstats.stats_into(x, hookstats.stats_buffer(3, device=device), 2, hist=hb, histogram="exp")
-    a = hookstats.format_fit(hb[2], torch.float32)
-    b = hookstats.format_fit(hookstats.exp_histogram(x), torch.float32)
-    assert set(a) == set(hookstats.FORMATS)
-    for fmt in a:
-        for k in a[fmt]:
-            assert float(a[fmt][k]) == float(b[fmt][k]), (fmt, k)  # fractions: doubling every count changes none
-
-
-def test_format_fit_arguments():
-    c = hookstats.exp_histogram(torch.randn(100))
-    with pytest.raises(ValueError, match="514"):
-        hookstats.format_fit(c[:-1], torch.float32)
-    with pytest.raises(ValueError, match="66"):
-        hookstats.format_fit(c, torch.float16)
-    with pytest.raises(ValueError):
-        hookstats.format_fit(c.reshape(2, 257), torch.float32)
-    with pytest.raises(ValueError, match="float8_e4m3fnuz"):
-        hookstats.format_fit(c, torch.float32, ["float8_e4m3fnuz"])
-    with pytest.raises(TypeError):
-        hookstats.format_fit(c, torch.int32)
-    empty = hookstats.format_fit(torch.zeros(514, dtype=torch.int64), torch.float32)
-    assert all(float(v) == 0.0 for d in empty.values() for v in d.values())  # not NaN
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Errors: raised before any work
 # ---------------------------------------------------------------------------------------------------------
 
@@ -799,9 +651,8 @@ def test_rejects_bins_out_of_range(bins):
         H.range(bins, 0.0, 1.0)
     with pytest.raises(ValueError, match="bins"):
         hookstats.stats(x, histogram=(bins, (0.0, 1.0)))
-    if abs(bins) < 2**31:
-        with pytest.raises(ValueError, match="bins"):
-            torch.ops.hookstats.stats_hist.default(x, 1, bins, 0.0, 1.0)
+    with pytest.raises(ValueError, match="bins"):
+        torch.ops.hookstats.stats_hist.default(x, 1, bins, 0.0, 1.0)
 
 
 def test_max_bins_accepted():
@@ -812,7 +663,7 @@ def test_max_bins_accepted():
                         torch.float32)
 
 
-@pytest.mark.parametrize("bins", [2.0, True, "4", None, np.int64(4)], ids=repr)
+@pytest.mark.parametrize("bins", [2.0, True, "4", None], ids=repr)
 def test_rejects_non_int_bins(bins):
     with pytest.raises(TypeError, match="int"):
         hookstats.histogram(torch.ones(3), bins, range=(0, 1))
@@ -981,8 +832,6 @@ def test_histogram_buffer_arguments():
     for slots in (0, -1, 2.0):
         with pytest.raises(ValueError, match="slots"):
             hookstats.histogram_buffer(slots, "exp")
-    with pytest.raises(TypeError):
-        hookstats.histogram_buffer(2, "exp", dtype=torch.int32)
     with pytest.raises(TypeError, match="histogram"):
         hookstats.histogram(torch.ones(3), 4, range=1.0)
 
@@ -1004,9 +853,6 @@ def test_more_than_2_31_elements_expanded(device):
     want[37] += n
     assert torch.equal(hb[0].cpu(), want)
     assert int(out[0, 0]) == n  # numel
-    lay = hookstats.exp_layout(torch.bfloat16)
-    c = hookstats.exp_histogram(torch.tensor([-0.5], dtype=torch.bfloat16, device=device).expand(n)).cpu()
-    assert int(c[lay.neg.start - 1 - lay.emin]) == n and int(c.sum()) == n
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1054,6 +900,202 @@ def test_compile_fullgraph_stats_with_histogram(device):
             torch.testing.assert_close(compiled(x), fn(x), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("hname", list(OPCHECK_HISTS))
+@pytest.mark.parametrize("inp", ["fp32_contiguous", "fp16_misaligned"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_stats_into_with_hist(device, inp, hname):
+    x = OPCHECK_INPUTS[inp](device)
+    mode, bins, lo, hi = OPCHECK_HISTS[hname]
+    h = H.exponent() if mode == 2 else H.range(bins, lo, hi)
+    buf = hookstats.stats_buffer(5, device=device)
+    hb = hookstats.histogram_buffer(3, h, dtype=x.dtype, device=device)
+    torch.library.opcheck(torch.ops.hookstats.stats_into.default, (x, buf, 3, hb, 1, mode, bins, lo, hi))
+
+
+def _into_hist_fn(x, buf, hb):
+    hookstats.stats_into(x, buf, 1, hist=hb, histogram="exp")
+    hookstats.stats_into(x * 2, buf, 0, hist=hb, hist_slot=1, histogram="exp")
+    return hb.sum()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_stats_into_with_hist(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(_into_hist_fn, fullgraph=True, backend="aot_eager")
+    x = torch.randn(100, 7, device=device)
+    b1, b2 = hookstats.stats_buffer(2, device=device), hookstats.stats_buffer(2, device=device)
+    h1, h2 = hookstats.histogram_buffer(2, "exp", device=device), hookstats.histogram_buffer(2, "exp", device=device)
+    torch.testing.assert_close(compiled(x, b1, h1), _into_hist_fn(x, b2, h2), rtol=0, atol=0)
+    assert torch.equal(h1, h2)
+    torch.testing.assert_close(b1, b2, rtol=0, atol=0, equal_nan=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Will it fit? format_fit against the casts themselves
+# ---------------------------------------------------------------------------------------------------------
+
+TARGETS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
+           "float8_e5m2": torch.float8_e5m2}
+
+
+def test_formats_match_finfo():
+    assert set(hookstats.FORMATS) == set(TARGETS)
+    for name, f in hookstats.FORMATS.items():
+        fi = torch.finfo(TARGETS[name])
+        assert f.max == fi.max, name
+        assert 2.0**f.emin == fi.smallest_normal, name
+        assert 2.0**-f.mantissa_bits == fi.eps, name
+        assert f.emax == math.floor(math.log2(fi.max)), name
+
+
+def _actual_fit(x: torch.Tensor, target: torch.dtype) -> dict:
+    """Fractions of x's values whose cast to target overflows (finite -> inf/NaN, or clipped to the max: torch
+    saturates float8_e4m3fn), underflows (nonzero -> 0), is subnormal, or that are inf/NaN already."""
+    y = x.to(target).to(torch.float64)
+    xf = x.to(torch.float64)
+    fin = torch.isfinite(xf)
+    fi = torch.finfo(target)
+    n = max(x.numel(), 1)
+    clipped = (y.abs() == fi.max) & (xf.abs() > fi.max)
+    return {
+        "overflow": int((fin & (~torch.isfinite(y) | clipped)).sum()) / n,
+        "underflow": int((fin & (xf != 0) & (y == 0)).sum()) / n,
+        "subnormal": int((torch.isfinite(y) & (y != 0) & (y.abs() < fi.smallest_normal)).sum()) / n,
+        "nonfinite": int((~fin).sum()) / n,
+    }
+
+
+def _input_subnormals(dtype: torch.dtype) -> torch.Tensor:
+    """The smallest, a middle and the largest positive subnormal of dtype."""
+    fi = torch.finfo(dtype)
+    return torch.tensor([fi.tiny * fi.eps, fi.tiny / 4, fi.tiny - fi.tiny * fi.eps], dtype=dtype)
+
+
+def _subnormal_class(dtype: torch.dtype, target: torch.dtype) -> str:
+    """What a cast to target makes of all of dtype's subnormals: "underflow", "subnormal", "normal", or "mixed"
+    (the smallest and the largest decide it: the cast is monotonic)."""
+    y = _input_subnormals(dtype).to(target).to(torch.float64)
+    cls = ["underflow" if v == 0 else ("subnormal" if v < torch.finfo(target).smallest_normal else "normal")
+           for v in y[[0, 2]].tolist()]
+    return cls[0] if cls[0] == cls[1] else "mixed"
+
+
+def _fit_values(dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    """m * 2^e for every normal exponent of dtype, m in {1, 1.25, 1.5} (so no value lies in a format's top binade
+    above its max), both signs, 1 + e % 4 copies each; zeros, infs, NaNs; dtype's subnormals where a cast makes
+    them all underflow or all subnormal. Leaves out the binade below the format's smallest subnormal, where
+    format_fit's documented one-binade resolution and the cast disagree (test_format_fit_boundary_binades), and
+    subnormals that straddle the threshold or become normals (test_format_fit_input_subnormals_*)."""
+    lay = hookstats.exp_layout(dtype)
+    f = hookstats.FORMATS[fmt]
+    vals = []
+    for e in range(lay.emin, lay.emax + 1):
+        if e == f.emin - f.mantissa_bits - 1:
+            continue
+        for m in (1.0, 1.25, 1.5):
+            vals += [m * 2.0**e, -m * 2.0**e] * (1 + e % 4)
+    if _subnormal_class(dtype, TARGETS[fmt]) in ("underflow", "subnormal"):
+        subs = as_floats(_input_subnormals(dtype))
+        vals += subs * 3 + [-v for v in subs]
+    vals += [0.0, -0.0, 0.0, INF, -INF, NAN, NAN]
+    return torch.tensor(vals, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", list(TARGETS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_format_fit_matches_casts(device, dtype, fmt):
+    x = _fit_values(dtype, fmt).to(device)
+    counts = hookstats.exp_histogram(x)
+    fit = hookstats.format_fit(counts, dtype, [fmt])
+    assert list(fit) == [fmt]
+    want = _actual_fit(x.cpu(), TARGETS[fmt])
+    assert set(fit[fmt]) == set(want)
+    for k, v in fit[fmt].items():
+        assert v.dtype == torch.float64 and v.shape == () and v.device == counts.device
+        assert float(v) == want[k], f"{fmt} from {dtype}: {k} is {float(v)!r}, a cast gives {want[k]!r}"
+    fits_entirely = {(torch.float32, "bfloat16"), (torch.float16, "bfloat16"), (torch.float16, "float8_e5m2")}
+    if (dtype, fmt) not in fits_entirely:  # (their subnormals are left out: see _fit_values)
+        assert any(want[k] > 0 for k in ("overflow", "underflow", "subnormal")), want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_format_fit_boundary_binades(device):
+    """The documented one-binade resolution, checked directly where a cast says otherwise."""
+
+    def fit_of(values, dtype=torch.float64, fmt=None):
+        c = hookstats.exp_histogram(torch.tensor(values, dtype=dtype, device=device))
+        return {k: float(v) for k, v in hookstats.format_fit(c, dtype, [fmt])[fmt].items()}
+
+    # the top binade of e4m3fn is [256, 512) but its max is 448: 480 and 500 are beyond it, yet "fit"
+    assert fit_of([480.0, 500.0], fmt="float8_e4m3fn")["overflow"] == 0.0
+    assert fit_of([512.0, 1.0], fmt="float8_e4m3fn")["overflow"] == 0.5
+    # float16: 65520 rounds to inf, but is in the top binade; 65536 is in the next one
+    assert torch.isinf(torch.tensor(65520.0).half())
+    assert fit_of([65520.0, 1.0], torch.float32, "float16")["overflow"] == 0.0
+    assert fit_of([65536.0, 1.0], torch.float32, "float16")["overflow"] == 0.5
+    # the binade just below the smallest subnormal counts as underflow, even where the cast rounds up
+    for fmt, f in hookstats.FORMATS.items():
+        e = f.emin - f.mantissa_bits
+        v = 1.75 * 2.0**(e - 1)
+        assert float(torch.tensor(v).to(TARGETS[fmt]).double()) == 2.0**e  # the cast rounds it up to nonzero
+        r = fit_of([v, 2.0**e, 2.0**(f.emin - 1), 1.0], fmt=fmt)
+        assert (r["underflow"], r["subnormal"], r["overflow"]) == (0.25, 0.5, 0.0), fmt
+        assert fit_of([2.0**(f.emax + 1), -(2.0**f.emax) * 1.5], fmt=fmt)["overflow"] == 0.5, fmt
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_format_fit_input_subnormals_counted_once(dtype):
+    """dtype's own subnormals have no exponent in the histogram: each is counted once, as underflow when a cast
+    makes all of them zero, as subnormal when it keeps all of them subnormal. (float32 -> bfloat16 and
+    float16 -> float8_e5m2 straddle the threshold: there only the single count is checked; subnormals that the
+    format holds as normals: test_format_fit_input_subnormals_that_are_normal_in_the_format.)"""
+    subs = _input_subnormals(dtype)
+    x = torch.cat([subs, -subs, torch.ones(2, dtype=dtype)])
+    fit = hookstats.format_fit(hookstats.exp_histogram(x), dtype)
+    for fmt, target in TARGETS.items():
+        r = {k: float(v) for k, v in fit[fmt].items()}
+        assert r["overflow"] == 0.0 and r["nonfinite"] == 0.0
+        cls = _subnormal_class(dtype, target)
+        if cls == "underflow":
+            assert (r["underflow"], r["subnormal"]) == (0.75, 0.0), (fmt, r)
+        elif cls == "subnormal":
+            assert (r["underflow"], r["subnormal"]) == (0.0, 0.75), (fmt, r)
+        elif cls == "mixed":
+            assert r["underflow"] + r["subnormal"] == 0.75, (fmt, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_format_fit_from_a_stats_into_row(device):
+    x = _fit_values(torch.float32, "float8_e4m3fn").to(device)
+    hb = hookstats.histogram_buffer(3, "exp", dtype=torch.float32, device=device)
+    hookstats.stats_into(x, hookstats.stats_buffer(3, device=device), 2, hist=hb, histogram="exp")
+    hookstats.stats_into(x, hookstats.stats_buffer(3, device=device), 2, hist=hb, histogram="exp")
+    a = hookstats.format_fit(hb[2], torch.float32)
+    b = hookstats.format_fit(hookstats.exp_histogram(x), torch.float32)
+    assert set(a) == set(hookstats.FORMATS)
+    for fmt in a:
+        for k in a[fmt]:
+            assert float(a[fmt][k]) == float(b[fmt][k]), (fmt, k)  # doubling every count changes no fraction
+    assert float(a["float8_e4m3fn"]["overflow"]) > 0
+
+
+def test_format_fit_arguments():
+    c = hookstats.exp_histogram(torch.randn(100))
+    with pytest.raises(ValueError, match="514"):
+        hookstats.format_fit(c[:-1], torch.float32)
+    with pytest.raises(ValueError, match="66"):
+        hookstats.format_fit(c, torch.float16)
+    with pytest.raises(ValueError):
+        hookstats.format_fit(c.reshape(2, 257), torch.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fnuz"):
+        hookstats.format_fit(c, torch.float32, ["float8_e4m3fnuz"])
+    with pytest.raises(TypeError):
+        hookstats.format_fit(c, torch.int32)
+    empty = hookstats.format_fit(torch.zeros(514, dtype=torch.int64), torch.float32)
+    assert all(float(v) == 0.0 for d in empty.values() for v in d.values())  # not NaN
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Known bugs (kept failing; see the report): last, so that `pytest -x` runs everything above first
 # ---------------------------------------------------------------------------------------------------------
@@ -1076,31 +1118,38 @@ def test_range_whose_scaled_width_overflows(device, bins, isa):
     assert got == want, f"bins of {vals}: got {got}, expected {want}"
 
 
-@pytest.mark.parametrize("hname", list(OPCHECK_HISTS))
-@pytest.mark.parametrize("inp", ["fp32_contiguous", "fp16_misaligned"])
+def test_format_fit_input_subnormals_that_are_normal_in_the_format():
+    """float16's subnormals (2^-24 .. 2^-14) are normal bfloat16 values: a cast neither flushes them nor makes
+    them subnormal, so they must not count as "subnormal" (nor as underflow) for bfloat16."""
+    assert _subnormal_class(torch.float16, torch.bfloat16) == "normal"
+    x = torch.cat([_input_subnormals(torch.float16), torch.ones(1, dtype=torch.float16)])
+    r = {k: float(v) for k, v in hookstats.format_fit(hookstats.exp_histogram(x), torch.float16,
+                                                      ["bfloat16"])["bfloat16"].items()}
+    assert r == _actual_fit(x, torch.bfloat16) == {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0,
+                                                   "nonfinite": 0.0}, r
+
+
+def test_histogram_buffer_rejects_non_float_dtype():
+    """The exponent layout depends on the dtype: an integer dtype must be a TypeError (exp_layout's), not a
+    KeyError from a dict lookup."""
+    with pytest.raises(TypeError, match="int32"):
+        hookstats.histogram_buffer(2, "exp", dtype=torch.int32)
+    with pytest.raises(TypeError, match="int32"):
+        H.exponent().length(torch.int32)
+
+
+@pytest.mark.parametrize("rng", [(4, 0.0, 1e-38), (100, -1.1754943508222875e-38, 1.1754943508222875e-38),
+                                 (3, 1e-39, 2e-39)], ids=["4_0_1e-38", "100_pm_tiny", "3_1e-39_2e-39"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+                                   pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_stats_into_with_hist(device, inp, hname):
-    x = OPCHECK_INPUTS[inp](device)
-    mode, bins, lo, hi = OPCHECK_HISTS[hname]
-    h = H.exponent() if mode == 2 else H.range(bins, lo, hi)
-    buf = hookstats.stats_buffer(5, device=device)
-    hb = hookstats.histogram_buffer(3, h, dtype=x.dtype, device=device)
-    torch.library.opcheck(torch.ops.hookstats.stats_into.default, (x, buf, 3, hb, 1, mode, bins, lo, hi))
-
-
-def _into_hist_fn(x, buf, hb):
-    hookstats.stats_into(x, buf, 1, hist=hb, histogram="exp")
-    hookstats.stats_into(x * 2, buf, 0, hist=hb, hist_slot=1, histogram=(16, (-2.0, 2.0)) if False else "exp")
-    return hb.sum()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph_stats_into_with_hist(device):
-    torch._dynamo.reset()
-    compiled = torch.compile(_into_hist_fn, fullgraph=True, backend="aot_eager")
-    x = torch.randn(100, 7, device=device)
-    b1, b2 = hookstats.stats_buffer(2, device=device), hookstats.stats_buffer(2, device=device)
-    h1, h2 = hookstats.histogram_buffer(2, "exp", device=device), hookstats.histogram_buffer(2, "exp", device=device)
-    torch.testing.assert_close(compiled(x, b1, h1), _into_hist_fn(x, b2, h2), rtol=0, atol=0)
-    assert torch.equal(h1, h2)
-    torch.testing.assert_close(b1, b2, rtol=0, atol=0, equal_nan=True)
+def test_range_whose_scale_overflows_float32(device, dtype, rng, isa):
+    """bins / (hi - lo) above float32's max: the float32 scale is inf, x * scale is +-inf (NaN for 0), and the
+    SIMD lanes must still fall back to the exact formula (the scalar tail does)."""
+    h = H.range(*rng)
+    assert h.bins / (h.hi - h.lo) > torch.finfo(torch.float32).max
+    x = torch.zeros(37, dtype=dtype, device=device)
+    assert hist_of(x, h)[1].cpu().tolist() == expected_range([0.0] * 37, h).tolist()
+    vals = torch.tensor([0.0, -0.0, h.lo, h.hi, (h.lo + h.hi) / 2, h.lo + (h.hi - h.lo) / 3, 1.0, -1.0],
+                        dtype=torch.float64).to(dtype).repeat(5).to(device)
+    assert_counts_equal(hist_of(vals, h)[1], expected_range(as_floats(vals), h), h, dtype)

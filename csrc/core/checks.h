@@ -74,6 +74,9 @@ inline HistSpec checked_hist_spec(const at::Tensor& x, int64_t mode, int64_t bin
     TORCH_CHECK_VALUE(std::isfinite(lo) && std::isfinite(hi) && std::isfinite(hi - lo),
                       "hookstats.histogram needs a finite range, got (", lo, ", ", hi, ")");
     TORCH_CHECK_VALUE(lo < hi, "hookstats.histogram needs lo < hi, got range (", lo, ", ", hi, ")");
+    TORCH_CHECK_VALUE(std::isfinite((hi - lo) * static_cast<double>(bins)),
+                      "hookstats.histogram: (hi - lo) * bins overflows float64 for range (", lo, ", ", hi,
+                      ") and ", bins, " bins; use a narrower range");
   }
   return make_hist_spec(static_cast<int>(mode), mode == kHistRange ? bins : 0, lo, hi);
 }

@@ -35,6 +35,7 @@ struct HistSpec {
   // fixed_slot() falls back to the exact float64 formula when t is near an integer.
   double scale, shift;
   float scale_f, shift_f;
+  int32_t float_ok;  // scale_f is a normal float and shift_f finite: the float transform is accurate
 };
 
 inline HistSpec make_hist_spec(int mode, int64_t bins, double lo, double hi) {
@@ -47,6 +48,8 @@ inline HistSpec make_hist_spec(int mode, int64_t bins, double lo, double hi) {
   h.shift = -lo * h.scale;
   h.scale_f = static_cast<float>(h.scale);
   h.shift_f = static_cast<float>(h.shift);
+  h.float_ok = h.scale_f >= 1.1754943508222875e-38f && h.scale_f < 3.0e38f && h.shift_f > -1e30f &&
+               h.shift_f < 1e30f;
   return h;
 }
 
@@ -70,6 +73,7 @@ template <> struct BinTolerance<double> { static constexpr double rel = 8.881784
 template <typename acc_t>
 HS_HD int32_t fixed_slot(acc_t x, const HistSpec& h) {
   if (x != x) return h.bins + 2;
+  if (sizeof(acc_t) == 4 && !h.float_ok) return fixed_slot_exact(static_cast<double>(x), h);
   const acc_t scale = sizeof(acc_t) == 4 ? static_cast<acc_t>(h.scale_f) : static_cast<acc_t>(h.scale);
   const acc_t shift = sizeof(acc_t) == 4 ? static_cast<acc_t>(h.shift_f) : static_cast<acc_t>(h.shift);
   const acc_t xs = x * scale;

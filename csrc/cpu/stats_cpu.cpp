@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 #include <type_traits>
@@ -90,6 +91,7 @@ HS_INLINE void bin_scalar(HistCounters& h, int lane, const scalar_t& raw, const 
 struct RangeConsts {
   float scale, shift, lo_clamp, hi_clamp, band;
   int32_t bins;
+  bool exact_only;  // the float32 transform overflows (tiny ranges): every value takes the exact path
 };
 
 inline RangeConsts range_consts(const HistSpec& hs) {
@@ -104,6 +106,9 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   r.band = static_cast<float>((2.0 * tmax + 2.0 * std::fabs(static_cast<double>(hs.shift_f)) + 1.0) *
                               static_cast<double>(BinTolerance<float>::rel));
   r.bins = hs.bins;
+  // HistSpec::float_ok: a zero or subnormal float scale (huge ranges like (-1e300, 1e300)) or
+  // an overflowing one (tiny ranges) would break the band's accuracy assumption.
+  r.exact_only = !hs.float_ok || !std::isfinite(r.band);
   return r;
 }
 
@@ -121,12 +126,13 @@ template <> struct ExpBits<float> { static constexpr int E = 8, M = 23; };
 template <> struct ExpBits<c10::BFloat16> { static constexpr int E = 8, M = 7; };
 template <> struct ExpBits<c10::Half> { static constexpr int E = 5, M = 10; };
 
-// Bins W float lanes v (raw: the same W input values) in SIMD; a vector holding a value the
-// fast formula cannot place for sure (near a bin edge, NaN; for exponents: subnormal, inf,
-// NaN) is binned lane by lane with the exact scalar functions of core/hist_ops.h.
+// Counter indices (slot + the lane's copy offset) of W float lanes v (raw: the same W input
+// values), in SIMD, into idx. A vector holding a value the fast formula cannot place for sure
+// (near a bin edge, NaN; for exponents: subnormal, inf, NaN) has those lanes placed by the
+// exact scalar functions of core/hist_ops.h.
 template <int B, int HM, typename scalar_t>
-HS_INLINE void bin_lanes(HistCounters& h, const scalar_t* raw, const typename simd::VT<B>::f32& v,
-                         const HistSpec& hs, const RangeConsts& rc) {
+HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd::VT<B>::f32& v,
+                          const HistSpec& hs, const RangeConsts& rc, const typename simd::VT<B>::i32& lane_off) {
   using V = typename simd::VT<B>::f32;
   using I = typename simd::VT<B>::i32;
   using U = typename simd::VT<B>::u32;
@@ -162,26 +168,43 @@ HS_INLINE void bin_lanes(HistCounters& h, const scalar_t* raw, const typename si
     slot = zero ? I{} + static_cast<int32_t>(2 * nE + 2) : slot;
     special = ((I)(e == 0u) & ~zero) | (I)(e == emask);
   }
-  // Lane j counts into copy j % copies: add the copies' offsets in SIMD, then increment.
-  I lane_off;
-  for (int j = 0; j < W; ++j) lane_off[j] = static_cast<int32_t>((j & (h.copies - 1)) * h.len);
-  alignas(32) int32_t idx[W];
   const I at = slot + lane_off;
-  std::memcpy(idx, &at, sizeof idx);
-  uint32_t* const c = h.c;
+  std::memcpy(idx, &at, sizeof at);
   if (any_lane(special)) {
     for (int j = 0; j < W; ++j) {
-      if (special[j]) bin_scalar<HM>(h, j, raw[j], hs);
-      else c[idx[j]] += 1;
+      if (!special[j]) continue;
+      const int32_t sl = HM == kHistRange ? fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), hs)
+                                          : exp_slot_of<scalar_t>(raw[j]);
+      idx[j] = sl + lane_off[j];
     }
-    return;
   }
-  for (int j = 0; j < W; ++j) c[idx[j]] += 1;
 }
 
-template <int B, typename scalar_t, int HM = kHistNone>
-HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k,
-                                                    HistCounters* hist = nullptr, const HistSpec* hs = nullptr) {
+// The histogram of one chunk (already in L1 from the statistics pass): SIMD slot indices into
+// a buffer, then one increment per value into the thread's counter copies.
+template <int B, typename scalar_t, int HM>
+HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const HistSpec& hs) {
+  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
+  constexpr int W = L::W;
+  int64_t i = 0;
+  const RangeConsts rc = HM == kHistRange ? range_consts(hs) : RangeConsts{};
+  if constexpr (std::is_same_v<typename L::acc_t, float>) {
+    if (HM == kHistRange && rc.exact_only) {
+      for (int64_t j = 0; j < n; ++j) bin_scalar<HM>(h, static_cast<int>(j), p[j], hs);
+      return;
+    }
+    typename simd::VT<B>::i32 lane_off;
+    for (int j = 0; j < W; ++j) lane_off[j] = static_cast<int32_t>((j & (h.copies - 1)) * h.len);
+    alignas(64) int32_t idx[kChunk];
+    for (; i + W <= n; i += W) slot_lanes<B, HM, scalar_t>(idx + i, p + i, L::load(p + i), hs, rc, lane_off);
+    uint32_t* const c = h.c;
+    for (int64_t j = 0; j < i; ++j) c[idx[j]] += 1;
+  }
+  for (; i < n; ++i) bin_scalar<HM>(h, static_cast<int>(i), p[i], hs);
+}
+
+template <int B, typename scalar_t>
+HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   using acc_t = typename L::acc_t;
   using V = typename L::V;
@@ -192,17 +215,6 @@ HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n
     M z;
   };
   const V vk = V{} + k;
-  const RangeConsts rc = HM == kHistRange ? range_consts(*hs) : RangeConsts{};
-  // SIMD binning for float lanes; float64 lanes bin one by one.
-  auto bin = [&](const scalar_t* raw, const V& v) {
-    if constexpr (HM != kHistNone) {
-      if constexpr (std::is_same_v<acc_t, float>) {
-        bin_lanes<B, HM, scalar_t>(*hist, raw, v, *hs, rc);
-      } else {
-        for (int j = 0; j < W; ++j) bin_scalar<HM>(*hist, j, raw[j], *hs);
-      }
-    }
-  };
   auto init = [](Lanes& a) {
     a.sd = V{}; a.ssd = V{}; a.l1 = V{}; a.z = M{};
     a.mn = V{} + static_cast<acc_t>(INFINITY);
@@ -231,13 +243,10 @@ HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n
       const V v1 = L::load(p + i + W);
       step(a, v0);
       step(b, v1);
-      bin(p + i, v0);
-      bin(p + i + W, v1);
     }
     if (i + W <= end) {
       const V v0 = L::load(p + i);
       step(a, v0);
-      bin(p + i, v0);
       i += W;
     }
     acc_t sd = 0, ssd = 0, l1 = 0;
@@ -257,9 +266,7 @@ HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n
   }
   f.n = i;
   for (; i < n; ++i) {
-    const acc_t v = static_cast<acc_t>(p[i]);
-    fast_add<acc_t>(f, v);
-    if constexpr (HM != kHistNone) bin_scalar<HM>(*hist, static_cast<int>(i), p[i], *hs);
+    fast_add<acc_t>(f, static_cast<acc_t>(p[i]));
   }
   return f;
 }
@@ -279,8 +286,9 @@ template <int B, typename scalar_t, int HM>
 HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, acc_of<scalar_t>& k, HistCounters* hist,
                                        const HistSpec* hs) {
   using acc_t = acc_of<scalar_t>;
-  FastAcc<acc_t> f = fast_chunk_simd<B, scalar_t, HM>(p, n, k, hist, hs);
+  FastAcc<acc_t> f = fast_chunk_simd<B, scalar_t>(p, n, k);
   if constexpr (HM != kHistNone) {
+    bin_chunk<B, scalar_t, HM>(p, n, *hist, *hs);
     hist->pending += n;
     if (hist->pending >= (int64_t(1) << 31)) flush_counters(*hist);
   }
