@@ -19,6 +19,7 @@
 #include <vector>
 #include <type_traits>
 
+#include "../core/bindings.h"
 #include "../core/checks.h"
 #include "../core/dispatch.h"
 #include "../core/hist_ops.h"
@@ -450,52 +451,19 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   return total;
 }
 
-StatsPartial stats_partial_cpu(const at::Tensor& x, const HistOut& ho) {
+void run_cpu(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
+             bool accumulate) {
   const StridedLayout layout = layout_of(x);
-  if (x.numel() == 0) {
-    if (ho.counts != nullptr && !ho.accumulate) std::fill(ho.counts, ho.counts + ho.len, 0);
-    return empty_partial();
-  }
+  const HistOut ho{hs, hs.mode == kHistNone ? nullptr : hist, hist_len, accumulate};
   StatsPartial p = empty_partial();
-  HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cpu", [&] {
-    p = stats_partial_cpu<scalar_t>(static_cast<const scalar_t*>(first_element(x)), x.numel(), layout, ho);
-  });
-  return p;
-}
-
-std::tuple<at::Tensor, at::Tensor> stats_cpu(const at::Tensor& x) {
-  check_float_input(x, "stats");
-  auto [values, counts] = stats_outputs(x);
-  const StatsPartial p = stats_partial_cpu(x, HistOut{make_hist_spec(kHistNone, 0, 0, 0), nullptr, 0, false});
-  store(p, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble});
-  return {values, counts};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_hist_cpu(const at::Tensor& x, int64_t mode, int64_t bins,
-                                                              double lo, double hi) {
-  check_float_input(x, "stats");
-  const HistSpec spec = checked_hist_spec(x, mode, bins, lo, hi);
-  auto [values, counts] = stats_outputs(x);
-  at::Tensor hist = at::empty({hist_length(x.scalar_type(), spec)}, x.options().dtype(at::kLong));
-  const StatsPartial p = stats_partial_cpu(x, HistOut{spec, hist.data_ptr<int64_t>(), hist.numel(), false});
-  store(p, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble});
-  return {values, counts, hist};
-}
-
-void stats_into_cpu(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
-                    int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi) {
-  check_float_input(x, "stats_into");
-  check_stats_buffer(x, out, slot);
-  HistOut ho{make_hist_spec(kHistNone, 0, 0, 0), nullptr, 0, true};
-  if (hist.has_value()) {
-    ho.spec = checked_hist_spec(x, mode, bins, lo, hi);
-    ho.len = hist_length(x.scalar_type(), ho.spec);
-    check_hist_buffer(x, *hist, hist_slot, ho.len);
-    ho.counts = hist->data_ptr<int64_t>() + hist_slot * hist->stride(0);
+  if (x.numel() == 0) {
+    if (ho.counts != nullptr && !accumulate) std::fill(ho.counts, ho.counts + hist_len, 0);
+  } else {
+    HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cpu", [&] {
+      p = stats_partial_cpu<scalar_t>(static_cast<const scalar_t*>(first_element(x)), x.numel(), layout, ho);
+    });
   }
-  const StatsPartial p = stats_partial_cpu(x, ho);
-  char* row = static_cast<char*>(out.data_ptr()) + slot * out.stride(0) * out.element_size();
-  store(p, StatsOut{row, nullptr, out.scalar_type() == at::kDouble});
+  store(p, out);
 }
 
 }  // namespace
@@ -509,9 +477,9 @@ std::string cpu_isa(const std::string& mode) {
 }
 
 TORCH_LIBRARY_IMPL(hookstats, CPU, m) {
-  m.impl("stats", &stats_cpu);
-  m.impl("stats_into", &stats_into_cpu);
-  m.impl("stats_hist", &stats_hist_cpu);
+  m.impl("stats", &stats_op<run_cpu>);
+  m.impl("stats_into", &stats_into_op<run_cpu>);
+  m.impl("stats_hist", &stats_hist_op<run_cpu>);
 }
 
 }  // namespace hookstats

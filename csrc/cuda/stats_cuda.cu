@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "../core/bindings.h"
 #include "../core/checks.h"
 #include "../core/dispatch.h"
 #include "../core/hist_ops.h"
@@ -248,8 +249,8 @@ int sm_count(int device) {
 }
 
 // hist: int64 counts on x's device (nullptr: no histogram); zeroed first unless accumulate.
-void launch_stats(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
-                  bool accumulate) {
+void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
+              bool accumulate) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const StridedLayout layout = layout_of(x);
@@ -285,50 +286,12 @@ void launch_stats(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, 
   });
 }
 
-const HistSpec kNoHist = make_hist_spec(kHistNone, 0, 0.0, 0.0);
-
-std::tuple<at::Tensor, at::Tensor> stats_cuda(const at::Tensor& x) {
-  check_float_input(x, "stats");
-  auto [values, counts] = stats_outputs(x);
-  launch_stats(x, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble},
-               kNoHist, nullptr, 0, false);
-  return {values, counts};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_hist_cuda(const at::Tensor& x, int64_t mode, int64_t bins,
-                                                               double lo, double hi) {
-  check_float_input(x, "stats");
-  const HistSpec spec = checked_hist_spec(x, mode, bins, lo, hi);
-  auto [values, counts] = stats_outputs(x);
-  at::Tensor hist = at::empty({hist_length(x.scalar_type(), spec)}, x.options().dtype(at::kLong));
-  launch_stats(x, StatsOut{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble},
-               spec, hist.data_ptr<int64_t>(), hist.numel(), false);
-  return {values, counts, hist};
-}
-
-void stats_into_cuda(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
-                     int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi) {
-  check_float_input(x, "stats_into");
-  check_stats_buffer(x, out, slot);
-  HistSpec spec = kNoHist;
-  int64_t* hrow = nullptr;
-  int64_t hlen = 0;
-  if (hist.has_value()) {
-    spec = checked_hist_spec(x, mode, bins, lo, hi);
-    hlen = hist_length(x.scalar_type(), spec);
-    check_hist_buffer(x, *hist, hist_slot, hlen);
-    hrow = hist->data_ptr<int64_t>() + hist_slot * hist->stride(0);
-  }
-  char* row = static_cast<char*>(out.data_ptr()) + slot * out.stride(0) * out.element_size();
-  launch_stats(x, StatsOut{row, nullptr, out.scalar_type() == at::kDouble}, spec, hrow, hlen, true);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {
-  m.impl("stats", &stats_cuda);
-  m.impl("stats_into", &stats_into_cuda);
-  m.impl("stats_hist", &stats_hist_cuda);
+  m.impl("stats", &stats_op<run_cuda>);
+  m.impl("stats_into", &stats_into_op<run_cuda>);
+  m.impl("stats_hist", &stats_hist_op<run_cuda>);
 }
 
 }  // namespace hookstats
