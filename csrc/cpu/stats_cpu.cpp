@@ -88,7 +88,7 @@ HS_INLINE void bin_scalar(HistCounters& h, int lane, const scalar_t& raw, const 
   if (HM == kHistExp) c[exp_slot_of<scalar_t>(raw)] += 1;
 }
 
-// Constants of the SIMD range binning, see bin_lanes.
+// Constants of the SIMD range binning, see slot_lanes.
 struct RangeConsts {
   float scale, shift, lo_clamp, hi_clamp, band;
   int32_t bins;
