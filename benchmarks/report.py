@@ -26,6 +26,21 @@ def _case_seconds(bench: dict) -> tuple[float, str]:
     return float(bench["stats"]["median"]), "host clock"
 
 
+def _new_row(extra: dict, **more) -> dict:
+    """The fields a group row takes from its first benchmark's extra_info."""
+    row = {
+        "device": extra["device"],
+        "dtype": extra["dtype"],
+        "size_log2": int(extra["size_log2"]),
+        "numel": int(extra["numel"]),
+        "bytes": int(extra["bytes"]),
+        "roof": extra.get("roof", "copy" if extra["device"] == "cuda" else "sum"),
+        "timer": None,
+    }
+    row.update(more)
+    return row
+
+
 def summarize(json_path: str) -> list[dict]:
     """One dict per (device, dtype, size) group of a pytest-benchmark JSON file, sorted by device, dtype, size.
 
@@ -42,18 +57,9 @@ def summarize(json_path: str) -> list[dict]:
         if extra.get("family", "stats") != "stats" or extra.get("case") not in CASES or "bytes" not in extra:
             continue  # another op family's benchmark (the histograms have a "roof" case too)
         key = (extra["device"], extra["dtype"], int(extra["size_log2"]))
-        row = groups.setdefault(
-            key,
-            {
-                "device": extra["device"],
-                "dtype": extra["dtype"],
-                "size_log2": int(extra["size_log2"]),
-                "numel": int(extra["numel"]),
-                "bytes": int(extra["bytes"]),
-                "roof": extra.get("roof", "copy" if extra["device"] == "cuda" else "sum"),
-                "timer": None,
-            },
-        )
+        if key not in groups:
+            groups[key] = _new_row(extra)
+        row = groups[key]
         seconds, timer = _case_seconds(bench)
         row[f"{extra['case']}_s"] = seconds
         if extra["case"] == "fused":
@@ -182,19 +188,9 @@ def summarize_hist(json_path: str) -> list[dict]:
         if extra.get("family") != "hist" or case not in HIST_CASES or "bytes" not in extra:
             continue
         key = (extra["device"], extra["dtype"], int(extra["bins"]), int(extra["size_log2"]))
-        row = groups.setdefault(
-            key,
-            {
-                "device": extra["device"],
-                "dtype": extra["dtype"],
-                "bins": int(extra["bins"]),
-                "size_log2": int(extra["size_log2"]),
-                "numel": int(extra["numel"]),
-                "bytes": int(extra["bytes"]),
-                "roof": extra.get("roof", "copy" if extra["device"] == "cuda" else "sum"),
-                "timer": None,
-            },
-        )
+        if key not in groups:
+            groups[key] = _new_row(extra, bins=int(extra["bins"]))
+        row = groups[key]
         seconds, timer = _case_seconds(bench)
         row[f"{case}_s"] = seconds
         if case in _HIST_CASE_ALIASES.values():
