@@ -6,7 +6,7 @@
 // below. It is instantiated inside two entry points: one with no target attribute (SSE2
 // on x86-64, NEON on arm64) and one marked HS_TARGET_AVX2. Because the body is inlined
 // before vector lowering, the same source becomes AVX2+FMA code in the second. Which entry
-// point runs is decided once per process by cpu_has_avx2(). The extension therefore
+// point runs is decided by use_avx2() (the CPU has AVX2, unless HOOKSTATS_CPU_ISA=default). The extension therefore
 // imports and runs on any x86-64 CPU, and uses AVX2 where the CPU has it, without
 // per-file compiler flags.
 #pragma once
