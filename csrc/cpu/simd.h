@@ -2,9 +2,9 @@
 // the baseline target and once under HS_TARGET_AVX2, chosen at run time (Note [cpu dispatch]).
 //
 // Note [cpu dispatch]
-// A kernel body is a template marked HS_INLINE and written with the 32-byte vector types
-// below. It is instantiated inside two entry points: one with no target attribute (SSE2
-// on x86-64, NEON on arm64) and one marked HS_TARGET_AVX2. Because the body is inlined
+// A kernel body is a template marked HS_INLINE, written over the B-byte vector types (VT<B>)
+// below. It is instantiated inside two entry points: one with no target attribute (B = 16: SSE2
+// on x86-64, NEON on arm64) and one marked HS_TARGET_AVX2 (B = 32). Because the body is inlined
 // before vector lowering, the same source becomes AVX2+FMA code in the second. Which entry
 // point runs is decided by use_avx2() (the CPU has AVX2, unless HOOKSTATS_CPU_ISA=default). The extension therefore
 // imports and runs on any x86-64 CPU, and uses AVX2 where the CPU has it, without
