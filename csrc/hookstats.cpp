@@ -29,6 +29,16 @@ TORCH_LIBRARY(hookstats, m) {
   // is given, the histogram added to row `hist_slot` of hist (int64).
   m.def("stats_into(Tensor x, Tensor(a!) out, int slot, Tensor(b!)? hist=None, int hist_slot=0, int hist_mode=0, "
         "int bins=0, float lo=0., float hi=0.) -> ()");
+  // Norms of a list of tensors on one device (any float dtypes and layouts), one kernel call:
+  // (per-tensor norms [n], the total norm of their concatenation), both float64, overflow-safe
+  // (csrc/core/norm_ops.h, Note [norm partials]). p is inf or a finite p > 0.
+  m.def("norms(Tensor[] xs, float p) -> (Tensor, Tensor)");
+  // Multiplies every x in place by min(1, max_norm / (total + eps)), the total norm read on the
+  // device (one float64 element); policy 1 writes zeros instead when total is NaN or inf.
+  m.def("scale_by_norm_(Tensor(a!)[] xs, Tensor total, float max_norm, float eps, int policy) -> ()");
+  // Clamps every x in place to [lo, hi] (rounded to its dtype); returns the number of changed
+  // elements as a 0-d int64 tensor on the tensors' device.
+  m.def("clamp_count_(Tensor(a!)[] xs, float lo, float hi) -> Tensor");
   // Which CPU code path runs: "avx2" or "default" (Note [cpu dispatch]); "" only reads it.
   m.def("_cpu_isa(str mode) -> str", &hookstats::cpu_isa);
 }

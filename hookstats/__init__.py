@@ -15,6 +15,17 @@ from ._ops import (
     stats_buffer,
     stats_into,
 )
+from .clip import (
+    Norms,
+    clip_grad_norm_,
+    clip_grad_value_,
+    clip_grads_with_norm_,
+    clip_norm_,
+    clip_value_,
+    get_total_norm,
+    norm,
+    norms,
+)
 from .formats import FORMATS, format_fit
 
 __version__ = "0.1.0"
@@ -24,6 +35,15 @@ __all__ = [
     "ExpLayout",
     "Histogram",
     "MAX_HIST_BINS",
+    "Norms",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "clip_grads_with_norm_",
+    "clip_norm_",
+    "clip_value_",
+    "get_total_norm",
+    "norm",
+    "norms",
     "exp_histogram",
     "exp_layout",
     "format_fit",

@@ -128,6 +128,84 @@ if HAVE_EXTENSION:
 
 
 # Note [histogram layouts] (csrc/core/hist_ops.h), mirrored here.
+if HAVE_EXTENSION:
+
+    def _list_device(xs, op: str) -> torch.device:
+        if len(xs) == 0:
+            raise ValueError(f"hookstats.{op}: the op needs at least one tensor (the wrappers handle empty lists)")
+        dev = xs[0].device
+        for i, x in enumerate(xs):
+            if x.device != dev:
+                raise ValueError(f"hookstats.{op}: tensor {i} is on {x.device} but tensor 0 is on {dev}; "
+                                 "group the tensors by device")
+        return dev
+
+    @torch.library.register_fake("hookstats::norms")
+    def _norms_fake(xs, p):
+        _list_device(xs, "norms")
+        return (xs[0].new_empty((len(xs),), dtype=torch.float64), xs[0].new_empty((), dtype=torch.float64))
+
+    @torch.library.register_fake("hookstats::scale_by_norm_")
+    def _scale_by_norm_fake(xs, total, max_norm, eps, policy):
+        if xs:
+            _list_device(xs, "scale_by_norm_")
+        return None
+
+    @torch.library.register_fake("hookstats::clamp_count_")
+    def _clamp_count_fake(xs, lo, hi):
+        _list_device(xs, "clamp_count_")
+        return xs[0].new_empty((), dtype=torch.int64)
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    """Whether hookstats' compiled kernels serve tensors on x's device (else the pure-PyTorch reference does).
+
+    CPU and meta (tracing) tensors always go to the ops; CUDA tensors too, and `check_device` says how to rebuild
+    when this build lacks the CUDA kernels; other devices (mps, xla, ...) take the reference path."""
+    return HAVE_EXTENSION and (x.is_cpu or x.is_cuda or x.is_meta)
+
+
+def norms_op(xs, p: float):
+    """(per-tensor norms, total) in float64 for a non-empty list of tensors on one device."""
+    if uses_kernels(xs[0]):
+        check_device(xs[0], "norms")
+        return torch.ops.hookstats.norms.default(xs, p)
+    from . import reference
+
+    return reference.norms(xs, p)
+
+
+def scale_by_norm_op(xs, total: torch.Tensor, max_norm: float, eps: float, policy: int) -> None:
+    if uses_kernels(xs[0]):
+        check_device(xs[0], "scale_by_norm_")
+        torch.ops.hookstats.scale_by_norm_.default(xs, total, max_norm, eps, policy)
+    else:
+        from . import reference
+
+        reference.scale_by_norm_(xs, total, max_norm, eps, policy)
+    bump_version(xs)
+
+
+def clamp_count_op(xs, lo: float, hi: float) -> torch.Tensor:
+    if uses_kernels(xs[0]):
+        check_device(xs[0], "clamp_count_")
+        count = torch.ops.hookstats.clamp_count_.default(xs, lo, hi)
+    else:
+        from . import reference
+
+        count = reference.clamp_count_(xs, lo, hi)
+    bump_version(xs)
+    return count
+
+
+def bump_version(xs) -> None:
+    """Our in-place ops write through data pointers, which autograd cannot see: bump the version counters, as
+    PyTorch's own in-place ops do, so that a saved tensor modified later is detected. (Under torch.compile the
+    traced graph already records the mutation from the op's schema.)"""
+    if not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version(xs)
+
+
 _EXP_BITS = {torch.float32: (8, 23), torch.bfloat16: (8, 7), torch.float16: (5, 10), torch.float64: (11, 52)}
 MAX_HIST_BINS = 8192
 _MODE_RANGE, _MODE_EXP = 1, 2

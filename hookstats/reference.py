@@ -102,3 +102,75 @@ def histogram_of(x: torch.Tensor, h: Histogram) -> torch.Tensor:
     counts[lay.pos_inf] = (xd == float("inf")).sum()
     counts[lay.nan] = torch.isnan(xd).sum()
     return counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Norms and clipping (hookstats/clip.py). float64 throughout; the coefficient rule is PyTorch's.
+
+
+def _norm64(xd: torch.Tensor, p: float) -> torch.Tensor:
+    """The p-norm of float64 values without overflow or underflow: the values are divided by a power of two near
+    their largest finite magnitude first. Empty -> 0 (also for p = inf, where PyTorch raises)."""
+    if xd.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=xd.device)
+    if p == float("inf"):
+        return torch.linalg.vector_norm(xd, p)
+    scale = _pow2_scale(xd)
+    return torch.linalg.vector_norm(xd / scale, p) * scale
+
+
+def norms(tensors, p: float):
+    """(per-tensor norms [n], total norm of the concatenation), float64, as `torch.ops.hookstats.norms`."""
+    tensors = list(tensors)
+    dev = tensors[0].device if tensors else torch.device("cpu")
+    per = [_norm64(t.detach().to(torch.float64).reshape(-1), p) for t in tensors]
+    per_t = torch.stack(per) if per else torch.zeros((0,), dtype=torch.float64, device=dev)
+    return per_t, _norm64(per_t, p)
+
+
+def clip_coef(total: torch.Tensor, max_norm: float, eps: float, zero_nonfinite: bool) -> torch.Tensor:
+    """min(1, max_norm / (total + eps)) in float64, NaN kept; 0 for a non-finite total under the zero policy."""
+    total = total.to(torch.float64)
+    coef = torch.clamp(max_norm / (total + eps), max=1.0)
+    if zero_nonfinite:
+        coef = torch.where(torch.isfinite(total), coef, torch.zeros_like(coef))
+    return coef
+
+
+def scale_by_norm_(tensors, total: torch.Tensor, max_norm: float, eps: float, policy: int) -> None:
+    """Scales each tensor in place as `torch.ops.hookstats.scale_by_norm_` (policy 1: zeros for a non-finite total)."""
+    zero = policy == 1 and not bool(torch.isfinite(total).all())
+    coef = clip_coef(total, max_norm, eps, policy == 1)
+    for t in tensors:
+        if zero:
+            t.zero_()
+        else:
+            t.copy_((t.to(torch.float64) * coef.to(t.device)).to(t.dtype))
+
+
+def clamp_count_(tensors, lo: float, hi: float) -> torch.Tensor:
+    """Clamps each tensor in place to [lo, hi] (rounded to its dtype); returns the number of changed elements."""
+    count = torch.zeros((), dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
+    for t in tensors:
+        lo_t = torch.tensor(lo, dtype=t.dtype).item()
+        hi_t = torch.tensor(hi, dtype=t.dtype).item()
+        count += ((t < lo_t) | (t > hi_t)).sum().to(count.device)
+        t.clamp_(lo_t, hi_t)
+    return count
+
+
+def clip_norm_(x: torch.Tensor, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6,
+               nonfinite: str = "propagate") -> torch.Tensor:
+    """What `hookstats.clip_norm_` does, in float64: returns the norm before clipping (x's result dtype)."""
+    _, total = norms([x], float(norm_type))
+    if nonfinite == "error" and not bool(torch.isfinite(total)):
+        raise RuntimeError("hookstats.reference.clip_norm_: the norm is non-finite")
+    scale_by_norm_([x], total, max_norm, eps, 1 if nonfinite == "zero" else 0)
+    return total.to(result_dtype(x.dtype))
+
+
+def clip_value_(x: torch.Tensor, lo: float, hi=None) -> torch.Tensor:
+    """What `hookstats.clip_value_` does: clamps in place, returns the count of clipped elements."""
+    if hi is None:
+        lo, hi = -lo, lo
+    return clamp_count_([x], lo, hi)

@@ -89,7 +89,44 @@ HS_INLINE typename VT<B>::f32 bf16_to_float(typename VT<B>::u16 h) {
   return (typename VT<B>::f32)(__builtin_convertvector(h, typename VT<B>::u32) << 16);
 }
 
-// Loads of W lanes in the accumulation type. Tag types keep this header torch-free:
+// float -> IEEE half, round to nearest even, bit exact for every float including subnormal
+// results, overflow to inf, and NaN (the branch-free method of the FP16 library, on vectors).
+template <int B>
+HS_INLINE typename VT<B>::u16 float_to_half(typename VT<B>::f32 f) {
+  using F = typename VT<B>::f32; using I = typename VT<B>::i32; using U = typename VT<B>::u32;
+  F base = (abs_bits<F, I>(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const U w = (U)f;
+  const U shl1_w = w + w;
+  const U sign = w & 0x80000000u;
+  U bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? U{} + 0x71000000u : bias;
+  base = (F)((bias >> 1) + 0x07800000u) + base;
+  const U bits = (U)base;
+  const U nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  const U r = (sign >> 16) | (shl1_w > 0xFF000000u ? U{} + 0x7E00u : nonsign);
+  return __builtin_convertvector(r, typename VT<B>::u16);
+}
+
+// float -> bfloat16, round to nearest even; NaN becomes 0x7FC0 as c10::BFloat16 does.
+template <int B>
+HS_INLINE typename VT<B>::u16 float_to_bf16(typename VT<B>::f32 f) {
+  using U = typename VT<B>::u32; using I = typename VT<B>::i32;
+  const U w = (U)f;
+  U r = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+  r = (I)(f != f) ? U{} + 0x7FC0u : r;
+  return __builtin_convertvector(r, typename VT<B>::u16);
+}
+
+template <typename Vec>
+HS_INLINE bool any_lane(const Vec& m) {
+  uint64_t w[sizeof(Vec) / 8];
+  std::memcpy(w, &m, sizeof(Vec));
+  uint64_t a = 0;
+  for (size_t j = 0; j < sizeof(Vec) / 8; ++j) a |= w[j];
+  return a != 0;
+}
+
+// Loads (and stores) of W lanes in the accumulation type. Tag types keep this header torch-free:
 // the kernel maps c10::Half -> HalfBits and c10::BFloat16 -> BF16Bits.
 struct HalfBits { uint16_t x; };
 struct BF16Bits { uint16_t x; };
@@ -99,11 +136,13 @@ template <int B> struct Lanes<float, B> {
   using acc_t = float; using V = typename VT<B>::f32; using M = typename VT<B>::i32;
   static constexpr int W = B / 4;
   static HS_INLINE V load(const void* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+  static HS_INLINE void store(void* p, const V& v) { std::memcpy(p, &v, sizeof v); }
 };
 template <int B> struct Lanes<double, B> {
   using acc_t = double; using V = typename VT<B>::f64; using M = typename VT<B>::i64;
   static constexpr int W = B / 8;
   static HS_INLINE V load(const void* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+  static HS_INLINE void store(void* p, const V& v) { std::memcpy(p, &v, sizeof v); }
 };
 template <int B> struct Lanes<HalfBits, B> {
   using acc_t = float; using V = typename VT<B>::f32; using M = typename VT<B>::i32;
@@ -111,12 +150,18 @@ template <int B> struct Lanes<HalfBits, B> {
   static HS_INLINE V load(const void* p) {
     typename VT<B>::u16 h; std::memcpy(&h, p, sizeof h); return half_to_float<B>(h);
   }
+  static HS_INLINE void store(void* p, const V& v) {
+    const typename VT<B>::u16 h = float_to_half<B>(v); std::memcpy(p, &h, sizeof h);
+  }
 };
 template <int B> struct Lanes<BF16Bits, B> {
   using acc_t = float; using V = typename VT<B>::f32; using M = typename VT<B>::i32;
   static constexpr int W = B / 4;
   static HS_INLINE V load(const void* p) {
     typename VT<B>::u16 h; std::memcpy(&h, p, sizeof h); return bf16_to_float<B>(h);
+  }
+  static HS_INLINE void store(void* p, const V& v) {
+    const typename VT<B>::u16 h = float_to_bf16<B>(v); std::memcpy(p, &h, sizeof h);
   }
 };
 

@@ -25,6 +25,7 @@
 #include "../core/hist_ops.h"
 #include "../core/layout.h"
 #include "../core/stats_ops.h"
+#include "cpu_common.h"
 #include "simd.h"
 
 namespace hookstats {
@@ -33,13 +34,6 @@ namespace {
 constexpr int64_t kChunk = 4096;
 constexpr int64_t kMaxTasks = 64;
 constexpr int64_t kMinTaskElems = 32768;
-
-template <typename scalar_t> struct BitsOf { using type = scalar_t; };
-template <> struct BitsOf<c10::Half> { using type = simd::HalfBits; };
-template <> struct BitsOf<c10::BFloat16> { using type = simd::BF16Bits; };
-
-template <typename scalar_t>
-using acc_of = typename simd::Lanes<typename BitsOf<scalar_t>::type, 16>::acc_t;
 
 // The fast path over one contiguous chunk (Note [cpu dispatch]): the SIMD version of
 // fast_add() in core/stats_ops.h, in two interleaved sets of lanes (to hide the add and
@@ -113,15 +107,6 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   return r;
 }
 
-template <typename Vec>
-HS_INLINE bool any_lane(const Vec& m) {
-  uint64_t w[sizeof(Vec) / 8];
-  std::memcpy(w, &m, sizeof(Vec));
-  uint64_t a = 0;
-  for (size_t j = 0; j < sizeof(Vec) / 8; ++j) a |= w[j];
-  return a != 0;
-}
-
 template <typename scalar_t> struct ExpBits;
 template <> struct ExpBits<float> { static constexpr int E = 8, M = 23; };
 template <> struct ExpBits<c10::BFloat16> { static constexpr int E = 8, M = 7; };
@@ -171,7 +156,7 @@ HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd
   }
   const I at = slot + lane_off;
   std::memcpy(idx, &at, sizeof at);
-  if (any_lane(special)) {
+  if (simd::any_lane(special)) {
     for (int j = 0; j < W; ++j) {
       if (!special[j]) continue;
       const int32_t sl = HM == kHistRange ? fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), hs)
@@ -344,35 +329,6 @@ acc_of<scalar_t> initial_shift(const scalar_t* p, int64_t n) {
     if (v - v == 0.0 && fabs(v) < FastLimits<acc_of<scalar_t>>::hi) { s += v; ++m; }
   }
   return input_shift<scalar_t>(m ? s / m : 0.0);
-}
-
-// Copies logical elements [start, start + len) of a strided tensor into buf.
-template <typename scalar_t>
-void gather(const scalar_t* base, const StridedLayout& l, int64_t start, int64_t len, scalar_t* buf) {
-  int64_t idx[kMaxDims];
-  int64_t rem = start, off = 0;
-  const int last = l.ndim - 1;
-  for (int d = last; d >= 0; --d) {
-    idx[d] = rem % l.sizes[d];
-    rem /= l.sizes[d];
-    off += idx[d] * l.strides[d];
-  }
-  int64_t i = 0;
-  const int64_t st = l.strides[last];
-  while (i < len) {
-    const int64_t inner = std::min(l.sizes[last] - idx[last], len - i);
-    const scalar_t* q = base + off;
-    for (int64_t j = 0; j < inner; ++j) buf[i + j] = q[j * st];
-    i += inner;
-    off += inner * st;
-    idx[last] += inner;
-    for (int d = last; d > 0 && idx[d] == l.sizes[d]; --d) {
-      off -= l.sizes[d] * l.strides[d];
-      idx[d] = 0;
-      idx[d - 1] += 1;
-      off += l.strides[d - 1];
-    }
-  }
 }
 
 // Where the histogram goes: hist_len int64 counters, written (accumulate false) or added to.

@@ -1,0 +1,222 @@
+// Torch-free norm and clipping math shared by the CPU and the CUDA kernels (clip_cpu.cpp,
+// clip_cuda.cu).
+//
+// Note [norm partials]
+// A p-norm is reduced as NormPartial {s, e, flags}: for finite p the pieces' values were
+// scaled by 2^-e before being raised to p, so sum |x|^p = s * 2^(p*e); for p = inf, s is
+// max |x| and e is 0. Partials of pieces with different e merge by rescaling the smaller
+// one, so no norm overflows or underflows while its true value fits a double, whatever the
+// input's magnitudes (PyTorch's fp32 norm of 1000 values of 1e30 is inf; ours is 3.16e31).
+// flags record NaN and Inf; finalize gives NaN if any NaN, else inf if any Inf, as
+// torch.linalg.vector_norm does.
+//
+// A piece is first reduced on the fast path, in the input's accumulation type (float for
+// fp16/bf16/fp32, double for fp64) with e = 0, tracking max |x|. The result is kept only when
+// fast_norm_trusted() says nothing overflowed or lost precision (finite sum, max |x| inside
+// NormLimits); otherwise the piece is read again on the careful path, in double: sweep 1
+// finds max |x| and the flags, sweep 2 sums (|x| * 2^-e)^p with 2^e >= max |x|. General p
+// (neither 1, 2 nor inf) always takes the careful path: it needs pow() per element anyway.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "stats_ops.h"  // HS_HD, hs_fmax
+
+namespace hookstats {
+
+enum NormKind : int { kNormInf = 0, kNorm1 = 1, kNorm2 = 2, kNormP = 3 };
+
+struct NormSpec {
+  int kind;
+  double p;  // the order; only read for kNormP
+};
+
+// norm_type as the Python API takes it: inf, or a finite p > 0 (checked by the caller).
+HS_HD NormSpec make_norm_spec(double p) {
+  NormSpec s;
+  s.p = p;
+  s.kind = p == static_cast<double>(INFINITY) ? kNormInf : (p == 1.0 ? kNorm1 : (p == 2.0 ? kNorm2 : kNormP));
+  return s;
+}
+
+constexpr int32_t kNormHasNan = 1;
+constexpr int32_t kNormHasInf = 2;
+
+struct NormPartial {
+  double s;
+  int32_t e;
+  int32_t flags;
+};
+
+HS_HD NormPartial empty_norm() {
+  NormPartial n;
+  n.s = 0.0; n.e = 0; n.flags = 0;
+  return n;
+}
+
+// s * 2^(p*de) for de <= 0: a partial brought to a larger exponent.
+HS_HD double rescale(double s, int32_t de, const NormSpec& ns) {
+  if (de == 0 || s == 0.0) return s;
+  const int d = de < -4000 ? -4000 : de;
+  switch (ns.kind) {
+    case kNorm1: return ldexp(s, d);
+    case kNorm2: return ldexp(s, 2 * d);
+    case kNormP: return s * exp2(ns.p * static_cast<double>(d));
+    default: return ldexp(s, d);
+  }
+}
+
+// Merges b into a. Associative up to rounding; callers merge in a fixed order.
+HS_HD void norm_merge(NormPartial& a, const NormPartial& b, const NormSpec& ns) {
+  a.flags |= b.flags;
+  if (ns.kind == kNormInf) { a.s = hs_fmax(a.s, b.s); return; }
+  if (b.s == 0.0) return;
+  if (a.s == 0.0) { a.s = b.s; a.e = b.e; return; }
+  if (a.e >= b.e) {
+    a.s += rescale(b.s, b.e - a.e, ns);
+  } else {
+    a.s = rescale(a.s, a.e - b.e, ns) + b.s;
+    a.e = b.e;
+  }
+}
+
+HS_HD double norm_finalize(const NormPartial& n, const NormSpec& ns) {
+  if (n.flags & kNormHasNan) return NAN;
+  if (n.flags & kNormHasInf) return INFINITY;
+  switch (ns.kind) {
+    case kNorm1: return ldexp(n.s, n.e);
+    case kNorm2: return ldexp(sqrt(n.s), n.e);
+    case kNormP: return n.s == 0.0 ? 0.0 : ldexp(pow(n.s, 1.0 / ns.p), n.e);
+    default: return n.s;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Fast path: sums in acc_t. Magnitudes inside [lo, hi] give sums that neither overflow nor
+// go subnormal over a piece of up to kMaxFastPiece values (Note [norm partials]); an all-zero
+// piece is trusted too.
+constexpr int64_t kMaxFastPiece = int64_t(1) << 14;
+template <typename acc_t> struct NormLimits;
+template <> struct NormLimits<float> {
+  static constexpr float hi = 7.2057594037927936e16f;  // 2^56: 2^14 squares stay below 2^127
+  static constexpr float lo = 8.6736173798840355e-19f;  // 2^-60: squares stay normal
+};
+template <> struct NormLimits<double> {
+  static constexpr double hi = 1.6069380442589903e60;  // 2^200
+  static constexpr double lo = 6.2230152778611417e-61;  // 2^-200
+};
+
+template <typename acc_t>
+struct FastNorm {
+  acc_t s;     // sum |x| (p = 1), sum x^2 (p = 2); unused for inf
+  acc_t amax;  // max |x|; NaN-sticky for p = inf (fast_norm_add)
+};
+
+template <typename acc_t>
+HS_HD void fast_norm_init(FastNorm<acc_t>& f) { f.s = acc_t(0); f.amax = acc_t(0); }
+
+template <int KIND, typename acc_t>
+HS_HD void fast_norm_add(FastNorm<acc_t>& f, acc_t v) {
+  const acc_t a = v < acc_t(0) ? -v : v;
+  if (KIND == kNorm1) f.s += a;
+  if (KIND == kNorm2) f.s += v * v;
+  if (KIND == kNormInf) {
+    f.amax = (a > f.amax || a != a) ? a : f.amax;  // keeps a NaN once seen
+    f.s += v - v;                                   // NaN once a NaN or Inf was seen
+  } else {
+    f.amax = a > f.amax ? a : f.amax;
+  }
+}
+
+// Whether a fast result may be kept. For p = 1, 2 a NaN or Inf makes s non-finite; for
+// p = inf, s collects x - x for the same purpose.
+template <typename acc_t>
+HS_HD bool fast_norm_trusted(const FastNorm<acc_t>& f, int kind) {
+  if (!(f.s - f.s == acc_t(0))) return false;
+  if (kind == kNormInf) return true;
+  return f.amax == acc_t(0) || (f.amax <= NormLimits<acc_t>::hi && f.amax >= NormLimits<acc_t>::lo);
+}
+
+template <typename acc_t>
+HS_HD NormPartial fast_norm_partial(const FastNorm<acc_t>& f, int kind) {
+  NormPartial n = empty_norm();
+  n.s = static_cast<double>(kind == kNormInf ? f.amax : f.s);
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------
+// Careful path. Sweep 1 over every value of the piece:
+struct CarefulNorm {
+  double amax;  // largest finite |x|
+  int32_t flags;
+};
+
+HS_HD CarefulNorm careful_norm_init() { CarefulNorm c; c.amax = 0.0; c.flags = 0; return c; }
+
+HS_HD void careful_norm_scan(CarefulNorm& c, double v) {
+  if (v != v) { c.flags |= kNormHasNan; return; }
+  const double a = fabs(v);
+  if (a == static_cast<double>(INFINITY)) { c.flags |= kNormHasInf; return; }
+  c.amax = hs_fmax(c.amax, a);
+}
+
+// The exponent of sweep 2: 2^e >= amax, or 0 when the values need no scaling.
+HS_HD int32_t careful_norm_exponent(const CarefulNorm& c, const NormSpec& ns) {
+  if (ns.kind == kNormInf || c.amax == 0.0) return 0;
+  if (ns.kind != kNormP && c.amax <= 1.0e100 && c.amax >= 1.0e-100) return 0;
+  int ex;
+  frexp(c.amax, &ex);
+  return ex;
+}
+
+// Sweep 2: the term of one value (0 for NaN/Inf, which the flags already decide).
+HS_HD double careful_norm_term(double v, int32_t e, const NormSpec& ns) {
+  const double a = fabs(v);
+  if (!(a - a == 0.0)) return 0.0;
+  const double y = e == 0 ? a : ldexp(a, -e);
+  switch (ns.kind) {
+    case kNorm1: return y;
+    case kNorm2: return y * y;
+    case kNormP: return y == 0.0 ? 0.0 : pow(y, ns.p);
+    default: return 0.0;
+  }
+}
+
+HS_HD NormPartial careful_norm_partial(const CarefulNorm& c, double s, int32_t e, const NormSpec& ns) {
+  NormPartial n;
+  n.flags = c.flags;
+  n.e = e;
+  n.s = ns.kind == kNormInf ? c.amax : s;
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------
+// Clipping.
+enum NonfinitePolicy : int { kPropagate = 0, kZero = 1 };
+
+// The factor x is multiplied by: PyTorch's min(1, max_norm / (norm + eps)), computed in
+// double; NaN stays NaN (as torch.clamp(max=1) keeps it). Under kZero a non-finite norm gives
+// 0, and scale_value() then writes zeros (0 * inf would be NaN).
+HS_HD double clip_coef(double norm, double max_norm, double eps, int policy) {
+  if (policy == kZero && !(norm - norm == 0.0)) return 0.0;
+  const double c = max_norm / (norm + eps);
+  return c > 1.0 ? 1.0 : c;
+}
+
+// Whether clip_coef() leaves x as it is: multiplying by 1 changes no bit, so the scale pass
+// can skip writing.
+HS_HD bool coef_is_identity(double coef) { return coef == 1.0; }
+
+template <typename acc_t>
+HS_HD acc_t scale_value(acc_t v, acc_t coef, bool zero) { return zero ? acc_t(0) : v * coef; }
+
+// Clamping to [lo, hi] with lo <= hi already rounded to x's dtype, so the result is one of
+// x, lo, hi and needs no rounding. NaN stays NaN and is not counted as clipped.
+template <typename acc_t>
+HS_HD acc_t clamp_value(acc_t v, acc_t lo, acc_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+template <typename acc_t>
+HS_HD bool is_clipped(acc_t v, acc_t lo, acc_t hi) { return v < lo || v > hi; }
+
+}  // namespace hookstats

@@ -1,0 +1,99 @@
+// Lists of tensors for the multi-tensor ops (norms, scale_by_norm_, clamp_count_): the
+// argument checks shared by the CPU and CUDA bindings, and a torch-free description of each
+// tensor that the kernels read.
+#pragma once
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "checks.h"
+#include "layout.h"
+
+namespace hookstats {
+
+enum DtypeCode : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+
+inline int32_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return kF64;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    default: return kF32;
+  }
+}
+
+// One tensor of a list. layout < 0: the elements fill a dense block read flat from data
+// (Note [layouts]); otherwise the index of its StridedLayout in the list's layout array.
+struct TensorDesc {
+  void* data;
+  int64_t numel;
+  int32_t dtype;
+  int32_t layout;
+};
+
+// Checks every tensor of a list: dense (strided) floating tensors on one device; for an
+// in-place op (writes), no element may alias another.
+inline void check_tensor_list(at::TensorList xs, const char* op, bool writes) {
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const at::Tensor& x = xs[i];
+    check_float_input(x, op);
+    TORCH_CHECK_VALUE(x.device() == xs[0].device(), "hookstats.", op, ": tensor ", i, " is on ", x.device(),
+                      " but tensor 0 is on ", xs[0].device(), "; group the tensors by device");
+    if (writes) {
+      TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, "hookstats.", op,
+                  " writes in place, but more than one element of tensor ", i,
+                  " refers to the same memory location (an expanded tensor?); pass .clone() or .contiguous()");
+    }
+  }
+}
+
+// Descriptions of xs (layouts of the non-dense ones into `layouts`), cleared first.
+inline void describe(at::TensorList xs, std::vector<TensorDesc>& descs, std::vector<StridedLayout>& layouts) {
+  descs.clear();
+  layouts.clear();
+  for (const at::Tensor& x : xs) {
+    TensorDesc d;
+    d.data = x.numel() == 0 ? nullptr : const_cast<void*>(first_element(x));
+    d.numel = x.numel();
+    d.dtype = dtype_code(x.scalar_type());
+    d.layout = -1;
+    if (x.numel() > 0) {
+      const StridedLayout l = layout_of(x);
+      if (l.ndim != 0) {
+        d.layout = static_cast<int32_t>(layouts.size());
+        layouts.push_back(l);
+      }
+    }
+    descs.push_back(d);
+  }
+}
+
+inline void check_norm_type(double p, const char* op) {
+  TORCH_CHECK_VALUE(p > 0.0, "hookstats.", op, " needs norm_type > 0 (a finite p or inf), got ", p);
+}
+
+// The total norm a scale_by_norm_ reads: one float64 element on the tensors' device.
+inline void check_total(at::TensorList xs, const at::Tensor& total) {
+  TORCH_CHECK_VALUE(total.numel() == 1 && total.scalar_type() == at::kDouble,
+                    "hookstats.scale_by_norm_ needs the total norm as one float64 element, got ", total.scalar_type(),
+                    " of shape ", total.sizes());
+  TORCH_CHECK_VALUE(xs.empty() || total.device() == xs[0].device(), "hookstats.scale_by_norm_: the total norm is on ",
+                    total.device(), " but the tensors are on ", xs[0].device());
+}
+
+inline void check_clip_args(double max_norm, double eps, int64_t policy) {
+  TORCH_CHECK_VALUE(max_norm >= 0.0, "hookstats: max_norm must be >= 0, got ", max_norm);
+  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "hookstats: eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK_VALUE(policy == 0 || policy == 1, "hookstats: nonfinite policy must be 0 (propagate) or 1 (zero), got ",
+                    policy);
+}
+
+inline void check_bounds(double lo, double hi) {
+  TORCH_CHECK_VALUE(lo <= hi, "hookstats.clip_value_ needs lo <= hi (and no NaN bound), got [", lo, ", ", hi, "]");
+}
+
+}  // namespace hookstats

@@ -1,0 +1,310 @@
+"""Norms and in-place clipping with no host sync: single tensors, and drop-ins for `torch.nn.utils`' clipping.
+
+Every norm is computed in one kernel call per device (all tensors of a device at once, whatever their dtypes and
+layouts), overflow-safe (csrc/core/norm_ops.h, Note [norm partials]), and combined on the device; the clipping
+coefficient is read on the device by the scaling kernel, so nothing waits for the GPU unless you ask for an error
+on non-finite norms.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import types
+import warnings
+from typing import Iterable, NamedTuple, Optional, Union
+
+import torch
+
+from ._ops import (
+    check_tensor,
+    clamp_count_op,
+    norms_op,
+    result_dtype,
+    scale_by_norm_op,
+)
+
+TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+NONFINITE_POLICIES = ("propagate", "error", "zero")
+_POLICY_CODE = {"propagate": 0, "error": 0, "zero": 1}
+# PyTorch's epsilon in clip_grads_with_norm_: grad * min(1, max_norm / (total_norm + 1e-6)).
+CLIP_EPS = 1e-6
+
+
+class Norms(NamedTuple):
+    """Norms of a list of tensors: `per_tensor` [n] and `total` (the norm of their concatenation), float64."""
+
+    per_tensor: torch.Tensor
+    total: torch.Tensor
+
+
+def _norm_type(norm_type, op: str) -> float:
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise TypeError(f"hookstats.{op}: norm_type must be a number or 'inf', got {norm_type!r}") from None
+    if not p > 0:  # also NaN
+        raise ValueError(f"hookstats.{op} needs norm_type > 0 (a finite p or inf), got {norm_type!r}")
+    return p
+
+
+def _max_norm(max_norm, op: str) -> float:
+    m = float(max_norm)
+    if not m >= 0:  # negative or NaN
+        raise ValueError(f"hookstats.{op} needs max_norm >= 0, got {max_norm!r}")
+    return m
+
+
+def _policy(nonfinite: str, op: str) -> str:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"hookstats.{op}: nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+    return nonfinite
+
+
+def _check_writable(x: torch.Tensor, op: str) -> None:
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"hookstats.{op} modifies its tensor in place and has no autograd formula, but the tensor requires grad "
+            "and grad mode is on; call it under torch.no_grad(), or on a .grad tensor"
+        )
+
+
+def _nonfinite_error(norm_type: float) -> RuntimeError:
+    # PyTorch's message (torch.nn.utils.get_total_norm), so code that matches on it keeps working.
+    return RuntimeError(
+        f"The total norm of order {norm_type} for gradients from "
+        "`parameters` is non-finite, so it cannot be clipped. To disable "
+        "this error and scale the gradients by the non-finite norm anyway, "
+        "set `error_if_nonfinite=False`"
+    )
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """Tensors grouped by device, in order of first appearance. One kernel call per device takes every dtype."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
+
+
+def _check_foreach(foreach: Optional[bool], device: torch.device) -> None:
+    if foreach and device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+
+
+def _combine(totals: list[torch.Tensor], p: float) -> torch.Tensor:
+    """The p-norm of several devices' float64 totals, on the first device, scaled so it cannot overflow."""
+    if len(totals) == 1:
+        return totals[0]
+    dev = totals[0].device
+    t = torch.stack([x.to(dev) for x in totals])
+    m = t.amax()
+    if p == math.inf:
+        return m
+    safe = torch.where(m > 0, m, torch.ones_like(m))
+    r = (t / safe).pow(p).sum().pow(1.0 / p) * safe
+    return torch.where(torch.isinf(m), m, r)
+
+
+def _total64(tensors: list[torch.Tensor], p: float, foreach: Optional[bool]) -> torch.Tensor:
+    totals = []
+    for dev, group in _by_device(tensors).items():
+        _check_foreach(foreach, dev)
+        totals.append(norms_op([t.detach() for t in group], p)[1])
+    return _combine(totals, p)
+
+
+def _promoted(tensors: list[torch.Tensor]) -> torch.dtype:
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
+def norm(x: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+    """The `norm_type`-norm of `x` (1, 2, inf or any p > 0) as a 0-d tensor on x's device: float32, float64 for
+    float64 x. It cannot overflow or underflow while the true norm fits the result (PyTorch's float32 norm of 1000
+    values of 1e30 is inf; this is 3.16e31). NaN anywhere gives NaN, else Inf gives inf; an empty x gives 0."""
+    check_tensor(x, "norm")
+    p = _norm_type(norm_type, "norm")
+    return norms_op([x.detach()], p)[1].to(result_dtype(x.dtype))
+
+
+def norms(tensors: TensorOrTensors, norm_type: float = 2.0) -> Norms:
+    """Per-tensor norms and the total norm of tensors on one device (any float dtypes and layouts), in one kernel
+    call, as float64 tensors on that device."""
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    p = _norm_type(norm_type, "norms")
+    for t in ts:
+        check_tensor(t, "norms")
+    if not ts:
+        return Norms(torch.zeros((0,), dtype=torch.float64), torch.zeros((), dtype=torch.float64))
+    devices = {t.device for t in ts}
+    if len(devices) > 1:
+        raise ValueError(f"hookstats.norms needs tensors on one device, got {sorted(map(str, devices))}; "
+                         "use hookstats.get_total_norm for tensors on several devices")
+    per, total = norms_op([t.detach() for t in ts], p)
+    return Norms(per, total)
+
+
+def clip_norm_(x: torch.Tensor, max_norm: float, norm_type: float = 2.0, eps: float = CLIP_EPS, *,
+               nonfinite: str = "propagate") -> torch.Tensor:
+    """Scales `x` in place by min(1, max_norm / (norm + eps)) (PyTorch's rule) and returns the norm before
+    clipping (0-d, on x's device, float32; float64 for float64 x). Nothing is copied to the host.
+
+    nonfinite: "propagate" (PyTorch's behaviour: an inf norm zeroes finite values and turns infs into NaN, a NaN
+    norm makes x NaN), "zero" (x becomes all zeros when its norm is NaN or inf, decided on the device), or "error"
+    (RuntimeError before x is touched; this one waits for the norm)."""
+    check_tensor(x, "clip_norm_")
+    p = _norm_type(norm_type, "clip_norm_")
+    m = _max_norm(max_norm, "clip_norm_")
+    policy = _policy(nonfinite, "clip_norm_")
+    if not (float(eps) >= 0 and math.isfinite(float(eps))):
+        raise ValueError(f"hookstats.clip_norm_ needs a finite eps >= 0, got {eps!r}")
+    _check_writable(x, "clip_norm_")
+    xd = x.detach()
+    _, total = norms_op([xd], p)
+    if policy == "error" and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"hookstats.clip_norm_: the norm of order {p} of the tensor is non-finite ({total.item()}), so it "
+            "cannot be clipped; pass nonfinite='propagate' to scale by it anyway, or 'zero' to zero the tensor"
+        )
+    scale_by_norm_op([xd], total, m, float(eps), _POLICY_CODE[policy])
+    return total.to(result_dtype(x.dtype))
+
+
+def clip_value_(x: torch.Tensor, lo: float, hi: Optional[float] = None) -> torch.Tensor:
+    """Clamps `x` in place to [-lo, lo] (hi omitted) or [lo, hi], like `x.clamp_` (bounds rounded to x's dtype,
+    NaN kept), and returns how many elements changed, as a 0-d int64 tensor on x's device (no host sync)."""
+    check_tensor(x, "clip_value_")
+    lo_f = float(lo)
+    if hi is None:
+        if not lo_f >= 0:
+            raise ValueError(f"hookstats.clip_value_(x, v) clamps to [-v, v] and needs v >= 0, got {lo!r}")
+        lo_f, hi_f = -lo_f, lo_f
+    else:
+        hi_f = float(hi)
+        if not lo_f <= hi_f:
+            raise ValueError(f"hookstats.clip_value_ needs lo <= hi (and no NaN bound), got [{lo!r}, {hi!r}]")
+    _check_writable(x, "clip_value_")
+    return clamp_count_op([x.detach()], lo_f, hi_f)
+
+
+def _as_list(parameters: TensorOrTensors) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    is_generator = isinstance(parameters, types.GeneratorType)
+    params = list(parameters)
+    if is_generator and not params:
+        warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.", stacklevel=3)
+    return params
+
+
+def _grads(params: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        check_tensor(g, op)
+    return grads
+
+
+def get_total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach: Optional[bool] = None) -> torch.Tensor:
+    """Drop-in for `torch.nn.utils.get_total_norm`: the norm of all `tensors` viewed as one vector.
+
+    Same result dtype (the tensors' promoted dtype) and device (the first tensor's) as PyTorch; computed in float64
+    by one kernel call per device, so it does not overflow midway (PyTorch's float32 total of values near 1e30 is
+    inf). An empty list gives tensor(0.). error_if_nonfinite raises PyTorch's error (and waits for the result)."""
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    p = _norm_type(norm_type, "get_total_norm")
+    if not ts:
+        return torch.tensor(0.0)
+    for t in ts:
+        check_tensor(t, "get_total_norm")
+    out = _total64(ts, p, foreach).to(_promoted(ts))
+    if error_if_nonfinite and not bool(torch.isfinite(out)):
+        raise _nonfinite_error(p)
+    return out
+
+
+def _scale_all(grads: list[torch.Tensor], total64: torch.Tensor, max_norm: float, policy: str,
+               foreach: Optional[bool]) -> None:
+    for dev, group in _by_device(grads).items():
+        _check_foreach(foreach, dev)
+        scale_by_norm_op(group, total64.to(dev), max_norm, CLIP_EPS, _POLICY_CODE[policy])
+
+
+def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_norm: torch.Tensor,
+                          foreach: Optional[bool] = None, *, nonfinite: str = "propagate") -> None:
+    """Drop-in for `torch.nn.utils.clip_grads_with_norm_`: scales every `p.grad` in place by
+    min(1, max_norm / (total_norm + 1e-6)); `None` grads are skipped. The coefficient is computed on the device.
+    nonfinite="zero" zeroes the grads when total_norm is NaN or inf; "error" raises PyTorch's error instead."""
+    params = _as_list(parameters)
+    m = _max_norm(max_norm, "clip_grads_with_norm_")
+    policy = _policy(nonfinite, "clip_grads_with_norm_")
+    grads = _grads(params, "clip_grads_with_norm_")
+    if not grads:
+        return
+    if not isinstance(total_norm, torch.Tensor):
+        total_norm = torch.tensor(float(total_norm), dtype=torch.float64)
+    total64 = total_norm.detach().to(torch.float64)
+    if policy == "error" and not bool(torch.isfinite(total64)):
+        raise _nonfinite_error(float("nan"))
+    _scale_all(grads, total64, m, policy, foreach)
+
+
+def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None, *,
+                    nonfinite: str = "propagate") -> torch.Tensor:
+    """Drop-in for `torch.nn.utils.clip_grad_norm_`: same arguments, same return value (the total norm of the
+    grads before clipping, in PyTorch's dtype, on the first grad's device), grads scaled in place by
+    min(1, max_norm / (total + 1e-6)).
+
+    One norm kernel call and one scale kernel call per device, whatever the number and dtypes of the parameters;
+    the total is combined and the coefficient computed on the device, in float64 (PyTorch: in the grads' dtype),
+    so no host sync happens unless error_if_nonfinite=True (same as nonfinite="error"), which raises PyTorch's
+    error. nonfinite="zero" zeroes every grad when the total norm is NaN or inf (skip the step's update)."""
+    params = _as_list(parameters)
+    p = _norm_type(norm_type, "clip_grad_norm_")
+    m = _max_norm(max_norm, "clip_grad_norm_")
+    policy = "error" if error_if_nonfinite else _policy(nonfinite, "clip_grad_norm_")
+    grads = _grads(params, "clip_grad_norm_")
+    if not grads:
+        return torch.tensor(0.0)
+    total64 = _total64(grads, p, foreach)
+    out = total64.to(_promoted(grads))
+    if policy == "error" and not bool(torch.isfinite(out)):
+        raise _nonfinite_error(p)
+    _scale_all(grads, total64, m, policy, foreach)
+    return out
+
+
+def clip_grad_value_(parameters: TensorOrTensors, clip_value: float, foreach: Optional[bool] = None) -> torch.Tensor:
+    """Like `torch.nn.utils.clip_grad_value_`: clamps every `p.grad` in place to [-clip_value, clip_value].
+
+    Returns the number of clipped elements as a 0-d int64 tensor on the first grad's device (PyTorch returns None),
+    from one kernel call per device and no host sync."""
+    params = _as_list(parameters)
+    cv = float(clip_value)
+    if not cv >= 0:
+        raise ValueError(f"hookstats.clip_grad_value_ needs clip_value >= 0, got {clip_value!r}")
+    grads = _grads(params, "clip_grad_value_")
+    if not grads:
+        return torch.tensor(0)
+    counts = []
+    for dev, group in _by_device(grads).items():
+        _check_foreach(foreach, dev)
+        counts.append(clamp_count_op(group, -cv, cv))
+    first = counts[0]
+    for c in counts[1:]:
+        first = first + c.to(first.device)
+    return first
+
+
+__all__ = [
+    "Norms",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "clip_grads_with_norm_",
+    "clip_norm_",
+    "clip_value_",
+    "get_total_norm",
+    "norm",
+    "norms",
+]
