@@ -106,11 +106,16 @@ def _combine(totals: list[torch.Tensor], p: float) -> torch.Tensor:
     return torch.where(torch.isinf(m), m, r)
 
 
+def _detached(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    # detach() costs ~1-3 us a tensor: only where autograd would otherwise see the op (grads do not require grad).
+    return [t.detach() if t.requires_grad else t for t in tensors]
+
+
 def _total64(tensors: list[torch.Tensor], p: float, foreach: Optional[bool]) -> torch.Tensor:
     totals = []
     for dev, group in _by_device(tensors).items():
         _check_foreach(foreach, dev)
-        totals.append(norms_op([t.detach() for t in group], p)[1])
+        totals.append(norms_op(_detached(group), p)[1])
     return _combine(totals, p)
 
 
@@ -132,15 +137,14 @@ def norms(tensors: TensorOrTensors, norm_type: float = 2.0) -> Norms:
     call, as float64 tensors on that device."""
     ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     p = _norm_type(norm_type, "norms")
-    for t in ts:
-        check_tensor(t, "norms")
+    _check_all(ts, "norms")
     if not ts:
         return Norms(torch.zeros((0,), dtype=torch.float64), torch.zeros((), dtype=torch.float64))
     devices = {t.device for t in ts}
     if len(devices) > 1:
         raise ValueError(f"hookstats.norms needs tensors on one device, got {sorted(map(str, devices))}; "
                          "use hookstats.get_total_norm for tensors on several devices")
-    per, total = norms_op([t.detach() for t in ts], p)
+    per, total = norms_op(_detached(ts), p)
     return Norms(per, total)
 
 
@@ -199,9 +203,16 @@ def _as_list(parameters: TensorOrTensors) -> list[torch.Tensor]:
 
 def _grads(params: list[torch.Tensor], op: str) -> list[torch.Tensor]:
     grads = [p.grad for p in params if p.grad is not None]
-    for g in grads:
-        check_tensor(g, op)
+    _check_all(grads, op)
     return grads
+
+
+def _check_all(tensors: list[torch.Tensor], op: str) -> None:
+    """check_tensor on every tensor, at ~0.1 us a tensor when all are dense floating tensors (the usual case)."""
+    ok = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    for t in tensors:
+        if not (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in ok and t.layout == torch.strided):
+            check_tensor(t, op)
 
 
 def get_total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -215,8 +226,7 @@ def get_total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_no
     p = _norm_type(norm_type, "get_total_norm")
     if not ts:
         return torch.tensor(0.0)
-    for t in ts:
-        check_tensor(t, "get_total_norm")
+    _check_all(ts, "get_total_norm")
     out = _total64(ts, p, foreach).to(_promoted(ts))
     if error_if_nonfinite and not bool(torch.isfinite(out)):
         raise _nonfinite_error(p)
@@ -296,15 +306,3 @@ def clip_grad_value_(parameters: TensorOrTensors, clip_value: float, foreach: Op
         first = first + c.to(first.device)
     return first
 
-
-__all__ = [
-    "Norms",
-    "clip_grad_norm_",
-    "clip_grad_value_",
-    "clip_grads_with_norm_",
-    "clip_norm_",
-    "clip_value_",
-    "get_total_norm",
-    "norm",
-    "norms",
-]

@@ -90,10 +90,91 @@ def main() -> None:
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     lines.append(f"Peak extra memory of stats_into on a 256 MB tensor: {extra} bytes (baseline {base}).")
+    lines += clip_section(dev)
     text = "\n".join(lines)
     print(text)
     with open(args.out, "w") as f:
         f.write(text + "\n")
+
+
+def param_grads(n: int, dev, dtype=torch.float32) -> list[torch.nn.Parameter]:
+    """n parameters of a transformer-like mix (weights, biases, norm vectors), about 2^26 elements in all."""
+    width = max(64, int((2**26 / max(n, 1) / 3) ** 0.5))
+    shapes = [(width, width), (width,), (width,)]
+    ps = []
+    for i in range(n):
+        p = torch.nn.Parameter(torch.empty(shapes[i % 3], device=dev, dtype=dtype))
+        p.grad = torch.randn_like(p)
+        ps.append(p)
+    return ps
+
+
+def clip_section(dev) -> list[str]:
+    """clip_norm_ beside one read + one write (a copy), and clip_grad_norm_ beside PyTorch's foreach path."""
+    lines = ["", "## Clipping", "",
+             "| case | MB | hookstats ms | reference ms | reference | ratio |", "|---|---|---|---|---|---|"]
+    for mb in (1, 16, 64, 256):
+        x = torch.randn(mb * 2**18, device=dev)
+        y = torch.empty_like(x)
+        norm = torch.linalg.vector_norm(x).item()
+        t_copy = cuda_time(lambda: y.copy_(x))
+        # Every call clips: max_norm below the current norm, so x is scaled by ~0.99 each time.
+        t_clip = cuda_time(lambda: hookstats.clip_norm_(x, 0.99 * norm))
+        x.normal_()
+        t_torch = cuda_time(lambda: x.mul_(torch.clamp(0.99 * norm / (torch.linalg.vector_norm(x) + 1e-6), max=1.0)))
+        lines.append(f"| clip_norm_ fp32 vs copy (read+write) | {mb} | {t_clip:.3f} | {t_copy:.3f} | copy | "
+                     f"{t_copy / t_clip:.0%} of copy bandwidth |")
+        lines.append(f"| clip_norm_ fp32 vs vector_norm + mul_ | {mb} | {t_clip:.3f} | {t_torch:.3f} | torch | "
+                     f"{t_torch / t_clip:.2f}x |")
+        ref = torch.randn(4096, device=dev) * 3
+        got = ref.clone()
+        n0 = hookstats.clip_norm_(got, 1.0)
+        assert torch.allclose(n0.double(), torch.linalg.vector_norm(ref.double()), rtol=1e-5)
+        assert torch.allclose(got, ref * (1.0 / (torch.linalg.vector_norm(ref.double()) + 1e-6)).float(), rtol=1e-5)
+        del x, y
+    for n in (10, 100, 1000, 10000):
+        ps = param_grads(n, dev)
+        mb = sum(p.numel() for p in ps) * 4 / 2**20
+        grads0 = [p.grad.clone() for p in ps]
+        total = hookstats.clip_grad_norm_(ps, 1.0)
+        got = [p.grad.clone() for p in ps]
+        for p, g in zip(ps, grads0):
+            p.grad.copy_(g)
+        total_ref = torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        assert torch.allclose(total, total_ref, rtol=1e-5), (total, total_ref)
+        assert all(torch.allclose(a, p.grad, rtol=1e-5, atol=1e-12) for a, p in zip(got, ps))
+        # Alternate max_norm so that every call really scales, on both sides.
+        t_hs = cuda_time(lambda: hookstats.clip_grad_norm_(ps, 1e-3))
+        t_pt = cuda_time(lambda: torch.nn.utils.clip_grad_norm_(ps, 1e-3, foreach=True))
+        lines.append(f"| clip_grad_norm_ {n} params vs torch foreach | {mb:.0f} | {t_hs:.3f} | {t_pt:.3f} | "
+                     f"foreach | {t_pt / t_hs:.2f}x |")
+        del ps, grads0, got
+    # No host sync: the clipping path never waits for the GPU.
+    ps = param_grads(100, dev)
+    x = torch.randn(2**20, device=dev)
+    hookstats.clip_grad_norm_(ps, 1.0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            hookstats.clip_norm_(x, 1.0)
+            hookstats.clip_value_(x, 0.5)
+            hookstats.clip_grad_norm_(ps, 1.0)
+            hookstats.clip_grad_norm_(ps, 1.0, nonfinite="zero")
+            hookstats.clip_grad_value_(ps, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    lines += ["", "No host sync in clip_norm_/clip_value_/clip_grad_norm_/clip_grad_value_ "
+              "(set_sync_debug_mode('error') raised nothing)."]
+    torch.cuda.synchronize()
+    before = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    hookstats.clip_grad_norm_(ps, 1.0)
+    torch.cuda.synchronize()
+    lines.append(f"Peak extra memory of clip_grad_norm_ over 100 params: {torch.cuda.max_memory_allocated() - base} "
+                 f"bytes (earlier peak {before}).")
+    return lines
 
 
 if __name__ == "__main__":

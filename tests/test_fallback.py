@@ -34,3 +34,28 @@ def test_import_without_extension_warns_and_falls_back():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_clipping_without_extension_uses_the_reference():
+    code = textwrap.dedent(
+        """
+        import sys, warnings
+        sys.modules["hookstats._C"] = None
+        warnings.simplefilter("ignore")
+        import hookstats, torch
+        assert not hookstats.HAVE_EXTENSION
+        x = torch.tensor([3.0, 4.0])
+        n = hookstats.clip_norm_(x, 1.0)
+        assert float(n) == 5.0 and abs(float(x.norm()) - 1.0) < 1e-5, (n, x)
+        y = torch.tensor([-2.0, 0.5, 3.0, float("nan")])
+        assert int(hookstats.clip_value_(y, 1.0)) == 2 and y[:3].tolist() == [-1.0, 0.5, 1.0] and y[3].isnan()
+        ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+        ps[0].grad = torch.tensor([3.0, 0.0]); ps[1].grad = torch.tensor([0.0, 4.0])
+        total = hookstats.clip_grad_norm_(ps, 1.0)
+        assert float(total) == 5.0 and abs(float(ps[1].grad[1]) - 0.8) < 1e-5
+        assert abs(float(hookstats.get_total_norm([torch.ones(4)], 1.0)) - 4.0) < 1e-6
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -26,6 +26,7 @@
 #include "../core/hist_ops.h"
 #include "../core/layout.h"
 #include "../core/stats_ops.h"
+#include "cuda_util.cuh"
 
 namespace hookstats {
 namespace {
@@ -235,17 +236,6 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
     store(q, out);
     *ticket = 0u;
   }
-}
-
-int sm_count(int device) {
-  static int counts[64] = {0};
-  if (device < 0 || device >= 64) device = 0;
-  if (counts[device] == 0) {
-    int c = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device));
-    counts[device] = c > 0 ? c : 1;
-  }
-  return counts[device];
 }
 
 // hist: int64 counts on x's device (nullptr: no histogram); zeroed first unless accumulate.

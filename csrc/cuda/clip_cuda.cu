@@ -1,0 +1,425 @@
+// CUDA implementation of the multi-tensor norm and clipping ops: hookstats::norms,
+// hookstats::scale_by_norm_ and hookstats::clamp_count_.
+//
+// Note [cuda tensor lists]
+// Every tensor of the list is cut into chunks of chunk_len elements (>= 64K, and large enough
+// that a list has at most about 4 chunks per SM beyond one per tensor); one block of 256
+// threads handles one chunk, so one launch covers every tensor, whatever their number, sizes
+// and dtypes (the block switches on its tensor's dtype). A list of more than one tensor is
+// described in device memory (TensorDesc, StridedLayout and each tensor's first chunk), copied
+// in one non-blocking copy from pinned memory; a block finds its tensor by binary search. A
+// single flat tensor travels in the kernel arguments instead, and needs no copy.
+//   norms: each thread reduces its share of a chunk (at most kMaxFastPiece values) on the fast
+//     path of core/norm_ops.h, re-reads it on the careful path when needed, the block merges
+//     in a fixed order into a per-chunk partial, and the last block to finish (atomic ticket)
+//     merges every tensor's chunks in order, then all tensors: per-tensor norms and the total,
+//     in the same launch. No float atomics: results are bitwise reproducible.
+//   scale_by_norm_: reads the total norm on the device; blocks exit at once when the
+//     coefficient is 1. clamp_count_: counts with integer atomics, one per block.
+// Flat 16-byte-aligned chunks use 16-byte loads and stores; other layouts go element by element
+// (Note [layouts]).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "../core/checks.h"
+#include "../core/layout.h"
+#include "../core/norm_ops.h"
+#include "../core/tensor_list.h"
+#include "cuda_util.cuh"
+
+namespace hookstats {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int64_t kMinChunk = 65536;
+constexpr int64_t kMaxChunk = int64_t(kThreads) * kMaxFastPiece;  // a thread's share stays a fast piece
+
+template <typename scalar_t> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+struct ListArgs {
+  const TensorDesc* descs;       // device memory, unless single
+  const StridedLayout* layouts;  // device memory
+  const int64_t* chunk_start;    // device memory: n + 1 entries, tensor t's first chunk
+  int64_t ntensors;
+  int64_t chunk_len;
+  bool single;  // one flat tensor, described by `one`: no device metadata
+  TensorDesc one;
+};
+
+// The chunk a block handles.
+struct Piece {
+  TensorDesc d;
+  const StridedLayout* layout;  // nullptr when flat
+  int64_t begin, len;
+};
+
+__device__ __forceinline__ Piece locate(const ListArgs& a, int64_t chunk) {
+  Piece p;
+  int64_t first = 0;
+  if (a.single) {
+    p.d = a.one;
+    p.layout = nullptr;
+  } else {
+    int64_t lo = 0, hi = a.ntensors - 1;  // the last tensor whose first chunk is <= chunk
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (a.chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
+    }
+    p.d = a.descs[lo];
+    p.layout = p.d.layout >= 0 ? a.layouts + p.d.layout : nullptr;
+    first = a.chunk_start[lo];
+  }
+  p.begin = (chunk - first) * a.chunk_len;
+  p.len = min(a.chunk_len, p.d.numel - p.begin);
+  return p;
+}
+
+// Calls f for each element of this thread's share of the piece, in a fixed order. Reading
+// (kWrite false): f(value). Writing: f(value&) returns whether it changed the value, and a
+// 16-byte pack is stored back only when one of its values changed.
+template <bool kWrite, typename scalar_t, typename F>
+__device__ __forceinline__ void for_share(const Piece& p, F&& f) {
+  scalar_t* x = static_cast<scalar_t*>(p.d.data);
+  if (p.layout != nullptr) {
+    for (int64_t i = threadIdx.x; i < p.len; i += kThreads) f(x[element_offset(*p.layout, p.begin + i)]);
+    return;
+  }
+  x += p.begin;
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  int64_t done = 0;
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    const int64_t npacks = p.len / kVec;
+    uint4* packs = reinterpret_cast<uint4*>(x);
+#pragma unroll 4
+    for (int64_t k = threadIdx.x; k < npacks; k += kThreads) {
+      uint4 r = kWrite ? packs[k] : __ldg(packs + k);
+      scalar_t* v = reinterpret_cast<scalar_t*>(&r);
+      if constexpr (kWrite) {
+        bool changed = false;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) changed |= f(v[j]);
+        if (changed) packs[k] = r;
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) f(v[j]);
+      }
+    }
+    done = npacks * kVec;
+  }
+  for (int64_t i = done + threadIdx.x; i < p.len; i += kThreads) f(x[i]);
+}
+
+template <typename scalar_t, typename F>
+__device__ __forceinline__ void visit(const Piece& p, F&& f) { for_share<false, scalar_t>(p, f); }
+
+template <typename scalar_t, typename F>
+__device__ __forceinline__ void update(const Piece& p, F&& f) { for_share<true, scalar_t>(p, f); }
+
+// ---------------------------------------------------------------------------------------
+// Norms.
+template <int KIND, typename scalar_t>
+__device__ __forceinline__ FastNorm<typename AccOf<scalar_t>::type> fast_share(const Piece& p) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  FastNorm<acc_t> f;
+  fast_norm_init(f);
+  visit<scalar_t>(p, [&](scalar_t r) { fast_norm_add<KIND, acc_t>(f, static_cast<acc_t>(r)); });
+  return f;
+}
+
+template <typename scalar_t>
+__device__ NormPartial thread_norm(const Piece& p, const NormSpec& ns) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  if (ns.kind != kNormP) {
+    FastNorm<acc_t> f;
+    if (ns.kind == kNorm2) f = fast_share<kNorm2, scalar_t>(p);
+    else if (ns.kind == kNorm1) f = fast_share<kNorm1, scalar_t>(p);
+    else f = fast_share<kNormInf, scalar_t>(p);
+    if (fast_norm_trusted(f, ns.kind)) return fast_norm_partial(f, ns.kind);
+  }
+  CarefulNorm c = careful_norm_init();
+  visit<scalar_t>(p, [&](scalar_t r) { careful_norm_scan(c, static_cast<double>(static_cast<acc_t>(r))); });
+  const int32_t e = careful_norm_exponent(c, ns);
+  double s = 0.0;
+  if (ns.kind != kNormInf && !(c.flags & kNormHasNan)) {
+    visit<scalar_t>(p, [&](scalar_t r) { s += careful_norm_term(static_cast<double>(static_cast<acc_t>(r)), e, ns); });
+  }
+  return careful_norm_partial(c, s, e, ns);
+}
+
+// Block-wide merge in a fixed order; the result is valid in thread 0.
+__device__ NormPartial block_merge(NormPartial p, const NormSpec& ns, NormPartial* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    NormPartial q;
+    q.s = __shfl_down_sync(0xffffffffu, p.s, offset);
+    q.e = __shfl_down_sync(0xffffffffu, p.e, offset);
+    q.flags = __shfl_down_sync(0xffffffffu, p.flags, offset);
+    norm_merge(p, q, ns);
+  }
+  if (lane == 0) smem[warp] = p;
+  __syncthreads();
+  if (warp == 0) {
+    p = lane < kWarps ? smem[lane] : empty_norm();
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      NormPartial q;
+      q.s = __shfl_down_sync(0xffffffffu, p.s, offset);
+      q.e = __shfl_down_sync(0xffffffffu, p.e, offset);
+      q.flags = __shfl_down_sync(0xffffffffu, p.flags, offset);
+      norm_merge(p, q, ns);
+    }
+  }
+  __syncthreads();
+  return p;
+}
+
+__device__ __forceinline__ NormPartial load_partial(const NormPartial* src) {
+  const volatile NormPartial* v = src;
+  NormPartial r;
+  r.s = v->s; r.e = v->e; r.flags = v->flags;
+  return r;
+}
+
+__global__ void __launch_bounds__(kThreads)
+norms_kernel(ListArgs a, NormSpec ns, NormPartial* __restrict__ partials, unsigned int* __restrict__ ticket,
+             double* __restrict__ per, double* __restrict__ total) {
+  __shared__ NormPartial smem[kWarps];
+  __shared__ bool is_last;
+  const Piece piece = locate(a, blockIdx.x);
+  NormPartial p = empty_norm();
+  switch (piece.d.dtype) {
+    case kF64: p = thread_norm<double>(piece, ns); break;
+    case kF16: p = thread_norm<c10::Half>(piece, ns); break;
+    case kBF16: p = thread_norm<c10::BFloat16>(piece, ns); break;
+    default: p = thread_norm<float>(piece, ns); break;
+  }
+  p = block_merge(p, ns, smem);
+  if (threadIdx.x == 0) {
+    partials[blockIdx.x] = p;
+    __threadfence();
+    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // The last block: thread t merges the chunks of tensors t, t + kThreads, ... in order.
+  NormPartial acc = empty_norm();
+  for (int64_t t = threadIdx.x; t < a.ntensors; t += kThreads) {
+    const int64_t c0 = a.single ? 0 : a.chunk_start[t];
+    const int64_t c1 = a.single ? gridDim.x : a.chunk_start[t + 1];
+    NormPartial q = empty_norm();
+    for (int64_t c = c0; c < c1; ++c) norm_merge(q, load_partial(partials + c), ns);
+    per[t] = norm_finalize(q, ns);
+    norm_merge(acc, q, ns);
+  }
+  acc = block_merge(acc, ns, smem);
+  if (threadIdx.x == 0) {
+    *total = norm_finalize(acc, ns);
+    *ticket = 0u;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Scaling and clamping.
+template <typename scalar_t>
+__device__ __forceinline__ void scale_piece(const Piece& p, double coef, bool zero) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  const acc_t c = static_cast<acc_t>(coef);
+  update<scalar_t>(p, [&](scalar_t& v) {
+    v = static_cast<scalar_t>(scale_value<acc_t>(static_cast<acc_t>(v), c, zero));
+    return true;
+  });
+}
+
+__global__ void __launch_bounds__(kThreads)
+scale_kernel(ListArgs a, const double* __restrict__ total, double max_norm, double eps, int policy) {
+  const double norm = *total;
+  const double coef = clip_coef(norm, max_norm, eps, policy);
+  if (coef_is_identity(coef)) return;
+  const bool zero = policy == kZero && !(norm - norm == 0.0);
+  const Piece piece = locate(a, blockIdx.x);
+  switch (piece.d.dtype) {
+    case kF64: scale_piece<double>(piece, coef, zero); break;
+    case kF16: scale_piece<c10::Half>(piece, coef, zero); break;
+    case kBF16: scale_piece<c10::BFloat16>(piece, coef, zero); break;
+    default: scale_piece<float>(piece, coef, zero); break;
+  }
+}
+
+// The bounds of clamp_count_ rounded to each dtype (by the host, as torch.clamp rounds them),
+// indexed by DtypeCode.
+struct Bounds {
+  double lo[4], hi[4];
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ unsigned long long clamp_piece(const Piece& p, const Bounds& b) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  const int code = p.d.dtype;
+  const acc_t lo = static_cast<acc_t>(b.lo[code]), hi = static_cast<acc_t>(b.hi[code]);
+  const scalar_t lo_t = static_cast<scalar_t>(lo), hi_t = static_cast<scalar_t>(hi);
+  unsigned long long n = 0;
+  update<scalar_t>(p, [&](scalar_t& v) {
+    const acc_t x = static_cast<acc_t>(v);
+    if (!is_clipped(x, lo, hi)) return false;
+    v = x < lo ? lo_t : hi_t;
+    ++n;
+    return true;
+  });
+  return n;
+}
+
+__global__ void __launch_bounds__(kThreads) clamp_kernel(ListArgs a, Bounds b, unsigned long long* __restrict__ count) {
+  __shared__ unsigned long long smem[kWarps];
+  const Piece piece = locate(a, blockIdx.x);
+  unsigned long long n = 0;
+  switch (piece.d.dtype) {
+    case kF64: n = clamp_piece<double>(piece, b); break;
+    case kF16: n = clamp_piece<c10::Half>(piece, b); break;
+    case kBF16: n = clamp_piece<c10::BFloat16>(piece, b); break;
+    default: n = clamp_piece<float>(piece, b); break;
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) n += __shfl_down_sync(0xffffffffu, n, offset);
+  if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long s = 0;
+    for (int w = 0; w < kWarps; ++w) s += smem[w];
+    if (s != 0) atomicAdd(count, s);  // integer atomics: exact, order-free
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side: the chunks of a list (Note [cuda tensor lists]).
+struct DeviceList {
+  ListArgs args;
+  int64_t nchunks;
+  at::Tensor meta;  // device copy of the descriptions; the caching allocator keeps it until the stream is done
+};
+
+DeviceList prepare(at::TensorList xs) {
+  static thread_local std::vector<TensorDesc> descs;
+  static thread_local std::vector<StridedLayout> layouts;
+  describe(xs, descs, layouts);
+  const int64_t n = static_cast<int64_t>(xs.size());
+  int64_t total = 0;
+  for (const TensorDesc& d : descs) total += d.numel;
+  const int64_t sms = sm_count(xs[0].device().index());
+  int64_t chunk = (total + 4 * sms - 1) / (4 * sms);
+  chunk = (chunk + 4095) / 4096 * 4096;
+  chunk = std::min(kMaxChunk, std::max(kMinChunk, chunk));
+  DeviceList dl;
+  std::memset(&dl.args, 0, sizeof(dl.args));
+  dl.args.ntensors = n;
+  dl.args.chunk_len = chunk;
+  std::vector<int64_t> starts(static_cast<size_t>(n + 1));
+  starts[0] = 0;
+  for (int64_t t = 0; t < n; ++t) starts[t + 1] = starts[t] + (descs[t].numel + chunk - 1) / chunk;
+  dl.nchunks = starts[n];
+  TORCH_CHECK(dl.nchunks < (int64_t(1) << 31), "hookstats: too many chunks for one launch");
+  if (n == 1 && descs[0].layout < 0) {
+    dl.args.single = true;
+    dl.args.one = descs[0];
+    return dl;
+  }
+  const size_t b_desc = descs.size() * sizeof(TensorDesc);
+  const size_t b_lay = layouts.size() * sizeof(StridedLayout);
+  const size_t off_lay = (b_desc + 15) / 16 * 16;
+  const size_t off_cs = off_lay + (b_lay + 15) / 16 * 16;
+  const size_t bytes = off_cs + starts.size() * sizeof(int64_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  char* h = static_cast<char*>(host.data_ptr());
+  std::memcpy(h, descs.data(), b_desc);
+  if (b_lay) std::memcpy(h + off_lay, layouts.data(), b_lay);
+  std::memcpy(h + off_cs, starts.data(), starts.size() * sizeof(int64_t));
+  dl.meta = host.to(xs[0].device(), at::kByte, /*non_blocking=*/true);
+  char* d = static_cast<char*>(dl.meta.data_ptr());
+  dl.args.descs = reinterpret_cast<const TensorDesc*>(d);
+  dl.args.layouts = reinterpret_cast<const StridedLayout*>(d + off_lay);
+  dl.args.chunk_start = reinterpret_cast<const int64_t*>(d + off_cs);
+  return dl;
+}
+
+std::tuple<at::Tensor, at::Tensor> norms_cuda(at::TensorList xs, double p) {
+  check_tensor_list(xs, "norms", false);
+  check_norm_type(p, "norms");
+  TORCH_CHECK_VALUE(!xs.empty(), "hookstats.norms needs at least one tensor");
+  const c10::cuda::CUDAGuard guard(xs[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xs[0].device().index());
+  const auto opts = xs[0].options().dtype(at::kDouble);
+  DeviceList dl = prepare(xs);
+  if (dl.nchunks == 0) {
+    return {at::zeros({static_cast<int64_t>(xs.size())}, opts), at::zeros({}, opts)};
+  }
+  at::Tensor per = at::empty({static_cast<int64_t>(xs.size())}, opts);
+  at::Tensor total = at::empty({}, opts);
+  const int64_t ws_bytes = dl.nchunks * static_cast<int64_t>(sizeof(NormPartial)) + 16;
+  at::Tensor ws = at::empty({ws_bytes}, xs[0].options().dtype(at::kByte));
+  auto* partials = reinterpret_cast<NormPartial*>(ws.data_ptr());
+  auto* ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes - 16);
+  C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
+  norms_kernel<<<static_cast<unsigned int>(dl.nchunks), kThreads, 0, stream>>>(
+      dl.args, make_norm_spec(p), partials, ticket, per.data_ptr<double>(), total.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {per, total};
+}
+
+void scale_by_norm_cuda(at::TensorList xs, const at::Tensor& total, double max_norm, double eps, int64_t policy) {
+  check_tensor_list(xs, "scale_by_norm_", true);
+  check_total(xs, total);
+  check_clip_args(max_norm, eps, policy);
+  if (xs.empty()) return;
+  const c10::cuda::CUDAGuard guard(xs[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xs[0].device().index());
+  DeviceList dl = prepare(xs);
+  if (dl.nchunks == 0) return;
+  scale_kernel<<<static_cast<unsigned int>(dl.nchunks), kThreads, 0, stream>>>(
+      dl.args, total.data_ptr<double>(), max_norm, eps, static_cast<int>(policy));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor clamp_count_cuda(at::TensorList xs, double lo, double hi) {
+  check_tensor_list(xs, "clamp_count_", true);
+  check_bounds(lo, hi);
+  TORCH_CHECK_VALUE(!xs.empty(), "hookstats.clamp_count_ needs at least one tensor");
+  const c10::cuda::CUDAGuard guard(xs[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xs[0].device().index());
+  at::Tensor count = at::zeros({}, xs[0].options().dtype(at::kLong));
+  DeviceList dl = prepare(xs);
+  if (dl.nchunks == 0) return count;
+  Bounds b;
+  b.lo[kF32] = static_cast<float>(lo); b.hi[kF32] = static_cast<float>(hi);
+  b.lo[kF64] = lo; b.hi[kF64] = hi;
+  b.lo[kF16] = static_cast<float>(static_cast<c10::Half>(lo)); b.hi[kF16] = static_cast<float>(static_cast<c10::Half>(hi));
+  b.lo[kBF16] = static_cast<float>(static_cast<c10::BFloat16>(lo));
+  b.hi[kBF16] = static_cast<float>(static_cast<c10::BFloat16>(hi));
+  clamp_kernel<<<static_cast<unsigned int>(dl.nchunks), kThreads, 0, stream>>>(
+      dl.args, b, reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return count;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {
+  m.impl("norms", &norms_cuda);
+  m.impl("scale_by_norm_", &scale_by_norm_cuda);
+  m.impl("clamp_count_", &clamp_count_cuda);
+}
+
+}  // namespace hookstats
