@@ -4,10 +4,12 @@
     python benchmarks/report.py bench.json [--markdown out.md]
 
 Two sets of tables, one table per device and dtype in each: hookstats.stats (`summarize`, `format_table`) and
-the histograms (`summarize_hist`, `format_hist_table`). Times are medians. GB/s counts one read of the input (the bytes the fused op
-must move); the roof is the same run's `x.sum()` on CPU and `y.copy_(x)` on CUDA, whose GB/s counts read +
-write. On CUDA, times come from CUDA events around back-to-back launches when the run recorded them
-(extra_info["cuda_event_s"]), else from the host clock with a synchronize per call.
+the histograms (`summarize_hist`, `format_hist_table`); then, when the file has any, the clipping tables, per
+device (`summarize_clip`, `format_clip_table`). Times are medians. GB/s counts one read of the input (the bytes
+the fused op must move; the clipping tables count what each op must move, see `summarize_clip`); the roof is
+the same run's `x.sum()` on CPU and `y.copy_(x)` on CUDA, whose GB/s counts read + write. On CUDA, times come
+from CUDA events around back-to-back launches when the run recorded them (extra_info["cuda_event_s"]), else
+from the host clock with a synchronize per call.
 """
 from __future__ import annotations
 
@@ -323,12 +325,203 @@ def format_hist_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+CLIP_CASES = ("hookstats", "torch", "torch_foreach", "torch_loop", "roof")
+CLIP_SINGLE_OPS = ("clip_norm", "clip_value")  # one tensor, grouped by size
+CLIP_LIST_OPS = ("clip_grad_norm", "total_norm")  # a list of grads, grouped by the number of tensors
+_CLIP_OP_NAMES = {"clip_norm": "clip_norm_", "clip_value": "clip_value_", "clip_grad_norm": "clip_grad_norm_",
+                  "total_norm": "get_total_norm"}
+
+
+def summarize_clip(json_path: str) -> list[dict]:
+    """One dict per clipping group (benchmarks/test_bench_clip.py) of a pytest-benchmark JSON file, sorted by
+    device, op, dtype, then size or number of tensors.
+
+    Keys: op (clip_norm, clip_value, clip_grad_norm, total_norm), device, dtype, size_log2 (single-tensor ops,
+    else None), n_tensors (list ops, else None), numel, bytes (one read of the input), traffic_bytes (the bytes
+    the op must move at least: 3x bytes for a norm clip, read then read + write; 1x for get_total_norm and
+    clip_value_), timer, roof (the roof's name), and, None where a case did not run: hookstats_s, torch_s,
+    torch_foreach_s, torch_loop_s, roof_s, speedup (PyTorch time / hookstats time, against `torch` for the
+    single-tensor ops and `torch_foreach` for the list ops), speedup_loop (torch_loop time / hookstats time),
+    hookstats_gbps (traffic_bytes / time), roof_gbps (roof's own bytes: 2x for a copy), of_roof (hookstats
+    GB/s / roof GB/s), rounds and threads (torch threads) of the hookstats case.
+    """
+    with open(json_path) as f:
+        data = json.load(f)
+    groups: dict[tuple, dict] = {}
+    for bench in data.get("benchmarks", []):
+        extra = bench.get("extra_info", {})
+        op = extra.get("op")
+        if extra.get("family") != "clip" or op not in _CLIP_OP_NAMES or extra.get("case") not in CLIP_CASES:
+            continue
+        single = op in CLIP_SINGLE_OPS
+        key = (extra["device"], op, extra["dtype"], int(extra["size_log2"] if single else extra["n_tensors"]))
+        if key not in groups:
+            groups[key] = {
+                "op": op,
+                "device": extra["device"],
+                "dtype": extra["dtype"],
+                "size_log2": int(extra["size_log2"]) if single else None,
+                "n_tensors": None if single else int(extra["n_tensors"]),
+                "numel": int(extra["numel"]),
+                "bytes": int(extra["bytes"]),
+                "traffic_bytes": int(extra.get("traffic_bytes", extra["bytes"])),
+                "roof": extra.get("roof", "copy" if extra["device"] == "cuda" else "sum"),
+                "timer": None,
+            }
+        row = groups[key]
+        seconds, timer = _case_seconds(bench)
+        row[f"{extra['case']}_s"] = seconds
+        if extra["case"] == "hookstats":
+            row["timer"] = timer
+            row["rounds"] = bench["stats"].get("rounds")
+            row["threads"] = extra.get("torch_threads")
+
+    def order(k: tuple) -> tuple:
+        device, op, dtype, size = k
+        return (device != "cpu", device, list(_CLIP_OP_NAMES).index(op), dtype != "float32", dtype, size)
+
+    rows = []
+    for key in sorted(groups, key=order):
+        row = groups[key]
+        for case in CLIP_CASES:
+            row.setdefault(f"{case}_s", None)
+        row.setdefault("rounds", None)
+        row.setdefault("threads", None)
+        mine = row["hookstats_s"]
+        base = row["torch_s"] if row["op"] in CLIP_SINGLE_OPS else row["torch_foreach_s"]
+        loop, roof = row["torch_loop_s"], row["roof_s"]
+        roof_bytes = row["bytes"] * (2 if row["roof"] == "copy" else 1)
+        row["speedup"] = base / mine if mine and base else None
+        row["speedup_loop"] = loop / mine if mine and loop else None
+        row["hookstats_gbps"] = row["traffic_bytes"] / mine / 1e9 if mine else None
+        row["roof_gbps"] = roof_bytes / roof / 1e9 if roof else None
+        row["of_roof"] = (
+            row["hookstats_gbps"] / row["roof_gbps"] if row["hookstats_gbps"] and row["roof_gbps"] else None
+        )
+        rows.append(row)
+    return rows
+
+
+# The issue's targets, reported (never asserted): (op, least number of tensors, key, threshold, text). Each is
+# checked on every device and dtype the run measured.
+CLIP_TARGETS = (
+    ("clip_grad_norm", 0, "speedup", 1.0, "clip_grad_norm_ not slower than foreach anywhere"),
+    ("clip_grad_norm", 1000, "speedup", 2.0, "clip_grad_norm_ >= 2x faster than foreach at 1,000+ params"),
+)
+
+
+def format_clip_targets(rows: list[dict]) -> list[str]:
+    """Lines of markdown: each target of CLIP_TARGETS against the matching rows (all met, or not), or not
+    measured."""
+    out = ["Targets (reported, not asserted):"]
+    for op, least, key, threshold, text in CLIP_TARGETS:
+        hits = [r for r in rows if r["op"] == op and r["n_tensors"] is not None and r["n_tensors"] >= least
+                and r[key] is not None]
+        if not hits:
+            out.append(f"- {text}: not measured in this run")
+            continue
+        parts = []
+        for r in hits:
+            met = r[key] >= threshold
+            label = f"{r['device']} {r['dtype']} {r['n_tensors']:,}p"
+            parts.append(f"{label} {r[key]:.2f}x ({'met' if met else 'NOT met'})")
+        verdict = "met" if all(r[key] >= threshold for r in hits) else "NOT met"
+        out.append(f"- {text}: **{verdict}**: " + "; ".join(parts))
+    return out
+
+
+def format_clip_table(rows: list[dict]) -> str:
+    """Markdown: per device a table of the single-tensor ops (clip_norm_, clip_value_) and one of the list ops
+    (clip_grad_norm_, get_total_norm), in the order of `rows`, then the targets."""
+    out: list[str] = []
+    devices: dict[str, list[dict]] = {}
+    for row in rows:
+        devices.setdefault(row["device"], []).append(row)
+    for device, group in devices.items():
+        notes = sorted({r["timer"] for r in group if r["timer"]}) or ["no hookstats case"]
+        if device == "cpu":
+            threads = sorted({r["threads"] for r in group if r["threads"]})
+            notes += [f"{t} torch thread{'s' if t > 1 else ''}" for t in threads]
+        note = f"median times; {', '.join(notes)}"
+        single = [r for r in group if r["op"] in CLIP_SINGLE_OPS]
+        if single:
+            out.append(f"### hookstats clipping, one tensor, {device} ({note})")
+            out.append("")
+            head = ["op", "dtype", "size", "hookstats µs", "torch µs", "speedup", "hookstats GB/s", "roof GB/s",
+                    "of roof"]
+            out.append("| " + " | ".join(head) + " |")
+            out.append("|" + "|".join(":---" if i < 2 else "---:" for i in range(len(head))) + "|")
+            for r in single:
+                out.append("| " + " | ".join([
+                    _CLIP_OP_NAMES[r["op"]],
+                    r["dtype"],
+                    f"2^{r['size_log2']}",
+                    _fmt_us(r["hookstats_s"]),
+                    _fmt_us(r["torch_s"]),
+                    _fmt(r["speedup"], ".2f", "x"),
+                    _fmt_gbps(r["hookstats_gbps"]),
+                    _fmt_gbps(r["roof_gbps"]),
+                    _fmt(r["of_roof"], ".0%"),
+                ]) + " |")
+            out.append("")
+            for op in CLIP_SINGLE_OPS:
+                for dtype in sorted({r["dtype"] for r in single if r["op"] == op}):
+                    if _roof_stalled([r for r in single if r["op"] == op and r["dtype"] == dtype]):
+                        out.append(
+                            f"**Warning ({_CLIP_OP_NAMES[op]}, {dtype}):** the roof's time does not grow with the "
+                            "size, so these times measure waiting, not work: with other load on the machine, each "
+                            "parallel region waits a scheduler tick for a busy core. Rerun on a quiet machine or with "
+                            "`HOOKSTATS_BENCH_THREADS=1`."
+                        )
+                        out.append("")
+        lists = [r for r in group if r["op"] in CLIP_LIST_OPS]
+        if lists:
+            out.append(f"### hookstats clipping, parameter lists, {device} ({note})")
+            out.append("")
+            head = ["op", "dtype", "tensors", "elements", "hookstats µs", "foreach µs", "loop µs", "vs foreach",
+                    "vs loop", "hookstats GB/s"]
+            out.append("| " + " | ".join(head) + " |")
+            out.append("|" + "|".join(":---" if i < 2 else "---:" for i in range(len(head))) + "|")
+            for r in lists:
+                out.append("| " + " | ".join([
+                    _CLIP_OP_NAMES[r["op"]],
+                    r["dtype"],
+                    f"{r['n_tensors']:,}",
+                    f"{r['numel'] / 1e6:.1f}M",
+                    _fmt_us(r["hookstats_s"]),
+                    _fmt_us(r["torch_foreach_s"]),
+                    _fmt_us(r["torch_loop_s"]),
+                    _fmt(r["speedup"], ".2f", "x"),
+                    _fmt(r["speedup_loop"], ".2f", "x"),
+                    _fmt_gbps(r["hookstats_gbps"]),
+                ]) + " |")
+            out.append("")
+    if not out:
+        return "No hookstats clipping benchmarks in this file.\n"
+    out.append(
+        "speedup / vs foreach / vs loop: the PyTorch way's time / hookstats' time (higher is better): "
+        "`vector_norm` + `mul_` (clip_norm_), `((x < lo) | (x > hi)).sum()` + `clamp_` (clip_value_), "
+        "torch.nn.utils with foreach=True / False (list ops). hookstats GB/s: the bytes the op must move at least "
+        "/ median time: 3 passes for the norm clips (read, then read + write), 1 for get_total_norm and "
+        "clip_value_ (which writes only the ~1.2% it clips). roof: `x.sum()` on CPU, `y.copy_(x)` on CUDA (read + "
+        "write). of roof: hookstats GB/s / roof GB/s. The norm clips are timed on a max_norm schedule that "
+        "scales by 0.9 every call, clip_value_ on an input restored before every call (test_bench_clip.py, "
+        "Note [honest repeated clipping])."
+    )
+    out.append("")
+    out.extend(format_clip_targets(rows))
+    return "\n".join(out) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", help="pytest-benchmark JSON (--benchmark-json=PATH)")
     parser.add_argument("--markdown", metavar="OUT", help="also write the report to this file")
     args = parser.parse_args(argv)
     text = format_table(summarize(args.json_path)) + "\n" + format_hist_table(summarize_hist(args.json_path))
+    clip_rows = summarize_clip(args.json_path)
+    if clip_rows:  # files without clipping groups print exactly what they did before
+        text += "\n" + format_clip_table(clip_rows)
     sys.stdout.write(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

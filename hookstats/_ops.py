@@ -165,35 +165,48 @@ def uses_kernels(x: torch.Tensor) -> bool:
     return HAVE_EXTENSION and (x.is_cpu or x.is_cuda or x.is_meta)
 
 
-def norms_op(xs, p: float):
-    """(per-tensor norms, total) in float64 for a non-empty list of tensors on one device."""
-    if uses_kernels(xs[0]):
-        check_device(xs[0], "norms")
-        return torch.ops.hookstats.norms.default(xs, p)
+def _explained(xs, op: str, call):
+    """Runs an op on a list; when it fails, says which tensor was wrong in check_tensor's words (the op's own checks
+    run in C++ and cost nothing in Python on the way in)."""
+    try:
+        return call()
+    except (TypeError, NotImplementedError, RuntimeError, ValueError):
+        for x in xs:
+            check_tensor(x, op)
+        raise
+
+
+def _reference_checked(xs, op: str):
     from . import reference
 
-    return reference.norms(xs, p)
+    for x in xs:
+        check_tensor(x, op)
+    return reference
 
 
-def scale_by_norm_op(xs, total: torch.Tensor, max_norm: float, eps: float, policy: int) -> None:
+def norms_op(xs, p: float, op: str = "norms"):
+    """(per-tensor norms, total) in float64 for a non-empty list of tensors on one device."""
     if uses_kernels(xs[0]):
-        check_device(xs[0], "scale_by_norm_")
-        torch.ops.hookstats.scale_by_norm_.default(xs, total, max_norm, eps, policy)
-    else:
-        from . import reference
+        check_device(xs[0], op)
+        return _explained(xs, op, lambda: torch.ops.hookstats.norms.default(xs, p))
+    return _reference_checked(xs, op).norms(xs, p)
 
-        reference.scale_by_norm_(xs, total, max_norm, eps, policy)
+
+def scale_by_norm_op(xs, total: torch.Tensor, max_norm: float, eps: float, policy: int, op: str = "scale_by_norm_"):
+    if uses_kernels(xs[0]):
+        check_device(xs[0], op)
+        _explained(xs, op, lambda: torch.ops.hookstats.scale_by_norm_.default(xs, total, max_norm, eps, policy))
+    else:
+        _reference_checked(xs, op).scale_by_norm_(xs, total, max_norm, eps, policy)
     bump_version(xs)
 
 
-def clamp_count_op(xs, lo: float, hi: float) -> torch.Tensor:
+def clamp_count_op(xs, lo: float, hi: float, op: str = "clamp_count_") -> torch.Tensor:
     if uses_kernels(xs[0]):
-        check_device(xs[0], "clamp_count_")
-        count = torch.ops.hookstats.clamp_count_.default(xs, lo, hi)
+        check_device(xs[0], op)
+        count = _explained(xs, op, lambda: torch.ops.hookstats.clamp_count_.default(xs, lo, hi))
     else:
-        from . import reference
-
-        count = reference.clamp_count_(xs, lo, hi)
+        count = _reference_checked(xs, op).clamp_count_(xs, lo, hi)
     bump_version(xs)
     return count
 

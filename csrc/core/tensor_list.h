@@ -3,10 +3,11 @@
 // tensor that the kernels read.
 #pragma once
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <cstdint>
 #include <vector>
 
@@ -35,6 +36,25 @@ struct TensorDesc {
   int32_t layout;
 };
 
+// Whether no two elements of x share memory, provably: dense tensors, and layouts whose dims,
+// sorted by stride, each step over everything the smaller dims span. (ATen's
+// has_internal_overlap answers "too hard" for some overlapping layouts, e.g. as_strided
+// windows, which an in-place kernel would then update twice.)
+inline bool provably_non_overlapping(const at::Tensor& x) {
+  if (x.numel() <= 1 || x.is_non_overlapping_and_dense()) return true;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size > 1
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (x.size(d) > 1) dims.emplace_back(x.stride(d) < 0 ? -x.stride(d) : x.stride(d), x.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // largest offset reachable with the smaller dims
+  for (const auto& [stride, size] : dims) {
+    if (stride <= span) return false;
+    span += stride * (size - 1);
+  }
+  return true;
+}
+
 // Checks every tensor of a list: dense (strided) floating tensors on one device; for an
 // in-place op (writes), no element may alias another.
 inline void check_tensor_list(at::TensorList xs, const char* op, bool writes) {
@@ -44,9 +64,10 @@ inline void check_tensor_list(at::TensorList xs, const char* op, bool writes) {
     TORCH_CHECK_VALUE(x.device() == xs[0].device(), "hookstats.", op, ": tensor ", i, " is on ", x.device(),
                       " but tensor 0 is on ", xs[0].device(), "; group the tensors by device");
     if (writes) {
-      TORCH_CHECK(at::has_internal_overlap(x) != at::MemOverlap::Yes, "hookstats.", op,
-                  " writes in place, but more than one element of tensor ", i,
-                  " refers to the same memory location (an expanded tensor?); pass .clone() or .contiguous()");
+      TORCH_CHECK(provably_non_overlapping(x), "hookstats.", op,
+                  " writes in place, but elements of tensor ", i,
+                  " may refer to the same memory location (an expanded or overlapping as_strided tensor); pass a "
+                  "tensor whose elements do not overlap, e.g. .clone()");
     }
   }
 }
