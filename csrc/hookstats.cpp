@@ -39,6 +39,11 @@ TORCH_LIBRARY(hookstats, m) {
   // Clamps every x in place to [lo, hi] (rounded to its dtype); returns the number of changed
   // elements as a 0-d int64 tensor on the tensors' device.
   m.def("clamp_count_(Tensor(a!)[] xs, float lo, float hi) -> Tensor");
+  // norms([x], p) then scale_by_norm_([x], ...) in one call; returns the norm before clipping
+  // (float64, 0-d). On CUDA a tensor that fits on chip is clipped by one cooperative launch that
+  // reads and writes it once (cuda/clip_cuda.cu, Note [fused clip_norm_]); path 1 forces the
+  // two-launch path, path 2 the fused one (for tests and benchmarks).
+  m.def("clip_norm_(Tensor(a!) x, float p, float max_norm, float eps, int policy, int path=0) -> Tensor");
   // Which CPU code path runs: "avx2" or "default" (Note [cpu dispatch]); "" only reads it.
   m.def("_cpu_isa(str mode) -> str", &hookstats::cpu_isa);
 }

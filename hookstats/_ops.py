@@ -151,6 +151,10 @@ if HAVE_EXTENSION:
             _list_device(xs, "scale_by_norm_")
         return None
 
+    @torch.library.register_fake("hookstats::clip_norm_")
+    def _clip_norm_fake(x, p, max_norm, eps, policy, path=0):
+        return x.new_empty((), dtype=torch.float64)
+
     @torch.library.register_fake("hookstats::clamp_count_")
     def _clamp_count_fake(xs, lo, hi):
         _list_device(xs, "clamp_count_")
@@ -209,6 +213,20 @@ def clamp_count_op(xs, lo: float, hi: float, op: str = "clamp_count_") -> torch.
         count = _reference_checked(xs, op).clamp_count_(xs, lo, hi)
     bump_version(xs)
     return count
+
+
+def clip_norm_op(x: torch.Tensor, p: float, max_norm: float, eps: float, policy: int, op: str = "clip_norm_",
+                 path: int = 0) -> torch.Tensor:
+    """Norm and scale of one tensor in one op call (on CUDA one launch when x fits on chip); returns the float64
+    norm before clipping."""
+    if uses_kernels(x):
+        check_device(x, op)
+        total = _explained([x], op, lambda: torch.ops.hookstats.clip_norm_.default(x, p, max_norm, eps, policy, path))
+    else:
+        _, total = _reference_checked([x], op).norms([x], p)
+        _reference_checked([x], op).scale_by_norm_([x], total, max_norm, eps, policy)
+    bump_version([x])
+    return total
 
 
 def bump_version(xs) -> None:

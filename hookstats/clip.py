@@ -19,6 +19,7 @@ from ._ops import (
     SUPPORTED_DTYPES,
     check_tensor,
     clamp_count_op,
+    clip_norm_op,
     norms_op,
     result_dtype,
     scale_by_norm_op,
@@ -171,13 +172,16 @@ def clip_norm_(x: torch.Tensor, max_norm: float, norm_type: float = 2.0, eps: fl
         raise ValueError(f"hookstats.clip_norm_ needs a finite eps >= 0, got {eps!r}")
     _check_writable(x, "clip_norm_")
     xd = x.detach()
-    _, total = norms_op([xd], p, "clip_norm_")
-    if policy == "error" and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"hookstats.clip_norm_: the norm of order {p} of the tensor is non-finite ({total.item()}), so it "
-            "cannot be clipped; pass nonfinite='propagate' to scale by it anyway, or 'zero' to zero the tensor"
-        )
-    scale_by_norm_op([xd], total, m, float(eps), _POLICY_CODE[policy], "clip_norm_")
+    if policy == "error":  # the one policy that must see the norm before scaling
+        _, total = norms_op([xd], p, "clip_norm_")
+        if not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"hookstats.clip_norm_: the norm of order {p} of the tensor is non-finite ({total.item()}), so it "
+                "cannot be clipped; pass nonfinite='propagate' to scale by it anyway, or 'zero' to zero the tensor"
+            )
+        scale_by_norm_op([xd], total, m, float(eps), _POLICY_CODE[policy], "clip_norm_")
+    else:
+        total = clip_norm_op(xd, p, m, float(eps), _POLICY_CODE[policy])
     return total.to(result_dtype(x.dtype))
 
 

@@ -394,12 +394,27 @@ at::Tensor clamp_count_cpu(at::TensorList xs, double lo, double hi) {
   return out;
 }
 
+// The CPU has no fused path: the norm pass and the scale pass walk the same pieces on the same
+// threads (Note [cpu tensor lists]), so the second finds in cache what fits there.
+at::Tensor clip_norm_cpu(const at::Tensor& x, double p, double max_norm, double eps, int64_t policy, int64_t path) {
+  const at::Tensor xs[1] = {x};
+  check_tensor_list(xs, "clip_norm_", true);
+  check_norm_type(p, "clip_norm_");
+  check_clip_args(max_norm, eps, policy);
+  TORCH_CHECK_VALUE(path == 0 || path == 1, "hookstats.clip_norm_: the CPU has only path 0 (auto) and 1 (two passes), "
+                    "got ", path);
+  auto [per, total] = norms_cpu(xs, p);
+  scale_by_norm_cpu(xs, total, max_norm, eps, policy);
+  return total;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookstats, CPU, m) {
   m.impl("norms", &norms_cpu);
   m.impl("scale_by_norm_", &scale_by_norm_cpu);
   m.impl("clamp_count_", &clamp_count_cpu);
+  m.impl("clip_norm_", &clip_norm_cpu);
 }
 
 }  // namespace hookstats

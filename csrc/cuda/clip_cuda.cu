@@ -26,6 +26,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -35,6 +36,7 @@
 #include <vector>
 
 #include "../core/checks.h"
+#include "../core/dispatch.h"
 #include "../core/layout.h"
 #include "../core/norm_ops.h"
 #include "../core/tensor_list.h"
@@ -132,33 +134,32 @@ __device__ __forceinline__ void update(const Piece& p, F&& f) { for_share<true, 
 
 // ---------------------------------------------------------------------------------------
 // Norms.
-template <int KIND, typename scalar_t>
-__device__ __forceinline__ FastNorm<typename AccOf<scalar_t>::type> fast_share(const Piece& p) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  FastNorm<acc_t> f;
-  fast_norm_init(f);
-  visit<scalar_t>(p, [&](scalar_t r) { fast_norm_add<KIND, acc_t>(f, static_cast<acc_t>(r)); });
-  return f;
-}
-
-template <typename scalar_t>
-__device__ NormPartial thread_norm(const Piece& p, const NormSpec& ns) {
+// The norm partial of the values a thread visits: visit(f) calls f(value) on each of them, in
+// a fixed order, and may be called again (the careful path re-reads).
+template <typename scalar_t, typename Visit>
+__device__ NormPartial thread_norm(Visit&& visit, const NormSpec& ns) {
   using acc_t = typename AccOf<scalar_t>::type;
   if (ns.kind != kNormP) {
     FastNorm<acc_t> f;
-    if (ns.kind == kNorm2) f = fast_share<kNorm2, scalar_t>(p);
-    else if (ns.kind == kNorm1) f = fast_share<kNorm1, scalar_t>(p);
-    else f = fast_share<kNormInf, scalar_t>(p);
+    fast_norm_init(f);
+    if (ns.kind == kNorm2) visit([&](scalar_t r) { fast_norm_add<kNorm2, acc_t>(f, static_cast<acc_t>(r)); });
+    else if (ns.kind == kNorm1) visit([&](scalar_t r) { fast_norm_add<kNorm1, acc_t>(f, static_cast<acc_t>(r)); });
+    else visit([&](scalar_t r) { fast_norm_add<kNormInf, acc_t>(f, static_cast<acc_t>(r)); });
     if (fast_norm_trusted(f, ns.kind)) return fast_norm_partial(f, ns.kind);
   }
   CarefulNorm c = careful_norm_init();
-  visit<scalar_t>(p, [&](scalar_t r) { careful_norm_scan(c, static_cast<double>(static_cast<acc_t>(r))); });
+  visit([&](scalar_t r) { careful_norm_scan(c, static_cast<double>(static_cast<acc_t>(r))); });
   const int32_t e = careful_norm_exponent(c, ns);
   double s = 0.0;
   if (ns.kind != kNormInf && !(c.flags & kNormHasNan)) {
-    visit<scalar_t>(p, [&](scalar_t r) { s += careful_norm_term(static_cast<double>(static_cast<acc_t>(r)), e, ns); });
+    visit([&](scalar_t r) { s += careful_norm_term(static_cast<double>(static_cast<acc_t>(r)), e, ns); });
   }
   return careful_norm_partial(c, s, e, ns);
+}
+
+template <typename scalar_t>
+__device__ NormPartial piece_norm(const Piece& p, const NormSpec& ns) {
+  return thread_norm<scalar_t>([&](auto&& f) { visit<scalar_t>(p, f); }, ns);
 }
 
 // Block-wide merge in a fixed order; the result is valid in thread 0.
@@ -203,10 +204,10 @@ norms_kernel(ListArgs a, NormSpec ns, NormPartial* __restrict__ partials, unsign
   const Piece piece = locate(a, blockIdx.x);
   NormPartial p = empty_norm();
   switch (piece.d.dtype) {
-    case kF64: p = thread_norm<double>(piece, ns); break;
-    case kF16: p = thread_norm<c10::Half>(piece, ns); break;
-    case kBF16: p = thread_norm<c10::BFloat16>(piece, ns); break;
-    default: p = thread_norm<float>(piece, ns); break;
+    case kF64: p = piece_norm<double>(piece, ns); break;
+    case kF16: p = piece_norm<c10::Half>(piece, ns); break;
+    case kBF16: p = piece_norm<c10::BFloat16>(piece, ns); break;
+    default: p = piece_norm<float>(piece, ns); break;
   }
   p = block_merge(p, ns, smem);
   if (threadIdx.x == 0) {
@@ -301,6 +302,70 @@ __global__ void __launch_bounds__(kThreads) clamp_kernel(ListArgs a, Bounds b, u
     unsigned long long s = 0;
     for (int w = 0; w < kWarps; ++w) s += smem[w];
     if (s != 0) atomicAdd(count, s);  // integer atomics: exact, order-free
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Note [fused clip_norm_]
+// A flat, 16-byte-aligned tensor that fits in the shared memory of one co-resident grid (one
+// block per SM, ~227 KB each on an H100/H200: ~29 MB) is clipped by one cooperative launch
+// that reads and writes it once: each block copies its slice of x into shared memory and
+// reduces it there (the careful path re-reads shared memory, not x); the blocks' partials meet
+// at a grid-wide barrier; every block merges them in block order (the same order in every
+// block, so all compute the same coefficient, bit for bit); each block scales its slice from
+// shared memory into x. Other tensors take the two-launch path (norms_kernel, scale_kernel).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+fused_clip_kernel(scalar_t* __restrict__ x, int64_t n, int64_t per_block, NormSpec ns, double max_norm, double eps,
+                  int policy, NormPartial* __restrict__ partials, double* __restrict__ total_out) {
+  extern __shared__ uint4 tile[];
+  __shared__ NormPartial smem[kWarps];
+  __shared__ double coef_s;
+  __shared__ bool zero_s;
+  using acc_t = typename AccOf<scalar_t>::type;
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * per_block;
+  const int64_t len = b0 < n ? min(per_block, n - b0) : 0;
+  const int64_t full = len / kVec;  // whole 16-byte packs; only the last block can have a tail
+  uint4* src = reinterpret_cast<uint4*>(x + b0);
+  scalar_t* el = reinterpret_cast<scalar_t*>(tile);
+  for (int64_t k = threadIdx.x; k < full; k += kThreads) tile[k] = src[k];
+  for (int64_t i = full * kVec + threadIdx.x; i < len; i += kThreads) el[i] = x[b0 + i];
+  __syncthreads();
+  auto visit_tile = [&](auto&& f) {
+    for (int64_t k = threadIdx.x; k < full; k += kThreads) {
+      const uint4 r = tile[k];
+      const scalar_t* v = reinterpret_cast<const scalar_t*>(&r);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) f(v[j]);
+    }
+    for (int64_t i = full * kVec + threadIdx.x; i < len; i += kThreads) f(el[i]);
+  };
+  NormPartial p = block_merge(thread_norm<scalar_t>(visit_tile, ns), ns, smem);
+  if (threadIdx.x == 0) partials[blockIdx.x] = p;
+  cooperative_groups::this_grid().sync();
+  if (threadIdx.x == 0) {
+    NormPartial acc = empty_norm();
+    for (unsigned int b = 0; b < gridDim.x; ++b) norm_merge(acc, load_partial(partials + b), ns);
+    const double total = norm_finalize(acc, ns);
+    coef_s = clip_coef(total, max_norm, eps, policy);
+    zero_s = policy == kZero && !(total - total == 0.0);
+    if (blockIdx.x == 0) *total_out = total;
+  }
+  __syncthreads();
+  const double coef = coef_s;
+  if (coef_is_identity(coef)) return;
+  const bool zero = zero_s;
+  const acc_t c = static_cast<acc_t>(coef);
+  for (int64_t k = threadIdx.x; k < full; k += kThreads) {
+    uint4 r = tile[k];
+    scalar_t* v = reinterpret_cast<scalar_t*>(&r);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = static_cast<scalar_t>(scale_value<acc_t>(static_cast<acc_t>(v[j]), c, zero));
+    src[k] = r;
+  }
+  for (int64_t i = full * kVec + threadIdx.x; i < len; i += kThreads) {
+    x[b0 + i] = static_cast<scalar_t>(scale_value<acc_t>(static_cast<acc_t>(el[i]), c, zero));
   }
 }
 
@@ -414,12 +479,93 @@ at::Tensor clamp_count_cuda(at::TensorList xs, double lo, double hi) {
   return count;
 }
 
+
+// The launch of the fused path (Note [fused clip_norm_]) for x, if x qualifies on this device.
+struct FusedPlan {
+  int grid;
+  int64_t per_block;  // elements per block, a multiple of 16 bytes
+  size_t smem;
+};
+
+template <typename scalar_t>
+bool plan_fused(const at::Tensor& x, FusedPlan& plan) {
+  const int dev = x.device().index();
+  int coop = 0, optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (!coop || layout_of(x).ndim != 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) return false;
+  const int64_t sms = sm_count(dev);
+  const int64_t elem = sizeof(scalar_t);
+  const int64_t max_tile = (static_cast<int64_t>(optin) - 1024) / 16 * 16;  // room for the static shared memory
+  const int64_t bytes = x.numel() * elem;
+  if (max_tile <= 0 || bytes > sms * max_tile) return false;
+  static bool attr_set[64] = {false};
+  if (dev >= 0 && dev < 64 && !attr_set[dev]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(fused_clip_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(max_tile)));
+    attr_set[dev] = true;
+  }
+  // Small tensors use fewer blocks (at least 4 KB each): fewer partials to merge.
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(sms, (bytes + 4095) / 4096));
+  const int64_t vec = 16 / elem;
+  int64_t per_block = (x.numel() + grid - 1) / grid;
+  per_block = (per_block + vec - 1) / vec * vec;
+  const size_t smem = static_cast<size_t>(per_block * elem);
+  if (static_cast<int64_t>(smem) > max_tile) return false;
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fused_clip_kernel<scalar_t>, kThreads, smem));
+  if (resident < 1 || grid > resident * sms) return false;
+  plan = FusedPlan{static_cast<int>(grid), per_block, smem};
+  return true;
+}
+
+// path: 0 chooses (fused when x qualifies), 1 forces the two-launch path, 2 the fused one.
+at::Tensor clip_norm_cuda(const at::Tensor& x, double p, double max_norm, double eps, int64_t policy, int64_t path) {
+  const at::Tensor xs[1] = {x};
+  check_tensor_list(xs, "clip_norm_", true);
+  check_norm_type(p, "clip_norm_");
+  check_clip_args(max_norm, eps, policy);
+  TORCH_CHECK_VALUE(path >= 0 && path <= 2, "hookstats.clip_norm_: path must be 0 (auto), 1 (two launches) or 2 "
+                    "(fused), got ", path);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
+  if (x.numel() == 0) return at::zeros({}, x.options().dtype(at::kDouble));
+  bool launched = false;
+  at::Tensor total = at::empty({}, x.options().dtype(at::kDouble));
+  if (path != 1) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hookstats_clip_norm_cuda", [&] {
+      FusedPlan plan;
+      if (!plan_fused<scalar_t>(x, plan)) return;
+      at::Tensor ws = at::empty({static_cast<int64_t>(plan.grid) * static_cast<int64_t>(sizeof(NormPartial))},
+                                x.options().dtype(at::kByte));
+      scalar_t* xp = static_cast<scalar_t*>(x.data_ptr());
+      int64_t n = x.numel();
+      int64_t per_block = plan.per_block;
+      NormSpec ns = make_norm_spec(p);
+      int pol = static_cast<int>(policy);
+      NormPartial* partials = reinterpret_cast<NormPartial*>(ws.data_ptr());
+      double* out = total.data_ptr<double>();
+      void* args[] = {&xp, &n, &per_block, &ns, &max_norm, &eps, &pol, &partials, &out};
+      C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&fused_clip_kernel<scalar_t>),
+                                                 dim3(plan.grid), dim3(kThreads), args, plan.smem, stream));
+      launched = true;
+    });
+  }
+  TORCH_CHECK_VALUE(launched || path != 2, "hookstats.clip_norm_: the fused path needs a flat, 16-byte-aligned tensor "
+                    "that fits in the shared memory of one grid on a device with cooperative launch");
+  if (launched) return total;
+  auto [per, t] = norms_cuda(xs, p);
+  scale_by_norm_cuda(xs, t, max_norm, eps, policy);
+  return t;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {
   m.impl("norms", &norms_cuda);
   m.impl("scale_by_norm_", &scale_by_norm_cuda);
   m.impl("clamp_count_", &clamp_count_cuda);
+  m.impl("clip_norm_", &clip_norm_cuda);
 }
 
 }  // namespace hookstats
