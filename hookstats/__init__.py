@@ -27,6 +27,8 @@ from .clip import (
     norms,
 )
 from .formats import FORMATS, format_fit
+from .hooks import clip_value, fused_clip
+from .monitor import MONITOR_KINDS, Monitor, record
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,11 @@ __all__ = [
     "ExpLayout",
     "Histogram",
     "MAX_HIST_BINS",
+    "MONITOR_KINDS",
+    "Monitor",
+    "clip_value",
+    "fused_clip",
+    "record",
     "Norms",
     "clip_grad_norm_",
     "clip_grad_value_",
