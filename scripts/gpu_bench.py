@@ -132,6 +132,24 @@ def clip_section(dev) -> list[str]:
         assert torch.allclose(n0.double(), torch.linalg.vector_norm(ref.double()), rtol=1e-5)
         assert torch.allclose(got, ref * (1.0 / (torch.linalg.vector_norm(ref.double()) + 1e-6)).float(), rtol=1e-5)
         del x, y
+    # The fused path (one cooperative launch, x read and written once) against the two-launch path on the same tensor.
+    op = torch.ops.hookstats.clip_norm_.default
+    for mb in (1, 4, 16, 28):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(mb * 2**20 // torch.empty((), dtype=dtype).element_size(), device=dev, dtype=dtype)
+            norm = torch.linalg.vector_norm(x.double()).item()
+            try:
+                t_fused = cuda_time(lambda: op(x, 2.0, 0.99 * norm, 1e-6, 0, 2))
+            except ValueError as e:
+                lines.append(f"| clip_norm_ fused {str(dtype)[6:]} | {mb} | - | - | - | does not fit: {e} |")
+                continue
+            x.normal_()
+            t_two = cuda_time(lambda: op(x, 2.0, 0.99 * norm, 1e-6, 0, 1))
+            y = torch.empty_like(x)
+            t_copy = cuda_time(lambda: y.copy_(x))
+            lines.append(f"| clip_norm_ fused vs two-launch {str(dtype)[6:]} | {mb} | {t_fused:.4f} | {t_two:.4f} | "
+                         f"two-launch | {t_two / t_fused:.2f}x (fused at {t_copy / t_fused:.0%} of copy bandwidth) |")
+            del x, y
     for n in (10, 100, 1000, 10000):
         ps = param_grads(n, dev)
         mb = sum(p.numel() for p in ps) * 4 / 2**20
