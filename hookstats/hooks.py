@@ -62,7 +62,11 @@ def _rebuild(obj, it):
         return next(it)
     if isinstance(obj, tuple):
         items = [_rebuild(o, it) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        if type(obj) is not tuple:  # structseq such as torch.return_types.max
+            return type(obj)(items)
+        return tuple(items)
     if isinstance(obj, list):
         return [_rebuild(o, it) for o in obj]
     if isinstance(obj, dict):

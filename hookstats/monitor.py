@@ -280,7 +280,7 @@ class Monitor:
     def step(self) -> None:
         """Ends a step: the next hooks record under step + 1 (and only every `every` steps)."""
         self._step += 1
-        self._active = self._step % self.every == 0
+        self._active = self._model is not None and self._step % self.every == 0
 
     @property
     def current_step(self) -> int:
@@ -355,6 +355,9 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles = []
+        # A graph built before detach() still calls the hooks it captured (PyTorch snapshots a module's backward
+        # hooks at forward time): they must record nothing from now on.
+        self._active = False
         self._rec.release()
         self._model = None
 
