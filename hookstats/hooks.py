@@ -44,16 +44,27 @@ def _check_full_backward(module, form_owner: str) -> None:
         )
 
 
-def _flatten(obj, out: list) -> None:
-    """The tensors of a hook argument (a tensor, or tuples/lists/dicts of them), depth first, in order."""
+def _flatten(obj, out: list, keep_none: bool = False) -> None:
+    """The tensors of a hook argument (a tensor, or tuples/lists/dicts of them), depth first, in order. With
+    keep_none, None entries stay as placeholders, so a record's index is the position in what the hook saw (a
+    grad_input of (None, g) records g at index 1)."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
+    elif obj is None:
+        if keep_none:
+            out.append(None)
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            _flatten(o, out)
+            _flatten(o, out, keep_none)
     elif isinstance(obj, dict):
         for o in obj.values():
-            _flatten(o, out)
+            _flatten(o, out, keep_none)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running this call (module backward hooks run inside it; forward hooks not)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return True if task is None else task() != -1
 
 
 def _rebuild(obj, it):
@@ -85,6 +96,14 @@ class _Forms:
                 f"{self._name}(...) called with {len(args)} argument(s): the object itself is a full backward hook "
                 "(module, grad_input, grad_output); for other hook kinds use its forms "
                 ".tensor, .post_accumulate, .forward_pre, .forward or .backward_pre"
+            )
+        if not _in_backward() and not isinstance(args[2], tuple):
+            # A full backward hook always gets a tuple grad_output, inside the autograd engine; (module, args,
+            # tensor) outside it is a forward hook's call.
+            raise TypeError(
+                f"{self._name} was called outside the backward pass with (module, args, output): it looks registered "
+                "with module.register_forward_hook; the object itself is a full backward hook, use its .forward form "
+                "for forward hooks"
             )
         return self.backward(*args)
 

@@ -154,7 +154,7 @@ class record(_Forms):
 
     def _add(self, kind: str, obj, module, which: str = "") -> None:
         tensors: list = []
-        _flatten(obj, tensors)
+        _flatten(obj, tensors, keep_none=True)
         for i, t in enumerate(tensors):
             if t is None:
                 continue
@@ -194,7 +194,7 @@ _KIND_ALIASES = {"inputs": "forward_pre", "outputs": "forward", "grad_output": "
 class Monitor:
     """Statistics of every matching layer, every step (or every `every` steps), into one device buffer.
 
-    kinds: "forward" (module outputs), "forward_pre" (positional inputs), "backward_pre" (grad_output, alias
+    kinds (a name or a sequence of names): "forward" (module outputs), "forward_pre" (positional inputs), "backward_pre" (grad_output, alias
     "grad_output"), "backward" (grad_input, alias "grad_input"), "grad" (each parameter's .grad after accumulation).
     include / exclude: globs on qualified module names ("" is the model itself; "grad" uses parameter names).
     Each hook call is one `stats_into` kernel call per tensor; nothing is read back until `flush()` / `records()`.
@@ -211,7 +211,7 @@ class Monitor:
         include = [include] if isinstance(include, str) else list(include)
         exclude = [exclude] if isinstance(exclude, str) else list(exclude)
         ks = []
-        for k in kinds:
+        for k in ([kinds] if isinstance(kinds, str) else kinds):
             k = _KIND_ALIASES.get(k, k)
             if k not in MONITOR_KINDS:
                 raise ValueError(f"hookstats.Monitor: unknown kind {k!r}; use any of {MONITOR_KINDS} "
@@ -257,8 +257,10 @@ class Monitor:
             if not self._active:
                 return None
             tensors: list = []
-            _flatten(pick(*args), tensors)
+            _flatten(pick(*args), tensors, keep_none=True)
             for i, t in enumerate(tensors):
+                if t is None:
+                    continue
                 rec.add(t, (("seq", self._seq), ("step", self._step), ("module", name), ("kind", kind), ("index", i)))
                 self._seq += 1
             return None
@@ -296,8 +298,9 @@ class Monitor:
         self._rec.flush()
 
     def records(self) -> list[dict]:
-        """Every record so far, in hook-call order: dicts with step, module, kind, index, stats (a dict of the 13
-        STATS_FIELDS) and histogram (a list of counts, or None). Flushes first."""
+        """Every record so far, in hook-call order: dicts with step, module, kind, index (the tensor's position in
+        what the hook saw, None entries counted), stats (a dict of the 13 STATS_FIELDS) and histogram (a list of
+        counts, or None). Flushes first."""
         self._rec.flush()
         return list(self._rec.flushed)
 
@@ -308,7 +311,7 @@ class Monitor:
 
     def summary_rows(self) -> list[dict]:
         """Per (module, kind): number of records, last step's l2, the largest linf, the smallest min and largest
-        max, and the NaN / Inf totals, in the order modules were first seen."""
+        max (over records without NaN), and the NaN / Inf totals, in the order modules were first seen."""
         rows: dict[tuple, dict] = {}
         for r in self.records():
             key = (r["module"], r["kind"])
