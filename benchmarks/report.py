@@ -5,7 +5,9 @@
 
 Two sets of tables, one table per device and dtype in each: hookstats.stats (`summarize`, `format_table`) and
 the histograms (`summarize_hist`, `format_hist_table`); then, when the file has any, the clipping tables, per
-device (`summarize_clip`, `format_clip_table`). Times are medians. GB/s counts one read of the input (the bytes
+device (`summarize_clip`, `format_clip_table`), and the hookstats.Monitor tables (`summarize_monitor`,
+`format_monitor_table`: training-step time with no hooks, PyTorch hooks and a Monitor, and the cost of one hook
+call; host clock, ratios to the no-hooks step). Times are medians. GB/s counts one read of the input (the bytes
 the fused op must move; the clipping tables count what each op must move, see `summarize_clip`); the roof is
 the same run's `x.sum()` on CPU and `y.copy_(x)` on CUDA, whose GB/s counts read + write. On CUDA, times come
 from CUDA events around back-to-back launches when the run recorded them (extra_info["cuda_event_s"]), else
@@ -513,6 +515,217 @@ def format_clip_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+MONITOR_STEP_CASES = ("none", "empty_hooks", "torch_hooks", "monitor_hist", "monitor")
+MONITOR_HOOK_CASES = ("none", "empty", "record", "record_hist", "torch_hooks")
+MONITOR_MODELS = ("transformer", "deep1000")  # the order of the step tables; other models follow, by name
+_MONITOR_CASE_NAMES = {
+    "none": "no hooks",
+    "empty_hooks": "empty hooks (PyTorch's hook machinery)",
+    "torch_hooks": "PyTorch hooks (norm, aminmax, isnan, histc)",
+    "monitor_hist": "hookstats.Monitor + 64-bin histogram",
+    "monitor": "hookstats.Monitor, stats only",
+    "empty": "empty Python hook",
+    "record": "hookstats.record().forward",
+    "record_hist": "hookstats.record(histogram=64 bins).forward",
+}
+# The issue's targets, reported (never asserted): (model, case, largest step time / no-hooks step time, text).
+MONITOR_TARGETS = (
+    ("transformer", "monitor_hist", 1.10, "transformer step, Monitor with histogram <= 1.10x no hooks"),
+    ("transformer", "monitor", 1.10, "transformer step, Monitor stats only <= 1.10x no hooks"),
+)
+MONITOR_TORCH_HOOKS_REPORTED = 2.99  # the issue author's measurement of the PyTorch-hooks case, transformer step
+MONITOR_NOISY_IQR = 0.10  # a step case whose IQR passes 10% of its median ran on a busy machine
+
+
+def summarize_monitor(json_path: str) -> dict[str, list[dict]]:
+    """The Monitor benchmarks (benchmarks/test_bench_monitor.py) of a pytest-benchmark JSON file:
+    {"steps": one dict per (device, model, case) of the training-step groups, "hooks": one dict per (device, case)
+    of the tiny-hook group}, each sorted by device, then model (MONITOR_MODELS first), then case in the order of
+    MONITOR_STEP_CASES / MONITOR_HOOK_CASES.
+
+    steps keys: device, model, model_desc, case, modules, hook_calls, records_per_step, threads, rounds, step_s (the
+    median step), iqr (of the step times, / step_s), and, None where not measured: flush_s (the median flush; the
+    Monitor cases, Note [flush cost] in test_bench_monitor.py), flush_every, total_s (step_s + flush_s /
+    flush_every), ratio (total_s / the no-hooks case's), overhead_per_record_s ((total_s - no hooks) /
+    records_per_step), own_per_record_s ((total_s - empty hooks) / records_per_step: the case's cost beyond
+    PyTorch's hook machinery, for the cases that compute something).
+    hooks keys: device, case, threads, rounds, iterations, call_s (the median call: host clock, synchronized per
+    call on CUDA), iqr, over_none_s (call_s - the no-hook case's).
+    """
+    with open(json_path) as f:
+        data = json.load(f)
+    steps: dict[tuple, dict] = {}
+    hooks: dict[tuple, dict] = {}
+    for bench in data.get("benchmarks", []):
+        extra = bench.get("extra_info", {})
+        if extra.get("family") != "monitor":
+            continue
+        case, stats = extra.get("case"), bench["stats"]
+        median = float(stats["median"])
+        common = {"device": extra["device"], "case": case, "threads": extra.get("torch_threads"),
+                  "rounds": stats.get("rounds"), "iqr": float(stats["iqr"]) / median if median else None}
+        if extra.get("bench") == "step" and case in MONITOR_STEP_CASES:
+            flush_s, every = extra.get("flush_s"), extra.get("flush_every")
+            steps[(extra["device"], extra["model"], case)] = dict(
+                common, model=extra["model"], model_desc=extra.get("model_desc", extra["model"]),
+                modules=extra.get("modules"), hook_calls=extra.get("hook_calls"),
+                records_per_step=extra.get("records_per_step"), step_s=median,
+                flush_s=float(flush_s) if flush_s is not None else None, flush_every=every if flush_s else None,
+                total_s=median + float(flush_s) / every if flush_s is not None and every else median)
+        elif extra.get("bench") == "hook" and case in MONITOR_HOOK_CASES:
+            hooks[(extra["device"], case)] = dict(common, iterations=extra.get("iterations"), call_s=median)
+
+    step_rows = []
+    def order(k: tuple) -> tuple:
+        device, model, case = k
+        known = MONITOR_MODELS.index(model) if model in MONITOR_MODELS else len(MONITOR_MODELS)
+        return (device != "cpu", device, known, model, MONITOR_STEP_CASES.index(case))
+
+    for key in sorted(steps, key=order):
+        row = steps[key]
+        none = steps.get((key[0], key[1], "none"))
+        row["ratio"] = row["total_s"] / none["total_s"] if none else None
+        records = row["records_per_step"]
+        row["overhead_per_record_s"] = (
+            (row["total_s"] - none["total_s"]) / records if none and records and row["case"] != "none" else None
+        )
+        empty = steps.get((key[0], key[1], "empty_hooks"))
+        row["own_per_record_s"] = (
+            (row["total_s"] - empty["total_s"]) / records
+            if empty and records and row["case"] not in ("none", "empty_hooks") else None
+        )
+        step_rows.append(row)
+    hook_rows = []
+    for key in sorted(hooks, key=lambda k: (k[0] != "cpu", k[0], MONITOR_HOOK_CASES.index(k[1]))):
+        row = hooks[key]
+        none = hooks.get((key[0], "none"))
+        row["over_none_s"] = row["call_s"] - none["call_s"] if none and row["case"] != "none" else None
+        hook_rows.append(row)
+    return {"steps": step_rows, "hooks": hook_rows}
+
+
+def _fmt_us_signed(seconds: Optional[float]) -> str:
+    """_fmt_us for a difference of two times, which noise can make negative."""
+    if seconds is None:
+        return "–"
+    return ("-" if seconds < 0 else "") + _fmt_us(abs(seconds))
+
+
+def _fmt_ms(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "–"
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"
+
+
+def format_monitor_targets(rows: list[dict]) -> list[str]:
+    """Lines of markdown: each target of MONITOR_TARGETS against the matching step rows (met or not, per device),
+    or not measured; then the PyTorch-hooks ratio beside the issue's."""
+    out = ["Targets (reported, not asserted):"]
+
+    def noisy(r: dict) -> bool:  # the case or its no-hooks baseline ran on a busy machine
+        base = [n for n in rows if (n["device"], n["model"], n["case"]) == (r["device"], r["model"], "none")]
+        return any(x["iqr"] is not None and x["iqr"] > MONITOR_NOISY_IQR for x in [r] + base)
+
+    for model, case, threshold, text in MONITOR_TARGETS:
+        hits = [r for r in rows if r["model"] == model and r["case"] == case and r["ratio"] is not None]
+        if not hits:
+            out.append(f"- {text}: not measured in this run")
+            continue
+        parts = [f"{r['device']} {r['ratio']:.2f}x ({'met' if r['ratio'] <= threshold else 'NOT met'}"
+                 + (", uncertain: busy machine" if noisy(r) else "") + ")" for r in hits]
+        verdict = "met" if all(r["ratio"] <= threshold for r in hits) else "NOT met"
+        if any(noisy(r) for r in hits):
+            verdict += " (uncertain: rerun on a quiet machine)"
+        out.append(f"- {text}: **{verdict}**: " + "; ".join(parts))
+    ref = [r for r in rows if r["model"] == "transformer" and r["case"] == "torch_hooks" and r["ratio"] is not None]
+    if ref:
+        out.append(f"- for reference, PyTorch hooks on the transformer step: "
+                   + "; ".join(f"{r['device']} {r['ratio']:.2f}x" for r in ref)
+                   + f" (the issue author measured ~{MONITOR_TORCH_HOOKS_REPORTED:.2f}x)")
+    return out
+
+
+def format_monitor_table(summary: dict[str, list[dict]]) -> str:
+    """Markdown: per device and model a table of the training-step cases (time, flush, ratio to no hooks, cost per
+    record), per device a table of the tiny-hook cases, then the targets."""
+    out: list[str] = []
+    steps, hooks = summary.get("steps", []), summary.get("hooks", [])
+    tables: dict[tuple, list[dict]] = {}
+    for row in steps:
+        tables.setdefault((row["device"], row["model"]), []).append(row)
+    for (device, model), group in tables.items():
+        first = group[0]
+        notes = ["host clock"] + [f"{t} torch thread{'s' if t > 1 else ''}"
+                                  for t in sorted({r["threads"] for r in group if r["threads"]}) if device == "cpu"]
+        out.append(f"### hookstats.Monitor, one training step, {device}: {first['model_desc']} "
+                   f"(median times; {', '.join(notes)})")
+        out.append("")
+        shape = [f"{first['modules']:,} modules" if first["modules"] else None,
+                 f"{first['hook_calls']:,} hook calls" if first["hook_calls"] else None,
+                 f"{first['records_per_step']:,} tensors recorded" if first["records_per_step"] else None]
+        if any(shape):
+            out.append("A step: " + ", ".join(s for s in shape if s) + ".")
+            out.append("")
+        every = sorted({r["flush_every"] for r in group if r["flush_every"]})
+        flush_head = f"flush ms (every {every[0]})" if len(every) == 1 else "flush ms"
+        head = ["case", "step ms", "IQR", flush_head, "step + flush share ms", "vs no hooks", "µs / tensor",
+                "beyond empty hooks µs / tensor", "rounds"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "|".join(":---" if i == 0 else "---:" for i in range(len(head))) + "|")
+        for r in group:
+            out.append("| " + " | ".join([
+                _MONITOR_CASE_NAMES.get(r["case"], r["case"]),
+                _fmt_ms(r["step_s"]),
+                _fmt(r["iqr"], ".0%"),
+                _fmt_ms(r["flush_s"]),
+                _fmt_ms(r["total_s"]),
+                _fmt(r["ratio"], ".2f", "x"),
+                _fmt_us_signed(r["overhead_per_record_s"]),
+                _fmt_us_signed(r["own_per_record_s"]),
+                str(r["rounds"] or "–"),
+            ]) + " |")
+        out.append("")
+        noisy = [r for r in group if r["iqr"] is not None and r["iqr"] > MONITOR_NOISY_IQR]
+        if noisy:
+            spread = ", ".join(f"{_MONITOR_CASE_NAMES.get(r['case'], r['case'])} {r['iqr']:.0%}" for r in noisy)
+            out.append(f"**Warning:** step times spread by more than {MONITOR_NOISY_IQR:.0%} (IQR / median: {spread}): "
+                       "the machine was busy (with all cores in use, each parallel region of a step can wait a "
+                       "scheduler tick), so these ratios are uncertain. Rerun on a quiet machine.")
+            out.append("")
+    devices: dict[str, list[dict]] = {}
+    for row in hooks:
+        devices.setdefault(row["device"], []).append(row)
+    for device, group in devices.items():
+        notes = ["host clock" + (", synchronized per call" if device == "cuda" else "")]
+        notes += [f"{t} torch thread{'s' if t > 1 else ''}"
+                  for t in sorted({r["threads"] for r in group if r["threads"]}) if device == "cpu"]
+        out.append(f"### one hook call on a tiny tensor, {device}: Linear(4, 4) forward on a 1 x 4 input, one forward "
+                   f"hook (median times; {', '.join(notes)})")
+        out.append("")
+        head = ["hook", "µs a forward", "IQR", "hook cost µs"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|:---|---:|---:|---:|")
+        for r in group:
+            out.append("| " + " | ".join([_MONITOR_CASE_NAMES.get(r["case"], r["case"]), _fmt_us(r["call_s"]),
+                                          _fmt(r["iqr"], ".0%"), _fmt_us_signed(r["over_none_s"])]) + " |")
+        out.append("")
+    if not out:
+        return "No hookstats.Monitor benchmarks in this file.\n"
+    out.append(
+        "step ms: median of single steps (forward, MSE loss, backward, SGD step). flush ms: the median `mon.flush()`, "
+        "timed inside the step every N-th call (one host copy of the buffers plus the record dicts); step + flush "
+        "share: step ms + flush ms / N, the time a Monitor step costs and the one its ratio uses. vs no hooks: that "
+        "time / the no-hooks case's. µs / tensor: (that time - no hooks) / tensors recorded a step, i.e. the cost of "
+        "one recorded tensor, hook call included; beyond empty hooks: the same against the empty-hooks case, i.e. "
+        "leaving out what PyTorch's hook machinery costs by itself. IQR: interquartile range / median of the step "
+        "(or call) times. hook cost: µs a forward - the no-hook forward's."
+    )
+    out.append("")
+    out.extend(format_monitor_targets(steps))
+    return "\n".join(out) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", help="pytest-benchmark JSON (--benchmark-json=PATH)")
@@ -522,6 +735,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     clip_rows = summarize_clip(args.json_path)
     if clip_rows:  # files without clipping groups print exactly what they did before
         text += "\n" + format_clip_table(clip_rows)
+    monitor = summarize_monitor(args.json_path)
+    if monitor["steps"] or monitor["hooks"]:  # likewise for the Monitor groups
+        text += "\n" + format_monitor_table(monitor)
     sys.stdout.write(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
