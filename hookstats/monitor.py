@@ -19,8 +19,7 @@ import torch
 from ._ops import STATS_FIELDS, SUPPORTED_DTYPES, Histogram, as_histogram, check_device, uses_kernels
 from .hooks import _flatten, _Forms, _is_float_tensor
 
-_NAN_COL = STATS_FIELDS.index("nan_count")
-_INF_COL = STATS_FIELDS.index("inf_count")
+_COUNT_FIELDS = ("numel", "nan_count", "inf_count", "zero_count")
 
 
 class _Recorder:
@@ -97,14 +96,16 @@ class _Recorder:
             hist_rows = {}
             for key, hbuf in self._hists.items():
                 if key[0] == dev and self._hist_used.get(key, 0):
-                    hist_rows[key] = _to_host(hbuf[: self._hist_used[key]])
+                    hist_rows[key] = _to_host(hbuf[: self._hist_used[key]]).tolist()
                     hbuf[: self._hist_used[key]].zero_()  # stats_into adds into histogram rows
                     self._hist_used[key] = 0
             for row, (meta, key, hrow) in zip(rows, self._meta[dev]):
                 rec = dict(meta)
-                rec["stats"] = {k: (int(v) if k in ("numel", "nan_count", "inf_count", "zero_count") else v)
-                                for k, v in zip(STATS_FIELDS, row)}
-                rec["histogram"] = hist_rows[key][hrow].tolist() if key is not None else None
+                stats = dict(zip(STATS_FIELDS, row))
+                for k in _COUNT_FIELDS:
+                    stats[k] = int(stats[k])
+                rec["stats"] = stats
+                rec["histogram"] = hist_rows[key][hrow] if key is not None else None
                 self.flushed.append(rec)
             self._used[dev] = 0
             self._meta[dev] = []
