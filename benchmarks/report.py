@@ -515,11 +515,12 @@ def format_clip_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-MONITOR_STEP_CASES = ("none", "empty_hooks", "torch_hooks", "monitor_hist", "monitor")
+MONITOR_STEP_CASES = ("none", "empty_hooks", "torch_hooks", "monitor_hist", "monitor", "none_after")
 MONITOR_HOOK_CASES = ("none", "empty", "record", "record_hist", "torch_hooks")
 MONITOR_MODELS = ("transformer", "deep1000")  # the order of the step tables; other models follow, by name
 _MONITOR_CASE_NAMES = {
     "none": "no hooks",
+    "none_after": "no hooks, again (timed last)",
     "empty_hooks": "empty hooks (PyTorch's hook machinery)",
     "torch_hooks": "PyTorch hooks (norm, aminmax, isnan, histc)",
     "monitor_hist": "hookstats.Monitor + 64-bin histogram",
@@ -546,8 +547,9 @@ def summarize_monitor(json_path: str) -> dict[str, list[dict]]:
     steps keys: device, model, model_desc, case, modules, hook_calls, records_per_step, threads, rounds, step_s (the
     median step), iqr (of the step times, / step_s), and, None where not measured: flush_s (the median flush; the
     Monitor cases, Note [flush cost] in test_bench_monitor.py), flush_every, total_s (step_s + flush_s /
-    flush_every), ratio (total_s / the no-hooks case's), overhead_per_record_s ((total_s - no hooks) /
-    records_per_step), own_per_record_s ((total_s - empty hooks) / records_per_step: the case's cost beyond
+    flush_every), ratio (total_s / no hooks), overhead_per_record_s ((total_s - no hooks) / records_per_step),
+    where "no hooks" is the mean step of the no-hooks cases, timed first and last so that they bracket the others
+    (the baseline_s of every row), own_per_record_s ((total_s - empty hooks) / records_per_step: the case's cost beyond
     PyTorch's hook machinery, for the cases that compute something).
     hooks keys: device, case, threads, rounds, iterations, call_s (the median call: host clock, synchronized per
     call on CUDA), iqr, over_none_s (call_s - the no-hook case's).
@@ -583,16 +585,17 @@ def summarize_monitor(json_path: str) -> dict[str, list[dict]]:
 
     for key in sorted(steps, key=order):
         row = steps[key]
-        none = steps.get((key[0], key[1], "none"))
-        row["ratio"] = row["total_s"] / none["total_s"] if none else None
+        nones = [steps[(key[0], key[1], c)]["total_s"] for c in ("none", "none_after") if (key[0], key[1], c) in steps]
+        base = row["baseline_s"] = sum(nones) / len(nones) if nones else None
+        row["ratio"] = row["total_s"] / base if base else None
         records = row["records_per_step"]
         row["overhead_per_record_s"] = (
-            (row["total_s"] - none["total_s"]) / records if none and records and row["case"] != "none" else None
+            (row["total_s"] - base) / records if base and records and not row["case"].startswith("none") else None
         )
         empty = steps.get((key[0], key[1], "empty_hooks"))
         row["own_per_record_s"] = (
             (row["total_s"] - empty["total_s"]) / records
-            if empty and records and row["case"] not in ("none", "empty_hooks") else None
+            if empty and records and row["case"] not in ("none", "none_after", "empty_hooks") else None
         )
         step_rows.append(row)
     hook_rows = []
@@ -624,7 +627,8 @@ def format_monitor_targets(rows: list[dict]) -> list[str]:
     out = ["Targets (reported, not asserted):"]
 
     def noisy(r: dict) -> bool:  # the case or its no-hooks baseline ran on a busy machine
-        base = [n for n in rows if (n["device"], n["model"], n["case"]) == (r["device"], r["model"], "none")]
+        base = [n for n in rows if (n["device"], n["model"]) == (r["device"], r["model"])
+                and n["case"] in ("none", "none_after")]
         return any(x["iqr"] is not None and x["iqr"] > MONITOR_NOISY_IQR for x in [r] + base)
 
     for model, case, threshold, text in MONITOR_TARGETS:
@@ -689,9 +693,12 @@ def format_monitor_table(summary: dict[str, list[dict]]) -> str:
         noisy = [r for r in group if r["iqr"] is not None and r["iqr"] > MONITOR_NOISY_IQR]
         if noisy:
             spread = ", ".join(f"{_MONITOR_CASE_NAMES.get(r['case'], r['case'])} {r['iqr']:.0%}" for r in noisy)
-            out.append(f"**Warning:** step times spread by more than {MONITOR_NOISY_IQR:.0%} (IQR / median: {spread}): "
-                       "the machine was busy (with all cores in use, each parallel region of a step can wait a "
-                       "scheduler tick), so these ratios are uncertain. Rerun on a quiet machine.")
+            out.append(
+                f"**Warning:** step times spread by more than {MONITOR_NOISY_IQR:.0%} (IQR / median: {spread}), so "
+                "these ratios are uncertain: a busy machine (with all cores in use, each parallel region of a step can "
+                "wait a scheduler tick; rerun on a quiet machine), or in the hook-heavy cases Python's garbage "
+                "collector (PyTorch's full backward hooks allocate autograd Functions in every module, every step)."
+            )
             out.append("")
     devices: dict[str, list[dict]] = {}
     for row in hooks:
@@ -716,10 +723,11 @@ def format_monitor_table(summary: dict[str, list[dict]]) -> str:
         "step ms: median of single steps (forward, MSE loss, backward, SGD step). flush ms: the median `mon.flush()`, "
         "timed inside the step every N-th call (one host copy of the buffers plus the record dicts); step + flush "
         "share: step ms + flush ms / N, the time a Monitor step costs and the one its ratio uses. vs no hooks: that "
-        "time / the no-hooks case's. µs / tensor: (that time - no hooks) / tensors recorded a step, i.e. the cost of "
-        "one recorded tensor, hook call included; beyond empty hooks: the same against the empty-hooks case, i.e. "
-        "leaving out what PyTorch's hook machinery costs by itself. IQR: interquartile range / median of the step "
-        "(or call) times. hook cost: µs a forward - the no-hook forward's."
+        "time / no hooks, where no hooks is the mean of the two no-hooks rows, timed first and last so that they "
+        "bracket the other cases (the machine's speed drifts). µs / tensor: (that time - no hooks) / tensors recorded "
+        "a step, i.e. the cost of one recorded tensor, hook call included; beyond empty hooks: the same against the "
+        "empty-hooks case, i.e. leaving out what PyTorch's hook machinery costs by itself. IQR: interquartile range / "
+        "median of the step (or call) times. hook cost: µs a forward - the no-hook forward's."
     )
     out.append("")
     out.extend(format_monitor_targets(steps))

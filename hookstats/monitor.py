@@ -88,6 +88,7 @@ class _Recorder:
 
     def flush(self) -> None:
         """Copies every used row to the host (one copy per buffer) into `flushed`, and empties the buffers."""
+        new: list[dict] = []
         for dev, buf in self._stats.items():
             n = self._used.get(dev, 0)
             if n == 0:
@@ -106,10 +107,12 @@ class _Recorder:
                     stats[k] = int(stats[k])
                 rec["stats"] = stats
                 rec["histogram"] = hist_rows[key][hrow] if key is not None else None
-                self.flushed.append(rec)
+                new.append(rec)
             self._used[dev] = 0
             self._meta[dev] = []
-        self.flushed.sort(key=lambda r: r["seq"])
+        # Records of several devices interleave: order the new ones by hook-call order (older ones already are).
+        new.sort(key=lambda r: r["seq"])
+        self.flushed.extend(new)
 
     def release(self) -> None:
         self._stats.clear()
