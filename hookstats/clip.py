@@ -185,19 +185,24 @@ def clip_norm_(x: torch.Tensor, max_norm: float, norm_type: float = 2.0, eps: fl
     return total.to(result_dtype(x.dtype))
 
 
+def _bounds(lo, hi, op: str) -> tuple[float, float]:
+    """[-lo, lo] when hi is None (lo >= 0), else [lo, hi] (lo <= hi); NaN bounds refused."""
+    lo_f = float(lo)
+    if hi is None:
+        if not lo_f >= 0:
+            raise ValueError(f"hookstats.{op}(v) clamps to [-v, v] and needs v >= 0, got {lo!r}")
+        return -lo_f, lo_f
+    hi_f = float(hi)
+    if not lo_f <= hi_f:
+        raise ValueError(f"hookstats.{op} needs lo <= hi (and no NaN bound), got [{lo!r}, {hi!r}]")
+    return lo_f, hi_f
+
+
 def clip_value_(x: torch.Tensor, lo: float, hi: Optional[float] = None) -> torch.Tensor:
     """Clamps `x` in place to [-lo, lo] (hi omitted) or [lo, hi], like `x.clamp_` (bounds rounded to x's dtype,
     NaN kept), and returns how many elements changed, as a 0-d int64 tensor on x's device (no host sync)."""
     check_tensor(x, "clip_value_")
-    lo_f = float(lo)
-    if hi is None:
-        if not lo_f >= 0:
-            raise ValueError(f"hookstats.clip_value_(x, v) clamps to [-v, v] and needs v >= 0, got {lo!r}")
-        lo_f, hi_f = -lo_f, lo_f
-    else:
-        hi_f = float(hi)
-        if not lo_f <= hi_f:
-            raise ValueError(f"hookstats.clip_value_ needs lo <= hi (and no NaN bound), got [{lo!r}, {hi!r}]")
+    lo_f, hi_f = _bounds(lo, hi, "clip_value_")
     _check_writable(x, "clip_value_")
     return clamp_count_op([x.detach()], lo_f, hi_f, "clip_value_")
 

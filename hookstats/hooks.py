@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._ops import SUPPORTED_DTYPES, clip_norm_op, norms_op
-from .clip import CLIP_EPS, _max_norm, _norm_type, _policy, _POLICY_CODE
+from .clip import CLIP_EPS, _bounds, _max_norm, _norm_type, _policy, _POLICY_CODE
 
 _KINDS = ("backward", "backward_pre", "forward_pre", "forward", "tensor", "post_accumulate")
 
@@ -231,16 +231,7 @@ class clip_value(_Forms):
     _name = "hookstats.clip_value"
 
     def __init__(self, lo: float, hi: Optional[float] = None):
-        lo_f = float(lo)
-        if hi is None:
-            if not lo_f >= 0:
-                raise ValueError(f"hookstats.clip_value(v) clamps to [-v, v] and needs v >= 0, got {lo!r}")
-            lo_f, hi_f = -lo_f, lo_f
-        else:
-            hi_f = float(hi)
-            if not lo_f <= hi_f:
-                raise ValueError(f"hookstats.clip_value needs lo <= hi (and no NaN bound), got [{lo!r}, {hi!r}]")
-        self.lo, self.hi = lo_f, hi_f
+        self.lo, self.hi = _bounds(lo, hi, "clip_value")
         self.last_count: Optional[torch.Tensor] = None
 
     def __repr__(self) -> str:

@@ -162,10 +162,8 @@ __device__ NormPartial piece_norm(const Piece& p, const NormSpec& ns) {
   return thread_norm<scalar_t>([&](auto&& f) { visit<scalar_t>(p, f); }, ns);
 }
 
-// Block-wide merge in a fixed order; the result is valid in thread 0.
-__device__ NormPartial block_merge(NormPartial p, const NormSpec& ns, NormPartial* smem) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+// Warp-wide merge in a fixed order; the result is valid in lane 0.
+__device__ __forceinline__ NormPartial warp_merge(NormPartial p, const NormSpec& ns) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     NormPartial q;
     q.s = __shfl_down_sync(0xffffffffu, p.s, offset);
@@ -173,18 +171,17 @@ __device__ NormPartial block_merge(NormPartial p, const NormSpec& ns, NormPartia
     q.flags = __shfl_down_sync(0xffffffffu, p.flags, offset);
     norm_merge(p, q, ns);
   }
+  return p;
+}
+
+// Block-wide merge in a fixed order; the result is valid in thread 0.
+__device__ NormPartial block_merge(NormPartial p, const NormSpec& ns, NormPartial* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  p = warp_merge(p, ns);
   if (lane == 0) smem[warp] = p;
   __syncthreads();
-  if (warp == 0) {
-    p = lane < kWarps ? smem[lane] : empty_norm();
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      NormPartial q;
-      q.s = __shfl_down_sync(0xffffffffu, p.s, offset);
-      q.e = __shfl_down_sync(0xffffffffu, p.e, offset);
-      q.flags = __shfl_down_sync(0xffffffffu, p.flags, offset);
-      norm_merge(p, q, ns);
-    }
-  }
+  if (warp == 0) p = warp_merge(lane < kWarps ? smem[lane] : empty_norm(), ns);
   __syncthreads();
   return p;
 }
