@@ -215,3 +215,14 @@ def assert_bitwise_equal(a, b) -> None:
         ta, tb = getattr(a, f), getattr(b, f)
         assert ta.dtype == tb.dtype
         assert torch.equal(bits(ta), bits(tb)), f"{f}: {ta.item()!r} vs {tb.item()!r} (bitwise)"
+
+
+def flat(obj) -> list:
+    """The tensors of a hook argument, depth first (None and non-tensors dropped)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in flat(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in flat(o)]
+    return []

@@ -37,7 +37,7 @@ from torch import nn
 import hookstats
 from hookstats import reference
 
-from conftest import DEVICES, DTYPES, bits, stats_mismatches
+from conftest import DEVICES, DTYPES, bits, flat, stats_mismatches
 
 F = hookstats.STATS_FIELDS
 NAN = float("nan")
@@ -95,16 +95,6 @@ def run(name, dtype=torch.float32, device="cpu", install=None):
     res.update({n: p.grad.clone() for n, p in model.named_parameters()})
     return res
 
-
-def flat(obj) -> list:
-    """The tensors of a hook argument, depth first (None and non-tensors dropped)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in flat(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in flat(o)]
-    return []
 
 
 def remap(obj, fn):

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 import hookstats
 from hookstats import reference
 
-from conftest import DEVICES, DTYPES, stats_mismatches
+from conftest import DEVICES, DTYPES, flat, stats_mismatches
 
 F = hookstats.STATS_FIELDS
 NAN = float("nan")
@@ -82,15 +82,6 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
     return (out * w).sum()
 
-
-def flat(obj) -> list:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in flat(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in flat(o)]
-    return []
 
 
 class Capture:
