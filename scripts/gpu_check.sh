@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command a GPU machine runs (under 8 minutes: build ~2-3 min, tests <= 150 s, benchmark <= 150 s): build hookstats against that
+# The one command a GPU machine runs (under 9 minutes: build ~2 min, tests <= 200 s, benchmark <= 150 s): build hookstats against that
 # machine's torch, run the whole test suite (CUDA tests included), and write a benchmark report.
 #   OUT=/some/dir bash scripts/gpu_check.sh        (the device tool sets OUT)
 set -uo pipefail
@@ -23,7 +23,7 @@ echo "built in $(( $(date +%s) - start )) s"
 $PY -c "import hookstats, sys; ok = hookstats.cuda_kernels_built(); print('CUDA kernels built:', ok); sys.exit(0 if ok else 1)" || exit 1
 
 echo "== CUDA tests (the CPU ones run in CI)"
-timeout 150 $PY -m pytest tests -q -m "cuda and not slow" -p no:cacheprovider -ra 2>&1 | tail -40 | tee "$OUT/tests.log"
+timeout 200 $PY -m pytest tests -q -m "cuda and not slow" -p no:cacheprovider -ra 2>&1 | tail -40 | tee "$OUT/tests.log"
 test_rc=${PIPESTATUS[0]}
 
 echo "== benchmark"
