@@ -248,11 +248,15 @@ class clip_value(_Forms):
         _flatten(obj, tensors)
         if not any(_is_float_tensor(t) for t in tensors):
             return None
-        out = []
-        with torch.no_grad():
-            floats = [t for t in tensors if _is_float_tensor(t)]
-            counts = [((t < self.lo) | (t > self.hi)).sum() for t in floats] if floats else []
-            self.last_count = torch.stack(counts).sum() if counts else None
-        for t in tensors:
-            out.append(t.clamp(self.lo, self.hi) if _is_float_tensor(t) else t)
-        return _rebuild(obj, iter(out))
+        floats = [t for t in tensors if _is_float_tensor(t)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in floats):
+            # Autograd must see the clamp (its gradient masks the clipped values): PyTorch ops, and the count apart.
+            with torch.no_grad():
+                self.last_count = torch.stack([((t < self.lo) | (t > self.hi)).sum() for t in floats]).sum()
+            out = iter([t.clamp(self.lo, self.hi) for t in floats])
+        else:
+            # New tensors (a hook must not modify its arguments): one copy, then one clamp-and-count kernel call.
+            clones = [t.clone() for t in floats]
+            self.last_count = clamp_count_op(clones, self.lo, self.hi, "clip_value")
+            out = iter(clones)
+        return _rebuild(obj, iter([next(out) if _is_float_tensor(t) else t for t in tensors]))

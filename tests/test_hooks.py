@@ -205,6 +205,11 @@ def plain_fused_clip(kind: str, max_norm: float, norms: list, p=2.0, per_tensor=
             norms.append(joint_norm([param.grad], p))
         torch.nn.utils.clip_grad_norm_([param], max_norm, norm_type=p)
 
+    return by_kind(kind, clip, post)
+
+
+def by_kind(kind: str, clip, post):
+    """The plain-PyTorch hook of one kind: clip(obj) on what the kind sees, post(param) for post-accumulate."""
     return {
         "backward": lambda m, gi, go: clip(gi),
         "backward_pre": lambda m, go: clip(go),
@@ -228,14 +233,7 @@ def plain_clip_value(kind: str, lo: float, hi: float, counts: list):
         assert lo == -hi
         torch.nn.utils.clip_grad_value_([param], hi)
 
-    return {
-        "backward": lambda m, gi, go: clip(gi),
-        "backward_pre": lambda m, go: clip(go),
-        "forward_pre": lambda m, args: clip(args),
-        "forward": lambda m, args, out: clip(out),
-        "tensor": lambda g: clip(g),
-        "post_accumulate": post,
-    }[kind]
+    return by_kind(kind, clip, post)
 
 
 def mismatch(got: torch.Tensor, want: torch.Tensor, dtype) -> str:
