@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -113,52 +113,17 @@ def quick_bench(device: torch.device, sizes=(2**16, 2**20, 2**24), dtypes=(torch
                          "stats+hist64 us", "speedup vs histc"])
 
 
-def _training_demo(device: torch.device, steps: int = 20) -> None:
-    """A small MLP trained on synthetic data with Monitor on every layer, fused_clip on one layer's grad_input and
-    clip_grad_norm_ on the parameters; a NaN injected at step 15 is found by first_nonfinite()."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(),
-                                torch.nn.Linear(128, 10)).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    clip = hookstats.fused_clip(1.0)
-    model[2].register_full_backward_hook(clip)
-    x = torch.randn(256, 64, device=device)
-    y = torch.randint(0, 10, (256,), device=device)
-    norms = []
-    with hookstats.Monitor(model, kinds=("forward", "backward_pre", "grad"), histogram="exp") as mon:
-        for step in range(steps):
-            inp = x.clone()
-            if step == 15:
-                inp[3, 7] = float("nan")  # a bad batch
-            loss = torch.nn.functional.cross_entropy(model(inp), y)
-            opt.zero_grad()
-            loss.backward()
-            norms.append(hookstats.clip_grad_norm_(model.parameters(), 1.0, nonfinite="zero"))
-            opt.step()
-            mon.step()
-        print(f"\nTraining a 5-layer MLP for {steps} steps with hookstats.Monitor on every layer "
-              f"({len(mon.records())} records, read back in one copy per flush), fused_clip(1.0) on layer 2's "
-              "grad_input, and clip_grad_norm_(nonfinite='zero') on the parameters:\n")
-        print(mon.summary())
-        bad = mon.first_nonfinite()
-        if bad is not None:
-            print(f"\nfirst NaN/Inf: step {bad['step']}, module {bad['module'] or '<model>'!r}, kind {bad['kind']} "
-                  f"({bad['stats']['nan_count']} NaN) -- the bad batch; clip_grad_norm_ zeroed that step's grads")
-        totals = torch.stack(norms).tolist()  # one host copy for all steps
-        print("total grad norm per step: " + ", ".join(f"{t:.3g}" for t in totals))
-
-
-def demo(args) -> int:
-    device = torch.device(args.device)
+def _check_device(device: torch.device, prog: str) -> Optional[str]:
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            print("hookstats demo: --device cuda but no CUDA GPU is visible to torch", file=sys.stderr)
-            return 2
+            return f"{prog}: --device cuda but no CUDA GPU is visible to torch (torch {torch.__version__})"
         if not hookstats.cuda_kernels_built():
-            print("hookstats demo: --device cuda but hookstats was built without CUDA kernels", file=sys.stderr)
-            return 2
-    print(f"hookstats {hookstats.__version__} | torch {torch.__version__} | device {device} | "
-          f"CPU code path {torch.ops.hookstats._cpu_isa('')} | CUDA kernels built: {hookstats.cuda_kernels_built()}")
+            return (f"{prog}: --device cuda but hookstats was built without CUDA kernels; rebuild with a CUDA "
+                    "toolkit (CUDA_HOME) and a CUDA build of torch")
+    return None
+
+
+def _tensor_examples(device: torch.device) -> None:
     print("\nStatistics of example tensors, one fused read each (hookstats.stats):\n")
     examples = _examples()
     rows = []
@@ -177,13 +142,83 @@ def demo(args) -> int:
     print("\nWould activations with std 300 fit low-precision formats? (exponent histogram, same read as the stats)")
     print(_table([[name, f"{float(v['overflow']):.2%}", f"{float(v['underflow']):.2%}", f"{float(v['subnormal']):.2%}"]
                   for name, v in fit.items()], ["format", "overflow", "underflow (to 0)", "subnormal"]))
-    counts = hookstats.histogram(acts, 8, range=(-600.0, 600.0)).tolist()
-    print(f"8-bin histogram over [-600, 600]: {counts[:8]}, below: {counts[8]}, above: {counts[9]}, NaN: {counts[10]}")
-    _training_demo(device)
+
+
+def _write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
+    from .export import make_report
+
+    return make_report(run_dir, out_dir)
+
+
+def demo(args) -> int:
+    from .demo import train
+
+    device = torch.device(args.device)
+    err = _check_device(device, "hookstats demo")
+    if err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print(f"hookstats demo: --steps must be >= 1, got {args.steps}", file=sys.stderr)
+        return 2
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        print(f"hookstats demo: --out {out!r} exists and is not a directory", file=sys.stderr)
+        return 2
+    print(f"hookstats {hookstats.__version__} | torch {torch.__version__} | device {device} | "
+          f"CPU code path {torch.ops.hookstats._cpu_isa('')} | CUDA kernels built: {hookstats.cuda_kernels_built()}")
+    if not args.no_examples:
+        _tensor_examples(device)
+    print(f"\nTraining a small {args.model} on synthetic data for {args.steps} steps: hookstats.Monitor on every layer "
+          "(outputs, grad_outputs, parameter grads, with exponent histograms), fused_clip(1.0) on each block's "
+          "grad_input, clip_grad_norm_(1.0, nonfinite='zero') on the parameters, a NaN batch at step "
+          f"{(3 * args.steps) // 4 if args.steps > 1 else 'never'}. Writing {out}/\n")
+    try:
+        r = train(args.model, steps=args.steps, device=device, out=out, progress=not args.no_progress)
+    except OSError as e:
+        print(f"hookstats demo: cannot write the run directory {out!r}: {e}", file=sys.stderr)
+        return 2
+    print(f"\n{r['records']} records in {r['seconds']:.1f} s ({r['seconds'] / r['steps'] * 1e3:.0f} ms/step), read "
+          f"back in one copy per buffer every {r['flush_every']} steps.\n")
+    print(r["summary"])
+    bad = r["first_nonfinite"]
+    if bad is not None:
+        print(f"\nfirst NaN/Inf: step {bad['step']}, module {bad['module'] or '<model>'!r}, kind {bad['kind']} "
+              f"({bad['stats']['nan_count']} NaN) -- the bad batch; clip_grad_norm_ zeroed that step's grads")
+    losses = r["loss"]
+    if losses:
+        print(f"loss: {losses[0]:.4g} at step 0 -> {losses[-1]:.4g} at step {len(losses) - 1}")
+    try:
+        paths = _write_report(out)
+    except ImportError as e:
+        print(f"hookstats demo: no plots or report ({e})", file=sys.stderr)
+        paths = {}
+    print(f"\nRun directory {out}/:")
+    print(f"  {r['log']}  (JSONL, one record per line)")
+    if r["tensorboard"]:
+        print(f"  {r['tensorboard']}/  (tensorboard --logdir {r['tensorboard']})")
+    for name, p in paths.items():
+        print(f"  {p}")
     if not args.no_bench:
         print("\nBenchmark (median of repeats; roof = one read of the tensor):\n")
         print(quick_bench(device, sizes=(2**16, 2**20, 2**24) if not args.quick else (2**16, 2**20)))
-        print("\nFull benchmarks: make bench (pytest-benchmark; report in benchmarks/report.py)")
+        print("\nFull benchmarks: make bench, or python -m hookstats bench")
+    return 0
+
+
+def report(args) -> int:
+    if not os.path.exists(args.run_dir):
+        print(f"hookstats report: {args.run_dir!r} does not exist (give a run directory holding log.jsonl, or the "
+              "log file itself; python -m hookstats demo --out DIR makes one)", file=sys.stderr)
+        return 2
+    try:
+        paths = _write_report(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        msg = str(e)
+        print(msg if msg.startswith("hookstats") else f"hookstats report: {msg}", file=sys.stderr)
+        return 2
+    for name, p in paths.items():
+        print(p)
     return 0
 
 
@@ -202,13 +237,25 @@ def bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    from .demo import MODELS
+
     parser = argparse.ArgumentParser(prog="hookstats", description="Fused tensor statistics for PyTorch hooks")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="statistics of example tensors and a quick benchmark")
+    p = sub.add_parser("demo", help="train a small model with a Monitor on every layer; write logs, plots, report")
+    p.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--model", default="transformer", choices=list(MODELS))
+    p.add_argument("--out", default=os.path.join("runs", "demo"),
+                   help="run directory (default runs/demo; its log.jsonl, tensorboard/ and report/ are replaced)")
     p.add_argument("--no-bench", action="store_true", help="skip the quick benchmark")
     p.add_argument("--quick", action="store_true", help="smaller benchmark sizes")
+    p.add_argument("--no-examples", action="store_true", help="skip the example tensors")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=demo)
+    p = sub.add_parser("report", help="plots and a one-page report (report.md, report.html) of a run directory")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="where to write (default RUN_DIR/report)")
+    p.set_defaults(fn=report)
     p = sub.add_parser("bench", help="run the pytest-benchmark suite and print the summary table")
     p.add_argument("--json", default="bench.json")
     p.add_argument("pytest_args", nargs="*")

@@ -131,6 +131,83 @@ def _total64(by_device: dict[torch.device, list[torch.Tensor]], first_device: to
     return _combine(totals, p)
 
 
+def _split_dtensors(ts: list) -> tuple[list, list]:
+    """(plain tensors, DTensors). No DTensor can exist before torch.distributed.tensor is imported: then free."""
+    from .distributed import _dtensor_type
+
+    D = _dtensor_type()
+    if D is None:
+        return ts, []
+    plain, dts = [], []
+    for t in ts:
+        (dts if isinstance(t, D) else plain).append(t)
+    return plain, dts
+
+
+def _dtensor_groups(dts: list) -> dict:
+    """DTensors grouped by (mesh, the mesh dims that shard them): the local parts of one group are reduced over the
+    same process groups. Replicated dims need no reduction: every rank there holds the same values."""
+    from .distributed import reduction_groups
+
+    groups: dict = {}
+    for d in dts:
+        mesh, dims = reduction_groups(d)
+        groups.setdefault((id(mesh), dims), (mesh, dims, []))[2].append(d._local_tensor)
+    return groups
+
+
+def _all_reduce_dims(t: torch.Tensor, mesh, dims: tuple, op_name: str) -> None:
+    import torch.distributed as dist
+
+    op = getattr(dist.ReduceOp, op_name)
+    for dim in dims:
+        dist.all_reduce(t, op=op, group=mesh.get_group(mesh_dim=dim))
+
+
+def _dtensor_total64(dts: list, p: float, foreach: Optional[bool], op: str) -> list[torch.Tensor]:
+    """The global p-norm of each group of DTensors (float64, on the local device, the same on every rank): local
+    partial norms from one kernel call per device, raised to p and summed over the sharding mesh dims (MAX for inf) by
+    one all_reduce per dim: no host sync. Float64 partials: p-th powers overflow only past norms of ~1e154 (p=2)."""
+    out = []
+    for mesh, dims, locals_ in _dtensor_groups(dts).values():
+        by_device, _ = _group(locals_, op)
+        dev = locals_[0].device
+        t = _total64(by_device, dev, p, foreach, op)
+        if not dims:
+            out.append(t)
+            continue
+        if p == math.inf:
+            t = t.clone()
+            _all_reduce_dims(t, mesh, dims, "MAX")
+        else:
+            t = t.pow(p)
+            _all_reduce_dims(t, mesh, dims, "SUM")
+            t = t.pow(1.0 / p)
+        out.append(t)
+    return out
+
+
+def _global_total64(grads: list, p: float, foreach: Optional[bool], op: str) -> tuple[torch.Tensor, torch.dtype, dict]:
+    """(total norm in float64, its PyTorch dtype, the tensors to scale by device) for plain tensors and DTensors
+    alike; the total is on the first tensor's (local) device."""
+    plain, dts = _split_dtensors(grads)
+    totals, dtypes, by_device = [], [], {}
+    if plain:
+        bd, dt = _group(plain, op)
+        totals.append(_total64(bd, plain[0].device, p, foreach, op))
+        dtypes.append(dt)
+        by_device = bd
+    if dts:
+        totals += _dtensor_total64(dts, p, foreach, op)
+        bd, dt = _group([d._local_tensor for d in dts], op)
+        dtypes.append(dt)
+        for dev, g in bd.items():
+            by_device.setdefault(dev, []).extend(g)
+    first = grads[0]._local_tensor.device if dts and grads[0] is dts[0] else totals[0].device
+    totals.sort(key=lambda t: t.device != first)
+    return _combine(totals, p), functools.reduce(torch.promote_types, dtypes), by_device
+
+
 def norm(x: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
     """The `norm_type`-norm of `x` (1, 2, inf or any p > 0) as a 0-d tensor on x's device: float32, float64 for
     float64 x. It cannot overflow or underflow while the true norm fits the result (PyTorch's float32 norm of 1000
@@ -233,8 +310,8 @@ def get_total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_no
     p = _norm_type(norm_type, "get_total_norm")
     if not ts:
         return torch.tensor(0.0)
-    by_device, dtype = _group(ts, "get_total_norm")
-    out = _total64(by_device, ts[0].device, p, foreach, "get_total_norm").to(dtype)
+    total64, dtype, _ = _global_total64(ts, p, foreach, "get_total_norm")
+    out = total64.to(dtype)
     if error_if_nonfinite and not bool(torch.isfinite(out)):
         raise _nonfinite_error(p)
     return out
@@ -259,9 +336,14 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
     grads = _grads(params)
     if not grads:
         return
-    by_device, _ = _group(grads, "clip_grads_with_norm_")
+    plain, dts = _split_dtensors(grads)
+    by_device, _ = _group(plain + [d._local_tensor for d in dts], "clip_grads_with_norm_")
     if not isinstance(total_norm, torch.Tensor):
         total_norm = torch.tensor(float(total_norm), dtype=torch.float64)
+    from .distributed import is_dtensor
+
+    if is_dtensor(total_norm):  # PyTorch's total of DTensor grads is a DTensor: its full value
+        total_norm = total_norm.full_tensor()
     total64 = total_norm.detach().to(torch.float64)
     if policy == "error" and not bool(torch.isfinite(total64)):
         raise _nonfinite_error(float("nan"))
@@ -287,8 +369,7 @@ def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: flo
     grads = _grads(params)
     if not grads:
         return torch.tensor(0.0)
-    by_device, dtype = _group(grads, "clip_grad_norm_")
-    total64 = _total64(by_device, grads[0].device, p, foreach, "clip_grad_norm_")
+    total64, dtype, by_device = _global_total64(grads, p, foreach, "clip_grad_norm_")
     out = total64.to(dtype)
     if policy == "error" and not bool(torch.isfinite(out)):
         raise _nonfinite_error(p)
@@ -309,11 +390,20 @@ def clip_grad_value_(parameters: TensorOrTensors, clip_value: float, foreach: Op
     grads = _grads(params)
     if not grads:
         return torch.tensor(0)
-    by_device, _ = _group(grads, "clip_grad_value_")
+    plain, dts = _split_dtensors(grads)
     counts = []
-    for dev, group in sorted(by_device.items(), key=lambda kv: kv[0] != grads[0].device):
-        _check_foreach(foreach, dev)
-        counts.append(clamp_count_op(group, -cv, cv, "clip_grad_value_"))
+    if plain:
+        by_device, _ = _group(plain, "clip_grad_value_")
+        for dev, group in sorted(by_device.items(), key=lambda kv: kv[0] != plain[0].device):
+            _check_foreach(foreach, dev)
+            counts.append(clamp_count_op(group, -cv, cv, "clip_grad_value_"))
+    for mesh, dims, locals_ in _dtensor_groups(dts).values():  # local counts, summed over the sharding dims
+        by_device, _ = _group(locals_, "clip_grad_value_")
+        for dev, group in by_device.items():
+            _check_foreach(foreach, dev)
+            c = clamp_count_op(group, -cv, cv, "clip_grad_value_")
+            _all_reduce_dims(c, mesh, dims, "SUM")
+            counts.append(c)
     first = counts[0]
     for c in counts[1:]:
         first = first + c.to(first.device)

@@ -1,0 +1,150 @@
+"""JSONL run log: one JSON object per line, appended and flushed (and fsynced) at each Monitor flush, so a run killed
+at any moment leaves every completed line readable.
+
+Lines (strict JSON: a non-finite float is written as the string "NaN", "Infinity" or "-Infinity"):
+  {"type": "run", "hookstats": ..., "torch": ..., "histogram": null | {"kind": "exp"} |
+   {"kind": "range", "bins": B, "lo": L, "hi": H}, "stats_fields": [...], "kinds": [...], "modules": [...],
+   "time": unix seconds}                                             -- once per writer opened (a resumed run appends
+                                                                        a second one)
+  {"type": "record", "seq", "step", "module", "kind", "index", "dtype", "stats": {field: value},
+   "histogram": null | {"length": L, "nonzero": [[i, count], ...]}}  -- one per recorded tensor; histograms sparse
+  {"type": "scalar", "seq", "step", "tag", "value"}                  -- one per Monitor.log()
+
+`read_jsonl(path)` gives back the run header, the records (histograms as dense lists) and the scalars, skipping a
+last line cut short by a kill.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Iterable, NamedTuple, Optional
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _enc_float(v: float):
+    if v != v:
+        return "NaN"
+    if v == math.inf:
+        return "Infinity"
+    if v == -math.inf:
+        return "-Infinity"
+    return v
+
+
+def _dec_float(v):
+    return _NONFINITE[v] if isinstance(v, str) else v
+
+
+def _sparse(h: Optional[list]):
+    if h is None:
+        return None
+    return {"length": len(h), "nonzero": [[i, c] for i, c in enumerate(h) if c]}
+
+
+def _dense(h) -> Optional[list]:
+    if h is None:
+        return None
+    out = [0] * h["length"]
+    for i, c in h["nonzero"]:
+        out[i] = c
+    return out
+
+
+def encode_record(r: dict) -> dict:
+    out = {"type": "record", "seq": r["seq"], "step": r["step"], "module": r["module"], "kind": r["kind"],
+           "index": r["index"], "dtype": r.get("dtype")}
+    out["stats"] = {k: _enc_float(v) if isinstance(v, float) else v for k, v in r["stats"].items()}
+    out["histogram"] = _sparse(r.get("histogram"))
+    return out
+
+
+def decode_record(d: dict) -> dict:
+    r = {k: d[k] for k in ("seq", "step", "module", "kind", "index", "dtype") if k in d}
+    r["stats"] = {k: _dec_float(v) for k, v in d["stats"].items()}
+    r["histogram"] = _dense(d.get("histogram"))
+    return r
+
+
+class JSONLWriter:
+    """Appends a Monitor's records to `path` as JSONL (see the module docstring for the format).
+
+    `fsync=True` (the default) makes each flush durable on disk, not only in the OS cache: a power loss keeps what a
+    kill keeps. Use as `Monitor(model, exporters=[JSONLWriter("runs/x/log.jsonl")])`, or call write() yourself.
+    """
+
+    def __init__(self, path: str | os.PathLike, fsync: bool = True):
+        self.path = os.fspath(path)
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self.fsync = fsync
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._began = False
+
+    def _emit(self, objs: Iterable[dict]) -> None:
+        if self._f is None:
+            raise RuntimeError(f"hookstats.JSONLWriter({self.path!r}) is closed")
+        # One write per flush: the lines reach the file together, each one complete.
+        text = "".join(json.dumps(o, allow_nan=False, separators=(",", ":")) + "\n" for o in objs)
+        self._f.write(text)
+        self._f.flush()
+        if self.fsync:
+            os.fsync(self._f.fileno())
+
+    def begin(self, info: dict) -> None:
+        """Writes the run header (Monitor calls this when it attaches)."""
+        head = {"type": "run", **info, "time": time.time()}
+        self._emit([head])
+        self._began = True
+
+    def write(self, records: list[dict], scalars: list[dict] = ()) -> None:
+        objs: list[dict] = [encode_record(r) for r in records]
+        objs += [{"type": "scalar", "seq": s["seq"], "step": s["step"], "tag": s["tag"],
+                  "value": _enc_float(float(s["value"]))} for s in scalars]
+        if objs:
+            self._emit(objs)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> "JSONLWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RunLog(NamedTuple):
+    info: dict  # the first run header ({} when the file has none)
+    records: list
+    scalars: list
+    bad_lines: int  # lines that were not valid JSON (a last line cut short by a kill)
+
+
+def read_jsonl(path: str | os.PathLike) -> RunLog:
+    """Reads a JSONLWriter file back: records with dense histograms and floats restored, in file order."""
+    info: dict[str, Any] = {}
+    records, scalars, bad = [], [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            t = d.get("type")
+            if t == "record":
+                records.append(decode_record(d))
+            elif t == "scalar":
+                scalars.append({"seq": d["seq"], "step": d["step"], "tag": d["tag"], "value": _dec_float(d["value"])})
+            elif t == "run" and not info:
+                info = {k: v for k, v in d.items() if k != "type"}
+    return RunLog(info, records, scalars, bad)

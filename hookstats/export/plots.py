@@ -1,0 +1,700 @@
+"""Plots of a Monitor run (records and scalars, e.g. from `read_jsonl`), as PNG files: the gradient flow across layers,
+a layers x steps heatmap of norms, the evolution of histograms over steps, and the logged scalars.
+
+Every function draws on its own `matplotlib.figure.Figure` with the Agg canvas: no pyplot, no global backend
+switch, so it works under any backend, in threads and without a display. matplotlib is imported when a plot is
+made; `nonfinite_events`, `norm_matrix` and `layer_order` need only numpy.
+
+Layers are shown in model order: the order of `order` (the run header's "modules", named_modules order) when given,
+a parameter ("grad" kind) placed at its module; without it, the order in which the forward hooks first saw them (the
+backward hooks see them in reverse).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Iterable, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+DPI = 110
+# Kinds in the order they are looked for when a plot wants gradients, and in which they are listed otherwise.
+GRAD_KINDS = ("grad", "backward_pre", "backward")
+KIND_ORDER = ("forward_pre", "forward", "backward_pre", "backward", "grad")
+_KIND_TITLES = {"forward_pre": "module inputs (forward_pre)", "forward": "module outputs (forward)",
+                "backward_pre": "grad_output (backward_pre)", "backward": "grad_input (backward)",
+                "grad": "parameter .grad (grad)"}
+_BACKWARD = frozenset(GRAD_KINDS)
+
+
+# -- data --------------------------------------------------------------------------------------------------------
+class NonfiniteEvent(NamedTuple):
+    step: int
+    module: str
+    kind: str
+    nan_count: int
+    inf_count: int
+
+
+def nonfinite_events(records: Iterable[dict]) -> list:
+    """Every (step, module, kind) whose tensors held a NaN or Inf, as NonfiniteEvent(step, module, kind, nan_count,
+    inf_count) tuples (counts summed over that step's tensors of the module and kind), first occurrence first: by
+    step, then in the order the hooks ran (seq)."""
+    events: dict = {}
+    for pos, r in enumerate(records):
+        s = r["stats"]
+        nan, inf = int(s["nan_count"]), int(s["inf_count"])
+        if not (nan or inf):
+            continue
+        key = (r["step"], r["module"], r["kind"])
+        order = (r["step"], r.get("seq", pos), pos)
+        e = events.get(key)
+        if e is None:
+            events[key] = [order, nan, inf]
+        else:
+            e[0] = min(e[0], order)
+            e[1] += nan
+            e[2] += inf
+    items = sorted(events.items(), key=lambda kv: kv[1][0])
+    return [NonfiniteEvent(k[0], k[1], k[2], v[1], v[2]) for k, v in items]
+
+
+def kinds_present(records: Iterable[dict]) -> list:
+    """The hook kinds found in records, in KIND_ORDER (unknown kinds last, as first seen)."""
+    seen: dict = {}
+    for r in records:
+        seen.setdefault(r["kind"], None)
+    return [k for k in KIND_ORDER if k in seen] + [k for k in seen if k not in KIND_ORDER]
+
+
+def gradient_kind(records: Iterable[dict]) -> Optional[str]:
+    """The kind a gradient plot uses: "grad" (parameter grads) if recorded, else "backward_pre" (grad_output), else
+    "backward" (grad_input); None when there are none of them."""
+    present = set(kinds_present(records))
+    return next((k for k in GRAD_KINDS if k in present), None)
+
+
+def _owner(name: str, modules: dict) -> str:
+    """The module a parameter name belongs to: the longest module name that prefixes it ("" when none)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        m = ".".join(parts[:i])
+        if m in modules:
+            return m
+    return ""
+
+
+def layer_order(records: Sequence[dict], kind: str, order: Optional[Sequence[str]] = None) -> list:
+    """The names (modules, or parameters for "grad") that have records of `kind`, in model order (see the module
+    docstring)."""
+    first: dict = {}
+    for r in records:
+        if r["kind"] == kind and r["module"] not in first:
+            first[r["module"]] = len(first)
+    names = list(first)
+    backward = kind in _BACKWARD
+    if order is None:
+        fwd: dict = {}
+        for r in records:
+            if r["kind"] in ("forward_pre", "forward") and r["module"] not in fwd:
+                fwd[r["module"]] = len(fwd)
+        if not fwd:  # backward hooks run in reverse model order
+            return names[::-1] if backward else names
+        ranks = fwd
+    else:
+        ranks = {m: i for i, m in enumerate(order)}
+    n = len(first)
+
+    def key(name):
+        m = name if name in ranks else (_owner(name, ranks) if kind == "grad" else None)
+        rank = ranks.get(m, len(ranks)) if m is not None else len(ranks)
+        tie = n - first[name] if backward else first[name]
+        return (rank, m != name, tie)
+
+    return sorted(names, key=key)
+
+
+def _combine(records: Sequence[dict], kind: str, field: str = "l2"):
+    """{(name, step): [value, bad]} for records of kind: a step's tensors of one module combined (sqrt of the sum of
+    squares for l2; for "grad", a parameter's last record of the step: its accumulated gradient)."""
+    cells: dict = {}
+    for r in records:
+        if r["kind"] != kind:
+            continue
+        s = r["stats"]
+        v = float(s[field])
+        bad = bool(s["nan_count"] or s["inf_count"])
+        key = (r["module"], r["step"])
+        c = cells.get(key)
+        if c is None or kind == "grad":
+            cells[key] = [v, bad]
+        else:
+            c[0] = math.hypot(c[0], v) if field == "l2" else max(c[0], v)
+            c[1] = c[1] or bad
+    return cells
+
+
+def _matrix(records: Sequence[dict], kind: str, order: Optional[Sequence[str]] = None):
+    layers = layer_order(records, kind, order)
+    cells = _combine(records, kind)
+    steps = sorted({k[1] for k in cells})
+    li = {m: i for i, m in enumerate(layers)}
+    si = {s: j for j, s in enumerate(steps)}
+    values = np.full((len(layers), len(steps)), np.nan)
+    recorded = np.zeros(values.shape, dtype=bool)
+    bad = np.zeros(values.shape, dtype=bool)
+    for (m, s), (v, b) in cells.items():
+        i, j = li[m], si[s]
+        values[i, j] = v
+        recorded[i, j] = True
+        bad[i, j] = b or not math.isfinite(v)
+    return layers, steps, values, recorded, bad
+
+
+def norm_matrix(records: Sequence[dict], kind: str, order: Optional[Sequence[str]] = None):
+    """(layers, steps, values): the l2 norm of each layer's `kind` tensors at each step, values[i, j] for layers[i]
+    at steps[j] (a float64 numpy array; NaN where nothing was recorded, NaN/Inf where the tensor held them). The
+    tensors of one module and step are combined as sqrt(sum l2^2); for "grad", a parameter's last record of a step
+    (the accumulated gradient). This is what grad_flow and norm_heatmap draw."""
+    layers, steps, values, _, _ = _matrix(records, kind, order)
+    return layers, steps, values
+
+
+# -- drawing helpers ---------------------------------------------------------------------------------------------
+def _mpl():
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("hookstats plots need matplotlib: pip install matplotlib") from e
+    return Figure, FigureCanvasAgg
+
+
+def _figure(w: float, h: float, layout: Optional[str] = "constrained"):
+    """A figure on its own Agg canvas. layout=None for plots laid out by hand (in inches): constrained layout
+    measures every text twice, which doubles the time of a figure with many panels."""
+    Figure, FigureCanvasAgg = _mpl()
+    fig = Figure(figsize=(w, h), dpi=DPI, layout=layout)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path) -> str:
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=DPI, facecolor="white")
+    return path
+
+
+def label(name: str, width: int = 36) -> str:
+    """A layer name as a tick label: "<model>" for the root, long names shortened in the middle."""
+    if not name:
+        return "<model>"
+    if len(name) <= width:
+        return name
+    k = (width - 1) // 2
+    return name[:k] + "\u2026" + name[-(width - 1 - k):]
+
+
+def _tick_every(n: int, most: int) -> int:
+    return max(1, math.ceil(n / most))
+
+
+def _label_size(n: int) -> float:
+    return 9 if n <= 20 else 8 if n <= 40 else 7 if n <= 70 else 6
+
+
+def _sample(n: int, k: int) -> list:
+    """At most k indices out of range(n), evenly spaced, first and last included."""
+    if n <= k:
+        return list(range(n))
+    return sorted({int(round(x)) for x in np.linspace(0, n - 1, max(k, 2))})
+
+
+def _step_axis(ax, steps: Sequence[int], axis: str = "x", nbins: int = 10) -> None:
+    """Column (or row) index -> step number tick labels."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    def fmt(x, _pos):
+        i = int(round(x))
+        return str(steps[i]) if 0 <= i < len(steps) and abs(x - i) < 1e-6 else ""
+
+    a = ax.xaxis if axis == "x" else ax.yaxis
+    a.set_major_locator(MaxNLocator(nbins=nbins, integer=True))
+    a.set_major_formatter(FuncFormatter(fmt))
+
+
+def _names_list(names: Sequence[str], most: int = 4) -> str:
+    shown = ", ".join(label(n, 24) for n in names[:most])
+    return shown + (f" +{len(names) - most} more" if len(names) > most else "")
+
+
+# -- plots -------------------------------------------------------------------------------------------------------
+def grad_flow(records: Sequence[dict], path, kind: Optional[str] = None, max_lines: int = 8,
+              order: Optional[Sequence[str]] = None) -> Optional[str]:
+    """The gradient flow chart: the l2 norm (log scale) of each layer's gradient, layers in model order on x, one
+    line per sampled step (at most max_lines, evenly spaced, colored by step), over the grey band of each layer's
+    min..max across all steps. Layers whose gradient held NaN/Inf at any step get a red x at the top, with the first
+    such step. kind: default "grad", else "backward_pre", else "backward". Returns path, or None (nothing written)
+    when there are no records of that kind."""
+    kind = kind or gradient_kind(records)
+    if kind is None:
+        return None
+    layers, steps, values, recorded, bad = _matrix(records, kind, order)
+    if not layers:
+        return None
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.lines import Line2D
+    from matplotlib.transforms import blended_transform_factory
+
+    n = len(layers)
+    fig = _figure(min(22.0, max(8.0, 3.0 + 0.24 * n)), 6.2)
+    ax = fig.add_subplot()
+    x = np.arange(n)
+    good = np.where(recorded & ~bad & (values > 0), values, np.nan)
+    with np.errstate(all="ignore"):
+        lo = np.nanmin(np.where(np.isnan(good), np.inf, good), axis=1)
+        hi = np.nanmax(np.where(np.isnan(good), -np.inf, good), axis=1)
+    lo[~np.isfinite(lo)] = np.nan
+    hi[~np.isfinite(hi)] = np.nan
+    if len(steps) > 1:
+        ax.fill_between(x, lo, hi, color="0.85", step=None, label="min..max over all steps", zorder=1)
+    cmap = colormaps["viridis"]
+    vmin, vmax = steps[0], steps[-1] if steps[-1] > steps[0] else steps[0] + 1
+    norm = Normalize(vmin, vmax)
+    picked = _sample(len(steps), max_lines)
+    for j in picked:
+        col = good[:, j]
+        c = cmap(norm(steps[j]))
+        ax.plot(x, col, "-o", color=c, lw=1.6, ms=3.5, zorder=3)
+    ax.set_yscale("log")
+    if np.isfinite(good).any():
+        ymin, ymax = float(np.nanmin(good)), float(np.nanmax(good))
+        span = max(ymax / ymin, 10.0)
+        # headroom above the lines for the non-finite markers and their step labels
+        ax.set_ylim(ymin / span ** 0.05, ymax * span ** (0.35 if bad.any() else 0.08))
+    else:
+        ax.set_ylim(1e-3, 1.0)
+    # non-finite: a red x at the top of the axis over each layer, with its first bad step
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    nbad_layers = 0
+    for i in range(n):
+        js = np.flatnonzero(bad[i])
+        if js.size == 0:
+            continue
+        nbad_layers += 1
+        ax.plot([i], [0.97], marker="x", color="red", ms=9, mew=2.2, transform=trans, clip_on=False, zorder=5)
+        more = f" (+{js.size - 1})" if js.size > 1 else ""
+        ax.text(i, 0.93, f"step {steps[js[0]]}{more}", transform=trans, color="red", fontsize=7, rotation=90,
+                ha="center", va="top", zorder=5)
+    ax.set_xticks(x)
+    ax.set_xticklabels([label(m) for m in layers], rotation=90 if n > 6 else 30,
+                       ha="center" if n > 6 else "right", fontsize=_label_size(n))
+    every = _tick_every(n, 90)
+    if every > 1:
+        for t, lab in enumerate(ax.get_xticklabels()):
+            lab.set_visible(t % every == 0)
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.grid(True, which="major", axis="both", alpha=0.3)
+    ax.set_xlabel("layer (model order)" if kind != "grad" else "parameter (model order)")
+    ax.set_ylabel(f"gradient l2 norm, {kind} (log scale)")
+    title = f"Gradient flow: {_KIND_TITLES.get(kind, kind)}, {len(picked)} of {len(steps)} steps"
+    if nbad_layers:
+        first = min((steps[np.flatnonzero(bad[i])[0]], i) for i in range(n) if bad[i].any())
+        title += f"\nred x: NaN/Inf in {nbad_layers} layer(s), first at step {first[0]} in {label(layers[first[1]])}"
+    ax.set_title(title, fontsize=11)
+    sm = ScalarMappable(norm=norm, cmap=cmap)
+    cb = fig.colorbar(sm, ax=ax, pad=0.01, fraction=0.04)
+    cb.set_label("step")
+    from matplotlib.ticker import MaxNLocator
+
+    cb.locator = MaxNLocator(nbins=8, integer=True)
+    cb.update_ticks()
+    handles = [Line2D([], [], color="0.85", lw=8, label="min..max over all steps")] if len(steps) > 1 else []
+    if nbad_layers:
+        handles.append(Line2D([], [], color="red", marker="x", ls="", ms=8, mew=2, label="NaN/Inf (first step)"))
+    if handles:
+        ax.legend(handles=handles, loc="best", fontsize=8, framealpha=0.85)
+    return _save(fig, path)
+
+
+def norm_heatmap(records: Sequence[dict], path, kind: Optional[str] = None,
+                 order: Optional[Sequence[str]] = None) -> Optional[str]:
+    """A layers x steps heatmap of log10(l2) for `kind`, or one panel per kind present (KIND_ORDER). Red cells held
+    NaN/Inf (also marked with an x when there are few), white ones were exactly zero, grey ones were not recorded;
+    each panel's title counts the non-finite cells and names the first. Returns path, or None without records."""
+    kinds = [kind] if kind else kinds_present(records)
+    panels = []
+    for k in kinds:
+        layers, steps, values, recorded, bad = _matrix(records, k, order)
+        if layers:
+            panels.append((k, layers, steps, values, recorded, bad))
+    if not panels:
+        return None
+    from matplotlib import colormaps
+    from matplotlib.colors import to_rgba
+
+    total_rows = sum(len(p[1]) for p in panels)
+    row_h = min(0.2, max(0.1, 26.0 / total_rows))
+    heights = [max(1.6, len(p[1]) * row_h) + 0.9 for p in panels]
+    nsteps = max(len(p[2]) for p in panels)
+    longest = max(len(label(m)) for p in panels for m in p[1])
+    fig = _figure(min(16.0, max(9.0, 4.5 + 0.05 * nsteps + 0.06 * longest)), sum(heights) + 0.6)
+    axes = fig.subplots(len(panels), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    cmap = colormaps["viridis"].with_extremes(bad="0.8")
+    for ax, (k, layers, steps, values, recorded, bad) in zip(axes, panels):
+        with np.errstate(all="ignore"):
+            logv = np.log10(values)
+        show = recorded & ~bad & (values > 0)
+        img = np.ma.masked_array(logv, mask=~show)
+        vmin = float(img.min()) if show.any() else 0.0
+        vmax = float(img.max()) if show.any() else 1.0
+        if vmax <= vmin:
+            vmin, vmax = vmin - 0.5, vmax + 0.5
+        im = ax.imshow(img, aspect="auto", interpolation="nearest", cmap=cmap, vmin=vmin, vmax=vmax,
+                       origin="upper")
+        over = np.zeros(values.shape + (4,))
+        over[recorded & ~bad & (values == 0)] = to_rgba("white")
+        over[bad] = to_rgba("red")
+        ax.imshow(over, aspect="auto", interpolation="nearest", origin="upper")
+        nb = int(bad.sum())
+        if 0 < nb <= 200:
+            ii, jj = np.nonzero(bad)
+            ax.scatter(jj, ii, marker="x", color="darkred", s=28 if len(steps) <= 60 else 14, lw=1.2)
+        n = len(layers)
+        ax.set_yticks(range(n))
+        ax.set_yticklabels([label(m) for m in layers], fontsize=min(_label_size(n), row_h * 72 * 0.8))
+        every = _tick_every(n, 100)
+        if every > 1:
+            for t, lab in enumerate(ax.get_yticklabels()):
+                lab.set_visible(t % every == 0)
+        _step_axis(ax, steps, "x", nbins=12)
+        ax.set_xlabel("step")
+        title = f"{_KIND_TITLES.get(k, k)}: log10 l2 norm"
+        if nb:
+            ii, jj = np.nonzero(bad)
+            j0 = int(jj.min())
+            first_rows = [layers[i] for i in ii[jj == j0]]
+            title += (f"\nNaN/Inf (red) in {nb} cell(s), {int(bad.any(axis=1).sum())} layer(s); first at step "
+                      f"{steps[j0]}: {_names_list(first_rows)}")
+        else:
+            title += "  (no NaN/Inf)"
+        ax.set_title(title, fontsize=10, color="darkred" if nb else "black")
+        cb = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.035)
+        cb.set_label("log10 l2", fontsize=8)
+    fig.suptitle("Per-layer l2 norms over steps  (red: NaN/Inf, white: exactly 0, grey: not recorded)", fontsize=11)
+    return _save(fig, path)
+
+
+def _np_dtype_layout(dtype: Optional[str]):
+    import torch
+
+    from .._ops import exp_layout
+
+    dt = getattr(torch, dtype or "float32", None)
+    try:
+        return exp_layout(dt)
+    except TypeError:
+        return None
+
+
+def _hist_spec(records: Sequence[dict], info: Optional[dict]) -> Optional[dict]:
+    spec = (info or {}).get("histogram")
+    if spec:
+        return spec
+    for r in records:  # no header: an exponent histogram has its dtype's layout length
+        h = r.get("histogram")
+        if h is not None:
+            lay = _np_dtype_layout(r.get("dtype"))
+            if lay is not None and len(h) == lay.length:
+                return {"kind": "exp"}
+            return {"kind": "range", "bins": len(h) - 3, "lo": None, "hi": None}
+    return None
+
+
+class _Panel(NamedTuple):
+    module: str
+    kind: str
+    steps: list
+    counts: np.ndarray  # [rows, steps], rows bottom to top
+    rows: list  # row labels (None for an unlabelled row)
+    row_kind: str  # "exp" or "range"
+    first_exp_row: int  # rows below it are special (exp: 0 / subnormal)
+    exps: list  # the exponent of each exponent row
+    nbins: int  # range histograms: the number of in-range bins (rows 1..nbins)
+    nonfinite: bool
+    spread: int
+
+
+def _exp_panel(module, kind, recs) -> _Panel:
+    by_step: dict = {}
+    e_lo, e_hi = None, None
+    for r in recs:
+        lay = _np_dtype_layout(r.get("dtype"))
+        h = np.asarray(r["histogram"], dtype=np.int64)
+        if lay is None or len(h) != lay.length:
+            continue
+        per = h[lay.neg] + h[lay.pos]
+        d = by_step.setdefault(r["step"], {"exp": {}, "zero": 0, "sub": 0, "inf": 0, "nan": 0})
+        for i in np.flatnonzero(per):
+            e = lay.emin + int(i)
+            d["exp"][e] = d["exp"].get(e, 0) + int(per[i])
+            e_lo = e if e_lo is None else min(e_lo, e)
+            e_hi = e if e_hi is None else max(e_hi, e)
+        d["zero"] += int(h[lay.zero])
+        d["sub"] += int(h[lay.neg_subnormal] + h[lay.pos_subnormal])
+        d["inf"] += int(h[lay.neg_inf] + h[lay.pos_inf])
+        d["nan"] += int(h[lay.nan])
+    steps = sorted(by_step)
+    if e_lo is None:
+        e_lo = e_hi = 0
+    spread = e_hi - e_lo
+    exps = list(range(e_lo - 1, e_hi + 2))
+    has_inf = any(by_step[s]["inf"] for s in steps)
+    has_nan = any(by_step[s]["nan"] for s in steps)
+    rows = ["0", "subnormal"] + [None] * len(exps) + (["\u00b1Inf"] if has_inf else []) + (["NaN"] if has_nan else [])
+    counts = np.zeros((len(rows), len(steps)), dtype=np.int64)
+    for j, s in enumerate(steps):
+        d = by_step[s]
+        counts[0, j] = d["zero"]
+        counts[1, j] = d["sub"]
+        for e, c in d["exp"].items():
+            counts[2 + e - exps[0], j] = c
+        r = 2 + len(exps)
+        if has_inf:
+            counts[r, j] = d["inf"]
+            r += 1
+        if has_nan:
+            counts[r, j] = d["nan"]
+    return _Panel(module, kind, steps, counts, rows, "exp", 2, exps, 0, has_inf or has_nan, spread)
+
+
+def _range_panel(module, kind, recs, spec) -> _Panel:
+    bins = int(spec["bins"])
+    lo, hi = spec.get("lo"), spec.get("hi")
+    by_step: dict = {}
+    for r in recs:
+        h = np.asarray(r["histogram"], dtype=np.int64)
+        if len(h) != bins + 3:
+            continue
+        cur = by_step.get(r["step"])
+        by_step[r["step"]] = h if cur is None else cur + h
+    steps = sorted(by_step)
+    if lo is not None and hi is not None:
+        w = (float(hi) - float(lo)) / bins
+        centers = [f"{float(lo) + (i + 0.5) * w:.3g}" for i in range(bins)]
+        under, over = f"< {float(lo):.3g}", f"> {float(hi):.3g}"
+    else:
+        centers = [f"bin {i}" for i in range(bins)]
+        under, over = "under", "over"
+    counts = np.zeros((bins + 3, len(steps)), dtype=np.int64)
+    for j, s in enumerate(steps):
+        h = by_step[s]
+        counts[0, j] = h[bins]
+        counts[1:bins + 1, j] = h[:bins]
+        counts[bins + 1, j] = h[bins + 1]
+        counts[bins + 2, j] = h[bins + 2]
+    has_nan = bool(counts[bins + 2].any())
+    rows = [under] + centers + [over] + (["NaN"] if has_nan else [])
+    if not has_nan:
+        counts = counts[:-1]
+    occupied = np.flatnonzero(counts[1:bins + 1].any(axis=1))
+    spread = int(occupied[-1] - occupied[0]) if occupied.size else 0
+    return _Panel(module, kind, steps, counts, rows, "range", 1, [], bins, has_nan, spread)
+
+
+def exp_hist_evolution(records: Sequence[dict], info: Optional[dict], path, modules=None, max_panels: int = 6,
+                       order: Optional[Sequence[str]] = None) -> Optional[str]:
+    """How histograms change over steps, for a few tensors: one image per (module, kind), x = step, y = exponent
+    floor(log2|x|) (both signs together, cropped to the occupied range, with zero and subnormal rows at the bottom
+    and Inf / NaN rows at the top when present), color = count (log scale). For range histograms, y = bin centers
+    with the under/overflow (and NaN) rows. modules: names (every kind with histograms) or (module, kind) pairs; by
+    default the gradient-kind tensors (grad, else backward_pre, else backward) that held NaN/Inf, then those with the
+    widest spread. Returns path, or None (nothing written) when no record has a histogram."""
+    groups: dict = {}
+    for r in records:
+        if r.get("histogram") is not None:
+            groups.setdefault((r["module"], r["kind"]), []).append(r)
+    if not groups:
+        return None
+    spec = _hist_spec(records, info)
+    if spec is None:
+        return None
+
+    def build(key):
+        recs = groups[key]
+        return _exp_panel(*key, recs) if spec["kind"] == "exp" else _range_panel(*key, recs, spec)
+
+    kinds = kinds_present(records)
+    pos = {}
+    for k in kinds:
+        for i, m in enumerate(layer_order(records, k, order)):
+            pos[(m, k)] = (kinds.index(k), i)
+    if modules is not None:
+        keys = []
+        for m in ([modules] if isinstance(modules, (str, tuple)) else modules):
+            if isinstance(m, tuple):
+                keys += [m] if m in groups else []
+            else:
+                keys += [key for key in groups if key[0] == m]
+        keys = sorted(dict.fromkeys(keys), key=lambda kk: pos.get(kk, (99, 0)))[:max_panels]
+        if not keys:
+            raise ValueError(f"hookstats.exp_hist_evolution: no histograms for {modules!r}; "
+                             f"recorded: {sorted(groups)[:10]}")
+        panels = [build(k) for k in keys]
+    else:
+        gk = next((k for k in GRAD_KINDS if any(key[1] == k for key in groups)), None)
+        cand = [build(k) for k in groups if gk is None or k[1] == gk]
+        cand.sort(key=lambda p: (not p.nonfinite, -p.spread, pos.get((p.module, p.kind), (99, 0))))
+        panels = sorted(cand[:max_panels], key=lambda p: pos.get((p.module, p.kind), (99, 0)))
+    panels = [p for p in panels if p.steps]
+    if not panels:
+        return None
+    from matplotlib import colormaps
+    from matplotlib.colors import ListedColormap, LogNorm
+
+    ncols = 1 if len(panels) == 1 else 2
+    nrows = math.ceil(len(panels) / ncols)
+    # laid out by hand, in inches: each cell is [y labels | image | colorbar | its labels]
+    cw, ch, top = 7.0, 3.6, 0.45
+    fw, fh = cw * ncols, ch * nrows + top
+    fig = _figure(fw, fh, layout=None)
+    axes, caxes = [], []
+    for k in range(len(panels)):
+        r, c = divmod(k, ncols)
+        x0, y0 = c * cw, fh - top - (r + 1) * ch
+        axes.append(fig.add_axes(((x0 + 1.0) / fw, (y0 + 0.6) / fh, (cw - 2.15) / fw, (ch - 1.0) / fh)))
+        caxes.append(fig.add_axes(((x0 + cw - 1.05) / fw, (y0 + 0.6) / fh, 0.16 / fw, (ch - 1.0) / fh)))
+    cmap = colormaps["magma_r"].with_extremes(bad="white")
+    for ax, cax, p in zip(axes, caxes, panels):
+        nr, ns = len(p.rows), len(p.steps)
+        special = [p.row_kind == "exp" and r is not None or p.row_kind == "range" and not (0 < i < p.nbins + 1)
+                   for i, r in enumerate(p.rows)]
+        nmid = nr - sum(special)
+        # special rows (0, subnormal, under/overflow, Inf, NaN) drawn taller than one exponent/bin row
+        hs = max(1.0, nmid / 14)
+        heights = np.array([hs if sp else 1.0 for sp in special])
+        yedges = np.concatenate([[0.0], np.cumsum(heights)])
+        centers = (yedges[:-1] + yedges[1:]) / 2
+        xedges = np.arange(ns + 1) - 0.5
+        c = np.ma.masked_less_equal(p.counts.astype(float), 0)
+        vmax = max(2.0, float(p.counts.max()))
+        im = ax.pcolormesh(xedges, yedges, c, cmap=cmap, norm=LogNorm(vmin=1, vmax=vmax), shading="flat",
+                           rasterized=True)
+        for i in range(1, nr):  # a line where special rows meet the exponent / bin rows
+            if special[i] != special[i - 1]:
+                ax.axhline(yedges[i], color="0.35", lw=0.9)
+        # NaN / Inf cells: solid red, with an x (a column can be thinner than a pixel)
+        for i, r in enumerate(p.rows):
+            if r in ("NaN", "\u00b1Inf") and p.counts[i].any():
+                ax.pcolormesh(xedges, yedges[i:i + 2], np.ma.masked_equal(p.counts[i:i + 1], 0) * 0, shading="flat",
+                              cmap=ListedColormap(["red"]), rasterized=True)
+                js = np.flatnonzero(p.counts[i])
+                ax.scatter(js, np.full(js.size, centers[i]), marker="x", color="black", s=24, lw=1.2, zorder=4,
+                           clip_on=False)
+        # y ticks: every special row, exponent / bin rows thinned to about 10
+        mids = [i for i in range(nr) if not special[i]]
+        every = _tick_every(len(mids), 10)
+        ticks, labels = [], []
+        for i, r in enumerate(p.rows):
+            if not special[i]:
+                if (i - mids[0]) % every:
+                    continue
+                labels.append(f"$2^{{{p.exps[i - p.first_exp_row]}}}$" if p.row_kind == "exp" else r)
+            else:
+                labels.append(r)
+            ticks.append(centers[i])
+        ax.set_yticks(ticks)
+        ax.set_yticklabels(labels, fontsize=8)
+        for lab, txt in zip(ax.get_yticklabels(), labels):
+            if txt in ("NaN", "\u00b1Inf"):
+                lab.set_color("red")
+        ax.set_ylim(0, yedges[-1])
+        ax.set_xlim(-0.5, ns - 0.5)
+        _step_axis(ax, p.steps, "x", nbins=8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("floor(log2 |x|)" if p.row_kind == "exp" else "value (bin center)")
+        title = f"{label(p.module, 40)} \u2014 {p.kind}"
+        if p.nonfinite:
+            title += "  (NaN/Inf!)"
+        ax.set_title(title, fontsize=10, color="darkred" if p.nonfinite else "black")
+        cb = fig.colorbar(im, cax=cax)
+        cb.set_label("count (log)", fontsize=8)
+        cb.ax.tick_params(labelsize=8)
+    what = "Exponent histograms (both signs)" if spec["kind"] == "exp" else \
+        f"Histograms ({spec.get('bins')} bins" + (f" over [{spec['lo']:.3g}, {spec['hi']:.3g}])"
+                                                  if spec.get("lo") is not None else ")")
+    fig.suptitle(f"{what} over steps, {len(panels)} of {len(groups)} tensors  (white: empty)", fontsize=11)
+    return _save(fig, path)
+
+
+def scalars_plot(scalars: Sequence[dict], path, nonfinite_steps: Iterable[int] = ()) -> Optional[str]:
+    """One panel per scalar tag (Monitor.log) over steps (log scale for positive values spanning > 2 decades).
+    Steps where the tag's value was NaN/Inf: solid red vertical lines; `nonfinite_steps` (where any record held
+    NaN/Inf, e.g. from nonfinite_events): dashed orange lines. Returns path, or None without scalars."""
+    tags: dict = {}
+    for s in scalars:
+        tags.setdefault(s["tag"], []).append((s["step"], float(s["value"])))
+    if not tags:
+        return None
+    from matplotlib.lines import Line2D
+
+    nf_steps = sorted(set(int(s) for s in nonfinite_steps))
+    n = len(tags)
+    fw, ph, top, bottom = 10.0, 2.3, 0.45, 0.55
+    fh = ph * n + top + bottom
+    fig = _figure(fw, fh, layout=None)
+    axes = fig.subplots(n, 1, squeeze=False, sharex=True, gridspec_kw=dict(
+        left=1.05 / fw, right=1 - 0.25 / fw, top=1 - (top + 0.3) / fh, bottom=bottom / fh,
+        hspace=0.55 / (ph - 0.55)))[:, 0]
+    colors = ["tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:olive", "tab:cyan", "tab:pink", "tab:gray"]
+    for t, (ax, (tag, pts)) in enumerate(zip(axes, tags.items())):
+        st = np.array([p[0] for p in pts], dtype=float)
+        v = np.array([p[1] for p in pts], dtype=float)
+        fin = np.isfinite(v)
+        yv = np.where(fin, v, np.nan)
+        ax.plot(st, yv, "-", color=colors[t % len(colors)], lw=1.4, marker="o" if len(v) <= 60 else None, ms=3)
+        good = v[fin]
+        if good.size and (good > 0).all() and good.max() / good.min() > 100:
+            ax.set_yscale("log")
+        bad_steps = np.unique(st[~fin])
+        if nf_steps:
+            ax.vlines(nf_steps, 0, 1, transform=ax.get_xaxis_transform(), colors="darkorange", linestyles="--",
+                      lw=1.0, alpha=0.8)
+        if bad_steps.size:
+            ax.vlines(bad_steps, 0, 1, transform=ax.get_xaxis_transform(), colors="red", lw=1.6, alpha=0.8)
+        title = tag
+        if good.size:
+            title += f"  (last finite: {good[-1]:.4g}"
+            title += f"; {int((~fin).sum())} non-finite" if (~fin).any() else ""
+            title += ")"
+        else:
+            title += "  (no finite value)"
+        ax.set_title(title, fontsize=10, loc="left", color="darkred" if (~fin).any() else "black")
+        ax.set_ylabel(tag)
+        ax.grid(True, alpha=0.3)
+        if not good.size:
+            ax.set_ylim(0, 1)
+    axes[-1].set_xlabel("step")
+    from matplotlib.ticker import MaxNLocator
+
+    axes[-1].xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    handles = []
+    if any(not math.isfinite(p[1]) for pts in tags.values() for p in pts):
+        handles.append(Line2D([], [], color="red", lw=1.6, label="value NaN/Inf"))
+    if nf_steps:
+        handles.append(Line2D([], [], color="darkorange", ls="--", lw=1.0, label="NaN/Inf in recorded tensors"))
+    if handles:
+        fig.legend(handles=handles, loc="upper right", bbox_to_anchor=(1 - 0.25 / fw, 1 - 0.08 / fh), ncol=2,
+                   fontsize=8, frameon=False)
+    fig.suptitle("Logged scalars over steps", fontsize=11, x=0.3)
+    return _save(fig, path)
+
+
+__all__ = ["NonfiniteEvent", "nonfinite_events", "kinds_present", "gradient_kind", "layer_order", "norm_matrix",
+           "grad_flow", "norm_heatmap", "exp_hist_evolution", "scalars_plot", "label", "DPI"]

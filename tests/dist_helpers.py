@@ -1,0 +1,591 @@
+"""Multi-process workers for tests/test_distributed.py, and the launcher that runs them with a deadline.
+
+`launch(script, args, out_dir)` starts one `python script args...` process per rank (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT in the environment; gloo on 127.0.0.1, a free port), waits for all of them up to a deadline, and kills
+the rest when the deadline passes or when one rank fails (its peers would wait in a collective until gloo's own
+timeout). A rank that hangs then fails the test instead of hanging CI.
+
+Run as a script (`python tests/dist_helpers.py SCENARIO OUT_DIR`), this file is the worker: it runs each section of
+SCENARIO in turn and, after each one, saves what it found to OUT_DIR/rank{r}.pt (torch.save of a dict: section ->
+{"ok": True, ...results} or {"ok": False, "error": traceback}), so that the sections done before a hang are still
+reported. The test process loads those files and asserts; the workers only compute.
+
+Sections issue the same collectives in the same order on every rank; an exception that only one rank raises leaves
+the other in a collective, which the launcher's deadline ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+WORLD = 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launcher (runs in the test process)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch(NamedTuple):
+    returncodes: list  # negative: killed by that signal
+    timed_out: bool
+    seconds: float
+    logs: list  # each rank's stdout + stderr (the tail)
+
+    def describe(self) -> str:
+        parts = [f"ranks exited with {self.returncodes} after {self.seconds:.1f} s"
+                 + (" (deadline passed: the rest were killed)" if self.timed_out else "")]
+        for r, log in enumerate(self.logs):
+            parts.append(f"--- rank {r} output (tail) ---\n{log}")
+        return "\n".join(parts)
+
+
+def launch(script: str | os.PathLike, args: Sequence[str], out_dir: str | os.PathLike, world: int = WORLD,
+           timeout: float = 120.0, grace: float = 15.0) -> Launch:
+    """Runs `python script *args` once per rank and waits for all of them (see the module docstring). When a rank
+    exits with an error, the others get `grace` seconds to finish before they are killed."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        log = open(out_dir / f"rank{rank}.log", "wb")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, os.fspath(script), *args], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    timed_out = False
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if any(p.returncode not in (None, 0) for p in procs):
+                deadline = min(deadline, now + grace)
+            if now >= deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    tails = []
+    for rank in range(world):
+        text = (out_dir / f"rank{rank}.log").read_bytes().decode(errors="replace")
+        tails.append(text[-6000:])
+    return Launch([p.returncode for p in procs], timed_out, time.monotonic() - t0, tails)
+
+
+def load_results(out_dir: str | os.PathLike, world: int = WORLD) -> list[Optional[dict]]:
+    """Each rank's saved results (None for a rank that saved nothing)."""
+    res = []
+    for rank in range(world):
+        f = Path(out_dir) / f"rank{rank}.pt"
+        res.append(torch.load(f, weights_only=False) if f.exists() else None)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker pieces
+
+
+def _flatten(obj, out: list) -> None:
+    """Tensors of a hook argument, depth first, None kept as a placeholder (the Monitor's record index)."""
+    if isinstance(obj, torch.Tensor) or obj is None:
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _flatten(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _flatten(o, out)
+
+
+class Capture:
+    """Plain hooks beside a Monitor's, keeping a copy of every floating tensor they see, keyed like the Monitor's
+    records: (step, module, kind, index). Kinds: forward_pre, forward, backward_pre, grad."""
+
+    def __init__(self, model: nn.Module, kinds: Sequence[str]):
+        self.step = 0
+        self.seen: dict[tuple, torch.Tensor] = {}
+        self.handles = []
+        for name, mod in model.named_modules():
+            if "forward_pre" in kinds:
+                self.handles.append(mod.register_forward_pre_hook(
+                    lambda m, a, name=name: self._put(name, "forward_pre", a)))
+            if "forward" in kinds:
+                self.handles.append(mod.register_forward_hook(
+                    lambda m, a, o, name=name: self._put(name, "forward", o)))
+            if "backward_pre" in kinds:
+                self.handles.append(mod.register_full_backward_pre_hook(
+                    lambda m, g, name=name: self._put(name, "backward_pre", g)))
+        if "grad" in kinds:
+            for pname, p in model.named_parameters():
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    lambda p, pname=pname: self._put(pname, "grad", p.grad)))
+
+    def _put(self, name: str, kind: str, obj) -> None:
+        ts: list = []
+        _flatten(obj, ts)
+        for i, t in enumerate(ts):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.seen[(self.step, name, kind, i)] = t.detach().clone()
+        return None
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class Feed(nn.Module):
+    """Returns its input: a Monitor's forward record of it is the statistics of exactly the tensor fed."""
+
+    def forward(self, x):
+        return x
+
+
+class Const(nn.Module):
+    """Returns a stored tensor (a DTensor here)."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.t = t
+
+    def forward(self):
+        return self.t
+
+
+@contextlib.contextmanager
+def count_all_reduce():
+    """Counts calls of torch.distributed.all_reduce (hookstats calls it through the module attribute)."""
+    import torch.distributed as dist
+
+    calls = []
+    orig = dist.all_reduce
+
+    def counting(*args, **kw):
+        calls.append(kw.get("op"))
+        return orig(*args, **kw)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = orig
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# Per-rank tensors fed to a Feed module, one record each: (name, rank -> tensor). Seeds depend on the rank unless the
+# case wants both ranks to hold the same values.
+def special_cases(rank: int) -> list[tuple[str, torch.Tensor]]:
+    f64, f32 = torch.float64, torch.float32
+    g = _gen(1000 + rank)
+    same = _gen(77)
+
+    def rn(n, dtype=f64, scale=1.0, gen=g):
+        return torch.randn(n, generator=gen, dtype=torch.float64).mul(scale).to(dtype)
+
+    nan0 = rn(20)
+    if rank == 0:
+        nan0[3] = math.nan
+    nan1 = rn(21)
+    if rank == 1:
+        nan1[0] = math.nan
+    inf1 = rn(22)
+    if rank == 1:
+        inf1[5] = math.inf
+    infs = rn(9)
+    infs[2] = -math.inf if rank == 0 else math.inf
+    cases = [
+        ("plain_f64", rn(100 + 37 * rank)),
+        ("plain_f32", rn(64 + rank, f32, 3.0)),
+        ("plain_bf16", rn(50, torch.bfloat16)),
+        ("plain_f16", rn(30, torch.float16, 0.01)),
+        ("nan_on_rank0", nan0),
+        ("nan_on_rank1", nan1),
+        ("inf_on_rank1", inf1),
+        ("-inf_and_+inf", infs),
+        ("empty_on_rank0", rn(0) if rank == 0 else rn(40, scale=5.0)),
+        ("empty_on_rank1", rn(0) if rank == 1 else rn(40, scale=5.0)),
+        ("empty_on_both", rn(0)),
+        ("one_each", torch.tensor([2.5 if rank == 0 else -1.0], dtype=f64)),
+        ("one_and_empty", torch.tensor([3.0], dtype=f64) if rank == 0 else rn(0)),
+        ("mean_gg_std_f64", 1e3 + rn(1000, scale=1e-3)),
+        ("mean_gg_std_f32", (1e3 + rn(1000, scale=1e-2)).to(f32)),
+        ("negative_mean_gg_std", -5e6 + rn(500, scale=1e-4) + (1e-4 if rank else 0.0)),
+        ("identical", rn(33, gen=same)),
+        ("zeros_on_rank0", torch.zeros(10, dtype=f64) if rank == 0 else rn(10)),
+        ("all_zero", torch.zeros(7, dtype=f64)),
+        ("constant_per_rank", torch.full((10,), 5.0 if rank == 0 else 7.0, dtype=f64)),
+        ("huge_f64", rn(100, scale=1e300)),
+        ("tiny_f64", rn(100, scale=1e-300)),
+    ]
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scenario "monitor": Monitor(process_group="world") merges on plain models
+
+
+def sec_model(rank: int, world: int, out: Path) -> dict:
+    import hookstats
+
+    torch.manual_seed(0)
+    m64 = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)).double()
+    m32 = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2))
+    kinds = ("forward_pre", "forward", "backward_pre", "grad")
+    mon_exp = hookstats.Monitor(m64, kinds=kinds, histogram="exp", process_group="world")
+    mon_rng = hookstats.Monitor(m64, kinds=kinds, histogram=(8, (-2.0, 2.0)), process_group="world")
+    mon_32 = hookstats.Monitor(m32, kinds=kinds, histogram=(8, (-2.0, 2.0)), process_group="world")
+    cap64, cap32 = Capture(m64, kinds), Capture(m32, kinds)
+    g = _gen(100 + rank)
+    for _ in range(2):
+        # different data and batch sizes per rank
+        m64(torch.randn(3 + rank, 5, generator=g, dtype=torch.float64)).square().mean().backward()
+        m32(torch.randn(4 + 2 * rank, 6, generator=g) * 2).square().mean().backward()
+        for mon in (mon_exp, mon_rng, mon_32):
+            mon.step()
+        cap64.step += 1
+        cap32.step += 1
+    pending_before = [len(mon_exp.records()), len(mon_rng.records())]  # no flush with a group
+    for mon in (mon_exp, mon_rng, mon_32):
+        mon.flush()
+    res = {"exp": mon_exp.records(), "range": mon_rng.records(), "f32": mon_32.records(),
+           "seen64": cap64.seen, "seen32": cap32.seen, "records_before_flush": pending_before}
+    for mon in (mon_exp, mon_rng, mon_32):
+        mon.detach()
+    return res
+
+
+def sec_special(rank: int, world: int, out: Path) -> dict:
+    import hookstats
+
+    feed = Feed()
+    mon_exp = hookstats.Monitor(feed, kinds=("forward",), histogram="exp", process_group="world")
+    mon_rng = hookstats.Monitor(feed, kinds=("forward",), histogram=(8, (-2.0, 2.0)), process_group="world")
+    mon_none = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
+    names, seen = [], []
+    for name, x in special_cases(rank):
+        feed(x)
+        names.append(name)
+        seen.append(x.clone())
+        for mon in (mon_exp, mon_rng, mon_none):
+            mon.step()
+    for mon in (mon_exp, mon_rng, mon_none):
+        mon.flush()
+    res = {"names": names, "seen": seen, "exp": mon_exp.records(), "range": mon_rng.records(),
+           "none": mon_none.records()}
+    for mon in (mon_exp, mon_rng, mon_none):
+        mon.detach()
+    return res
+
+
+def sec_flush_every(rank: int, world: int, out: Path) -> dict:
+    import hookstats
+    from hookstats.export.jsonl import JSONLWriter
+
+    torch.manual_seed(3)
+    m = nn.Sequential(nn.Linear(3, 3)).double()
+    path = out / f"log_rank{rank}.jsonl"
+    writer = JSONLWriter(path)
+    mon = hookstats.Monitor(m, kinds=("forward",), flush_every=2, exporters=[writer], process_group="world")
+    cap = Capture(m, ("forward",))
+    g = _gen(200 + rank)
+    counts = []
+    for _ in range(5):
+        m(torch.randn(2 + rank, 3, generator=g, dtype=torch.float64))
+        mon.step()
+        cap.step += 1
+        counts.append(len(mon.records()))
+    mon.detach()  # flushes the fifth step (a collective) and closes rank 0's writer
+    counts.append(len(mon.records()))
+    writer.close()  # rank 1's writer is never used by the Monitor; close the file it opened
+    return {"counts": counts, "records": mon.records(), "seen": cap.seen, "path": str(path)}
+
+
+def sec_mismatch(rank: int, world: int, out: Path) -> dict:
+    """Ranks that recorded different tensors: every flush must raise on every rank, and leave the group usable."""
+    import torch.distributed as dist
+
+    import hookstats
+
+    errors = {}
+
+    def attempt(case: str, mon) -> None:
+        try:
+            mon.flush()
+            errors[case] = None
+        except RuntimeError as e:
+            errors[case] = str(e)
+        for h in mon._handles:  # not detach(): that flushes again, and raises again
+            h.remove()
+
+    x = torch.randn(4, dtype=torch.float64, generator=_gen(5))
+    feed = Feed()
+    mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
+    feed(x)
+    if rank == 1:
+        feed(x)  # one extra record
+    attempt("extra_record", mon)
+
+    two = nn.Sequential(Feed(), Feed())
+    mon = hookstats.Monitor(two, kinds=("forward",), process_group="world")
+    two[rank](x)  # as many records, from different modules
+    attempt("other_module", mon)
+
+    feed = Feed()
+    mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
+    feed(x if rank == 0 else x.float())  # as many records, different dtypes
+    attempt("other_dtype", mon)
+
+    t = torch.ones(3)
+    dist.all_reduce(t)  # the group still works
+    return {"errors": errors, "all_reduce_after": t.tolist()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scenario "parallel": DDP, FSDP2 and DTensor placements
+
+
+def sec_ddp(rank: int, world: int, out: Path) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hookstats
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model)
+    kinds = ("forward", "backward_pre")
+    mon = hookstats.Monitor(model, kinds=kinds, histogram=(8, (-2.0, 2.0)), process_group="world")
+    cap = Capture(model, kinds)
+    gen = _gen(7)  # the same global batch on every rank; each takes its chunk
+    X = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    Y = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+    xs, ys = X.chunk(world)[rank], Y.chunk(world)[rank]
+    F.mse_loss(ddp(xs), ys).backward()  # DDP averages the grads: the grads of the whole batch's mean loss
+    mon.flush()
+    records = mon.records()
+    mon.detach()
+    cap.remove()
+
+    full_fwd = Capture(ref, ("forward",))
+    F.mse_loss(ref(X), Y).backward()  # the unsharded copy on the whole batch
+    full_fwd.remove()
+
+    ref_params = list(ref.parameters())
+    totals, ref_totals, calls_norm = {}, {}, {}
+    for p in (2.0, math.inf, 1.0, 3.0):
+        with count_all_reduce() as calls:
+            totals[p] = hookstats.get_total_norm([q.grad for q in ddp.parameters()], p)
+        calls_norm[p] = len(calls)
+        ref_totals[p] = torch.nn.utils.get_total_norm([q.grad for q in ref_params], p)
+    grads_before = [q.grad.clone() for q in ddp.parameters()]
+    max_norm = 0.5 * float(ref_totals[2.0])
+    with count_all_reduce() as calls:
+        tn = hookstats.clip_grad_norm_(ddp.parameters(), max_norm)
+    rn = torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
+    return {
+        "records": records, "seen": cap.seen, "full_forward": full_fwd.seen,
+        "totals": {k: float(v) for k, v in totals.items()}, "ref_totals": {k: float(v) for k, v in ref_totals.items()},
+        "total_dtype": str(totals[2.0].dtype), "calls_norm": calls_norm, "calls_clip": len(calls),
+        "clip_total": float(tn), "ref_clip_total": float(rn), "max_norm": max_norm,
+        "grads_before": grads_before, "grads": [q.grad.clone() for q in ddp.parameters()],
+        "ref_grads": [q.grad.clone() for q in ref_params],
+    }
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def sec_fsdp(rank: int, world: int, out: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hookstats
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(2)
+    # 7x5 and 7: rows 4 + 3 (uneven); 6x7 and 6: 3 + 3; 1x6 and 1: 1 + 0 (an empty shard on rank 1)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    ref = copy.deepcopy(model)
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # after fully_shard: it replaces the parameters by DTensors, and hooks on the old ones would be lost
+    mon = hookstats.Monitor(model, kinds=("forward", "grad"), process_group="world")
+    cap = Capture(model, ("forward",))
+    X = torch.randn(8, 5, generator=_gen(11), dtype=torch.float64) * 2
+    xs = X.chunk(world)[rank]
+    model(xs).square().sum().backward()
+    (ref(X).square().sum() / world).backward()  # FSDP2 averages the grads over ranks
+    mon.flush()
+    records = mon.records()
+    mon.detach()
+    cap.remove()
+
+    names = [n for n, _ in model.named_parameters()]
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    local_shapes = [tuple(p.grad._local_tensor.shape) for p in params]
+    all_dtensor = all(_is_dtensor(p) and _is_dtensor(p.grad) for p in params)
+    full_grads = [p.grad.full_tensor().clone() for p in params]
+    grads = [p.grad for p in params]
+
+    totals, ref_totals, calls_norm, total_types = {}, {}, {}, {}
+    for p in (2.0, math.inf, 1.0, 3.0):
+        with count_all_reduce() as calls:
+            t = hookstats.get_total_norm(grads, p)
+        calls_norm[p] = len(calls)
+        total_types[p] = type(t).__name__
+        totals[p] = float(t)
+        ref_totals[p] = float(torch.nn.utils.get_total_norm([q.grad for q in ref_params], p))
+
+    res = {"records": records, "seen": cap.seen, "names": names, "local_shapes": local_shapes,
+           "all_dtensor": all_dtensor, "full_grads": full_grads, "totals": totals, "ref_totals": ref_totals,
+           "calls_norm": calls_norm, "total_types": total_types}
+
+    # clip_grad_norm_: clips (max_norm is half the total)
+    max_norm = 0.5 * ref_totals[2.0]
+    with count_all_reduce() as calls:
+        tn = hookstats.clip_grad_norm_(params, max_norm)
+    rn = torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
+    res.update(clip_total=float(tn), ref_clip_total=float(rn), calls_clip=len(calls),
+               clip_total_type=type(tn).__name__,
+               clipped=[p.grad.full_tensor().clone() for p in params], ref_clipped=[q.grad.clone() for q in ref_params])
+
+    # clip_grads_with_norm_ given PyTorch's own total of the DTensor grads (a DTensor there)
+    torch_total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    ref_total = torch.nn.utils.get_total_norm([q.grad for q in ref_params])
+    max2 = 0.5 * float(ref_total)
+    with count_all_reduce() as calls:
+        hookstats.clip_grads_with_norm_(params, max2, torch_total)
+    torch.nn.utils.clip_grads_with_norm_(ref_params, max2, ref_total)
+    res.update(torch_total_type=type(torch_total).__name__, calls_with_norm=len(calls),
+               with_norm=[p.grad.full_tensor().clone() for p in params],
+               ref_with_norm=[q.grad.clone() for q in ref_params])
+
+    # clip_grad_value_: a clip value half way between two grad magnitudes, so rounding cannot move an element across
+    a = torch.cat([q.grad.reshape(-1).abs() for q in ref_params]).sort().values
+    k = a.numel() // 2
+    cv = float(0.5 * (a[k] + a[k + 1]))
+    ref_count = int((a > cv).sum())
+    with count_all_reduce() as calls:
+        count = hookstats.clip_grad_value_(params, cv)
+    torch.nn.utils.clip_grad_value_(ref_params, cv)
+    res.update(clip_value=cv, count=int(count), ref_count=ref_count, calls_value=len(calls),
+               value_clipped=[p.grad.full_tensor().clone() for p in params],
+               ref_value_clipped=[q.grad.clone() for q in ref_params])
+    return res
+
+
+def sec_placements(rank: int, world: int, out: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import hookstats
+
+    mesh = init_device_mesh("cpu", (world,))
+    t = torch.randn(10, 3, generator=_gen(21), dtype=torch.float64)  # the same on every rank
+    rep = distribute_tensor(t, mesh, [Replicate()])
+    sh = distribute_tensor(t, mesh, [Shard(0)])
+    res = {"t": t}
+    with count_all_reduce() as calls:
+        res["norm_rep"] = float(hookstats.get_total_norm([rep]))
+    res["calls_rep"] = len(calls)
+    with count_all_reduce() as calls:
+        res["norm_rep_inf"] = float(hookstats.get_total_norm([rep], math.inf))
+    res["calls_rep_inf"] = len(calls)
+    with count_all_reduce() as calls:
+        res["norm_rep_sh"] = float(hookstats.get_total_norm([rep, sh]))  # the norm of cat(t, t)
+    res["calls_rep_sh"] = len(calls)
+
+    # grads with a Replicate placement: count and clip without double counting
+    p = nn.Parameter(distribute_tensor(torch.zeros(10, 3, dtype=torch.float64), mesh, [Replicate()]))
+    p.grad = distribute_tensor(t.clone(), mesh, [Replicate()])
+    cv = float(t.abs().reshape(-1).sort().values[14:16].mean())
+    with count_all_reduce() as calls:
+        res["count_rep"] = int(hookstats.clip_grad_value_([p], cv))
+    res["calls_count_rep"] = len(calls)
+    res["count_cv"] = cv
+    p.grad = distribute_tensor(t.clone(), mesh, [Replicate()])
+    res["clip_rep_total"] = float(hookstats.clip_grad_norm_([p], 0.5 * float(t.norm())))
+    res["clip_rep_grad"] = p.grad.full_tensor().clone()
+
+    # a Partial placement is refused (a norm of pending partial sums is not a partial norm)
+    part = DTensor.from_local(t * 0.5, mesh, [Partial()])
+    try:
+        hookstats.get_total_norm([part])
+        res["partial_error"] = None
+    except ValueError as e:
+        res["partial_error"] = str(e)
+
+    # Monitor records of DTensors: the replicated one counted once, the sharded one whole
+    holder = nn.ModuleDict({"rep": Const(rep), "sh": Const(sh)})
+    mon = hookstats.Monitor(holder, kinds=("forward",), histogram="exp", process_group="world")
+    holder["rep"]()
+    holder["sh"]()
+    mon.flush()
+    res["records"] = mon.records()
+    mon.detach()
+    return res
+
+
+SCENARIOS = {
+    "monitor": [("model", sec_model), ("special", sec_special), ("flush_every", sec_flush_every),
+                ("mismatch", sec_mismatch)],
+    "parallel": [("ddp", sec_ddp), ("fsdp", sec_fsdp), ("placements", sec_placements)],
+}
+
+
+def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    scenario, out = argv[0], Path(argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)  # two ranks on a 2-core machine
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    results: dict = {}
+    for name, fn in SCENARIOS[scenario]:
+        t0 = time.perf_counter()
+        try:
+            results[name] = {"ok": True, **fn(rank, world, out)}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        results[name]["seconds"] = time.perf_counter() - t0
+        torch.save(results, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
