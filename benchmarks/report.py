@@ -734,6 +734,30 @@ def format_monitor_table(summary: dict[str, list[dict]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def summarize_dist(json_path: str) -> list[dict]:
+    """The extra_info of the distributed clipping benchmarks (timed inside the ranks, benchmarks/
+    test_bench_distributed.py)."""
+    with open(json_path) as f:
+        data = json.load(f)
+    return [b.get("extra_info", {}) for b in data.get("benchmarks", [])
+            if b.get("extra_info", {}).get("family") == "dist_clip"]
+
+
+def format_dist_table(rows: list[dict]) -> str:
+    lines = ["", "## Distributed clipping (FSDP2, DTensor grads; timed inside the ranks, slowest rank's median)", "",
+             "| setup | op | hookstats | torch.nn.utils | speedup (per rank) |", "|---|---|---|---|---|"]
+    for r in rows:
+        setup = (f"{r.get('world_size')} {r.get('backend')} ranks, {r.get('device')}, {r.get('n_tensors')} "
+                 f"{r.get('dtype')} tensors, {r.get('numel', 0) / 1e6:.2f}M values")
+        for op, name in (("clip_grad_norm", "clip_grad_norm_"), ("total_norm", "get_total_norm")):
+            if f"{op}_hookstats_s" not in r:
+                continue
+            per_rank = ", ".join(f"{x:.2f}x" for x in r.get(f"{op}_rank_speedup", []))
+            lines.append(f"| {setup} | {name} | {_fmt_ms(r[f'{op}_hookstats_s'])} | {_fmt_ms(r[f'{op}_torch_s'])} | "
+                         f"**{r[f'{op}_speedup']:.2f}x** ({per_rank}) |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", help="pytest-benchmark JSON (--benchmark-json=PATH)")
@@ -746,6 +770,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     monitor = summarize_monitor(args.json_path)
     if monitor["steps"] or monitor["hooks"]:  # likewise for the Monitor groups
         text += "\n" + format_monitor_table(monitor)
+    dist_rows = summarize_dist(args.json_path)
+    if dist_rows:
+        text += format_dist_table(dist_rows)
     sys.stdout.write(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

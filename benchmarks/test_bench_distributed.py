@@ -13,8 +13,8 @@ Group dist_clip-cpu-float32-2ranks, one benchmark:
 pytest-benchmark cannot time inside spawned ranks: the benchmarked callable is the whole launch (both ranks, from
 process start to exit: one round), and the numbers that matter go into extra_info, per rank and combined:
   family "dist_clip", world_size, backend, device, dtype, n_tensors, numel, bytes (of all the grads), local_numel
-  (a list: each rank's shard), blocks, width, warmup, repeats, torch_threads (per rank), launch_s (the launch, as timed by pytest-benchmark), and for each op OP in
-  (clip_grad_norm, total_norm):
+  (a list: each rank's shard), blocks, width, warmup, repeats, torch_threads (per rank), launch_s (the launch, as
+  timed by pytest-benchmark), and for each op OP in (clip_grad_norm, total_norm):
     {OP}_hookstats_s, {OP}_torch_s     the slowest rank's median (a step waits for its slowest rank)
     {OP}_speedup                       {OP}_torch_s / {OP}_hookstats_s (above 1: hookstats is faster)
     {OP}_rank_hookstats_s, {OP}_rank_torch_s, {OP}_rank_speedup   lists, one entry per rank
@@ -24,7 +24,6 @@ broken op cannot post a fast time. No timing is asserted.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys

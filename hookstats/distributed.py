@@ -11,13 +11,14 @@ number of records:
      number of tensors with the same (module, kind, index, dtype) sequence; a mismatch raises instead of merging
      unrelated rows (or hanging in a collective of mismatched sizes).
   2. MAX over [max, -min, linf] per row (rows with no value or a NaN contribute -inf, -inf, 0).
-  3. SUM over the additive columns [numel, sum, l1, (l2 / L)^2, NaN, Inf, zero count, M2 + n (mean - c)^2] per row
-     and every histogram count (float64: exact up to 2^53). L is the merged linf (so squares cannot overflow) and c
-     the merged mid-range (so the variance is combined around a point inside the data and loses no precision when
-     |mean| >> std, as E[x^2] - mean^2 would).
-Then, on the device: mean = sum / numel, var = (sum of M2 terms - numel (mean - c)^2) / (numel - 1), std, l2 = L *
-sqrt(sum), and NaN where the single-process statistics give NaN (any NaN: min, max, linf, l2, var; Inf: var). All
-ranks end up with the same merged rows; exporters write on one rank (export_rank).
+  3. SUM over the additive columns [numel, sum, l1, (l2 / L)^2, NaN, Inf, zero count, ((n - 1) std^2 + n (mean -
+     c)^2) / L^2] per row and every histogram count (float64: exact up to 2^53). L is the merged linf, so squares
+     neither overflow nor underflow (values near 1e300 keep a finite std, as in one process), and c the merged
+     mid-range: the variance is combined around a point inside the data, not around 0 as E[x^2] - mean^2 would be,
+     so |mean| >> std costs little (relative error ~ eps (range / std)^2 at worst, from each rank's rounded mean).
+Then, on the device: mean = sum / numel, std = L sqrt((sum of the M2 terms - numel ((mean - c) / L)^2) / (numel -
+1)), var = std^2, l2 = L sqrt(sum), and NaN where the single-process statistics give NaN (any NaN: min, max, linf, l2,
+var; Inf: var). All ranks end up with the same merged rows; exporters write on one rank (export_rank).
 """
 from __future__ import annotations
 
@@ -104,9 +105,10 @@ def merge_rows(group, stats: torch.Tensor, hists: Sequence[torch.Tensor], sig: f
     L = torch.where(torch.isfinite(glinf) & (glinf > 0), glinf, torch.ones_like(glinf))
     c = torch.where(torch.isfinite(gmax) & torch.isfinite(gmin), 0.5 * gmax + 0.5 * gmin, torch.zeros_like(gmax))
     mean = stats[:, F["mean"]]
-    m2 = stats[:, F["var"]] * (cnt - 1)
-    m2 = torch.where(cnt >= 2, m2, torch.zeros_like(m2))
-    dm = torch.where(cnt >= 1, mean - c, torch.zeros_like(mean))
+    # Everything squared is first divided by L: values near 1e300 or 1e-300 neither overflow nor underflow.
+    sd = stats[:, F["std"]] / L
+    m2 = torch.where(cnt >= 2, sd * sd * (cnt - 1), torch.zeros_like(sd))
+    dm = torch.where(cnt >= 1, (mean - c) / L, torch.zeros_like(mean))
     l2s = stats[:, F["l2"]] / L
     add = torch.stack([cnt, stats[:, F["sum"]], stats[:, F["l1"]], l2s * l2s, nan, stats[:, F["inf_count"]],
                        stats[:, F["zero_count"]], m2 + cnt * dm * dm], 1)
@@ -117,10 +119,11 @@ def merge_rows(group, stats: torch.Tensor, hists: Sequence[torch.Tensor], sig: f
     N, S, L1, L2s, NAN, INF, ZERO, M2c = add.unbind(1)
     out = torch.empty_like(stats)
     gmean = torch.where(N > 0, S / N.clamp_min(1), torch.full_like(S, math.nan))
-    d = gmean - c
-    var = (M2c - N * d * d).clamp_min(0) / (N - 1).clamp_min(1)
+    d = (gmean - c) / L
+    std = L * ((M2c - N * d * d).clamp_min(0) / (N - 1).clamp_min(1)).sqrt()
     bad_var = (N < 2) | (NAN > 0) | (INF > 0)
-    var = torch.where(bad_var, torch.full_like(var, math.nan), var)
+    std = torch.where(bad_var, torch.full_like(std, math.nan), std)
+    var = std * std
     l2 = L * L2s.sqrt()
     l2 = torch.where(INF > 0, torch.full_like(l2, math.inf), l2)
     has_nan = NAN > 0
@@ -130,7 +133,7 @@ def merge_rows(group, stats: torch.Tensor, hists: Sequence[torch.Tensor], sig: f
     out[:, F["sum"]] = S
     out[:, F["mean"]] = gmean
     out[:, F["var"]] = var
-    out[:, F["std"]] = var.sqrt()
+    out[:, F["std"]] = std
     out[:, F["l1"]] = L1
     out[:, F["l2"]] = torch.where(has_nan, nanv, l2)
     out[:, F["linf"]] = torch.where(has_nan, nanv, glinf)

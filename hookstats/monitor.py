@@ -593,12 +593,18 @@ class Monitor:
     def detach(self) -> None:
         """Removes every hook and drops the buffers and the reference to the model. Unflushed records are flushed
         first (and handed to the exporters, which are then closed); records already flushed stay readable."""
-        if self._model is not None:
-            self.flush()
-            for e in self._active_exporters():
-                close = getattr(e, "close", None)
-                if close is not None:
-                    close()
+        try:
+            if self._model is not None:
+                self.flush()
+        finally:  # even when the flush fails (a rank mismatch, an exporter error), the hooks go and writers close
+            if self._model is not None:
+                for e in self._active_exporters():
+                    close = getattr(e, "close", None)
+                    if close is not None:
+                        close()
+            self._detach_hooks()
+
+    def _detach_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []

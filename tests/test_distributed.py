@@ -183,12 +183,7 @@ def test_merged_model_records_are_the_same_on_every_rank(monitor_run):
 
 
 SPECIAL = [name for name, _ in dist_helpers.special_cases(0)]
-# merge_rows combines the rows' var, which over/underflows float64 where one process keeps std finite (it is computed
-# scaled): |x| ~ 1e300 merges to var NaN, std NaN (hookstats.stats: var inf, std 1e300); |x| ~ 1e-300 to std 0
-# (hookstats.stats: var 0, std 1e-300). A one-rank reproducer: /tmp/dist/repro_merge_var.py in the report.
-_VAR_OVERFLOW = pytest.mark.xfail(strict=True, reason="merge_rows combines var, not M2 scaled by linf^2: var/std "
-                                                      "of float64 values beyond ~1e154 or below ~1e-154 are lost")
-SPECIAL_PARAMS = [pytest.param(n, marks=_VAR_OVERFLOW) if n in ("huge_f64", "tiny_f64") else n for n in SPECIAL]
+SPECIAL_PARAMS = SPECIAL
 
 
 @pytest.mark.parametrize("case", SPECIAL_PARAMS)
@@ -246,7 +241,8 @@ def test_merged_special_tensors(monitor_run, case):
     elif case == "huge_f64":
         assert math.isfinite(s["l2"]) and s["l2"] > 1e300  # the squares overflow float64; the merge must not
     elif case == "tiny_f64":
-        assert s["l2"] > 0 and s["var"] > 0  # the squares underflow float64
+        # the squares underflow float64: std stays right (1e-300), var = std^2 is 0, as in one process
+        assert s["l2"] > 0 and s["std"] > 0 and s["var"] == 0.0
 
 
 def test_flush_every_merges_across_ranks(monitor_run):
