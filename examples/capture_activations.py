@@ -15,39 +15,27 @@ values outside it and has no notion of binades.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from collections import OrderedDict
-
 import torch
 from torch import nn
 
 import hookstats
+from _common import example_parser, mlp, parse_args, synthetic_batches, write_json
 
 
 def build_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(OrderedDict(fc1=nn.Linear(32, 128), act1=nn.ReLU(), fc2=nn.Linear(128, 128),
-                                      act2=nn.ReLU(), fc3=nn.Linear(128, 128), act3=nn.ReLU(), head=nn.Linear(128, 10)))
+    model = mlp(32, 128, 128, 128, 10, seed=seed)  # fc1, act1, fc2, act2, fc3, act3, head
     with torch.no_grad():
         model.fc2.bias.fill_(-0.3)  # a bad init: most of act2's units stay at zero ("dead")
     return model
 
 
 def batches(steps: int, seed: int = 1, device: str = "cpu"):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        yield torch.randn(256, 32, generator=g).to(device)
+    """Inputs only (no training): standard normal, 256 x 32."""
+    return synthetic_batches(steps, (256, 32), seed=seed, device=device)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5, help="batches to run through the model")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", default="out")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_args(example_parser(__doc__, steps=5, steps_help="batches to run through the model"), argv)
 
     model = build_model().to(args.device).eval()
     with hookstats.Monitor(model, include="act*", kinds=("forward",), histogram="exp") as mon, torch.no_grad():
@@ -82,9 +70,7 @@ def main(argv=None) -> dict:
               + f"   (float8 e4m3 would flush {layer['e4m3_underflow']:.2%} to zero)")
         layer["hist"] = h.tolist()
 
-    path = os.path.join(args.out, "activations.json")
-    with open(path, "w") as f:
-        json.dump(layers, f)
+    path = write_json(args.out, "activations.json", layers, indent=None)
     return {"layers": layers, "json": path}
 
 

@@ -16,53 +16,31 @@ per-tensor norm outputs and stacking, whose overhead grows with the number of pa
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from collections import OrderedDict
-
 import torch
 from torch import nn
 
 import hookstats
+from _common import cpu_state_dict, example_parser, mlp, parse_args, save_results, sgd_step, synthetic_batches
 
 LR = 0.1
 
 
-@torch.no_grad()
-def sgd_step(params, lr: float) -> None:
-    """p -= lr * p.grad, then clear the grads: what torch.optim.SGD(params, lr).step() and zero_grad() do. (The
-    first torch.optim optimizer imports torch._dynamo: seconds of start-up that a short example can skip.)"""
-    for p in params:
-        if p.grad is not None:
-            p.add_(p.grad, alpha=-lr)
-            p.grad = None
-
-
 def build_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(OrderedDict(fc1=nn.Linear(16, 64), act1=nn.ReLU(), fc2=nn.Linear(64, 64), act2=nn.ReLU(),
-                                     head=nn.Linear(64, 4)))
+    return mlp(16, 64, 64, 4, seed=seed)  # fc1, act1, fc2, act2, head
 
 
 def batches(steps: int, seed: int = 1, device: str = "cpu"):
     """4-class classification of Gaussian points by the sign pattern of two features."""
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(64, 16, generator=g)
-        y = (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
-        yield x.to(device), y.to(device)
+    def label(x, *_):
+        return x, (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
+    return synthetic_batches(steps, (64, 16), label, seed=seed, device=device)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", default="out")
+    ap = example_parser(__doc__, steps=10)
     ap.add_argument("--act-max-norm", type=float, default=0.01, help="max norm of fc2's grad_input")
     ap.add_argument("--max-norm", type=float, default=0.25, help="max total norm of the parameters' grads")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_args(ap, argv)
 
     model = build_model().to(args.device)
     clip = hookstats.fused_clip(args.act_max_norm)
@@ -92,12 +70,7 @@ def main(argv=None) -> dict:
     for i in range(args.steps):
         print(f"{i:>4}  {out['grad_input_norm_before'][i]:>20.4g}  {after[i]:>10.4g}  "
               f"{out['total_norm_before'][i]:>15.4g}  {out['loss'][i]:>6.4f}")
-    path = os.path.join(args.out, "clip_by_norm.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    out["state_dict"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    out["json"] = path
-    return out
+    return save_results(args.out, "clip_by_norm.json", out, state_dict=cpu_state_dict(model))
 
 
 if __name__ == "__main__":

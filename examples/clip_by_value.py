@@ -18,56 +18,35 @@ gradient), and reading it is a host sync; `clip_grad_value_` returns nothing.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from collections import OrderedDict
-
 import torch
 from torch import nn
 
 import hookstats
+from _common import cpu_state_dict, example_parser, mlp, parse_args, save_results, sgd_step, synthetic_batches
 
 LR = 0.1
 
 
-@torch.no_grad()
-def sgd_step(params, lr: float) -> None:
-    """p -= lr * p.grad, then clear the grads: what torch.optim.SGD(params, lr).step() and zero_grad() do. (The
-    first torch.optim optimizer imports torch._dynamo: seconds of start-up that a short example can skip.)"""
-    for p in params:
-        if p.grad is not None:
-            p.add_(p.grad, alpha=-lr)
-            p.grad = None
-
-
 def build_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(OrderedDict(fc1=nn.Linear(16, 64), act1=nn.Tanh(), fc2=nn.Linear(64, 64), act2=nn.Tanh(),
-                                     head=nn.Linear(64, 1)))
+    return mlp(16, 64, 64, 1, act=nn.Tanh, seed=seed)  # fc1, act1, fc2, act2, head
 
 
 def batches(steps: int, seed: int = 1, device: str = "cpu"):
     """Regression with a few outlier targets: the kind of batch whose gradients one clips by value."""
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(64, 16, generator=g)
+    def with_outliers(x, *_):
         y = x[:, :2].sum(1, keepdim=True)
         y[:4] *= 20.0  # outliers
-        yield x.to(device), y.to(device)
+        return x, y
+    return synthetic_batches(steps, (64, 16), with_outliers, seed=seed, device=device)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", default="out")
+    ap = example_parser(__doc__, steps=10)
     ap.add_argument("--act-clip", type=float, default=0.002, help="bound for fc1's output gradient")
     ap.add_argument("--clip", type=float, default=0.05, help="bound for the parameters' gradients")
     ap.add_argument("--during-backward", action="store_true",
                     help="clip each param.grad in a post-accumulate hook instead of clip_grad_value_ after backward")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_args(ap, argv)
 
     model = build_model().to(args.device)
 
@@ -111,12 +90,7 @@ def main(argv=None) -> dict:
     for i in range(args.steps):
         print(f"{i:>4}  {out['act_clipped'][i]:>24}  {out['param_clipped'][i]:>11} of {n_params:<5}  "
               f"{out['max_abs_grad'][i]:>10.4g}")
-    path = os.path.join(args.out, "clip_by_value.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    out["state_dict"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    out["json"] = path
-    return out
+    return save_results(args.out, "clip_by_value.json", out, state_dict=cpu_state_dict(model))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ gradients (norm, range, fraction of zeros) instead of one op and one sync per st
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from collections import OrderedDict
 
@@ -28,20 +26,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import hookstats  # noqa: E402
+from _common import example_parser, parse_args, sgd_step, write_json  # noqa: E402
 
 SIZE = 24
 SPOT, NOISE = 3.0, 0.3  # spot amplitude, noise std
 LR = 1.0  # large, because global average pooling divides every gradient by 24 * 24
-
-
-@torch.no_grad()
-def sgd_step(params, lr: float) -> None:
-    """p -= lr * p.grad, then clear the grads: what torch.optim.SGD(params, lr).step() and zero_grad() do. (The
-    first torch.optim optimizer imports torch._dynamo: seconds of start-up that a short example can skip.)"""
-    for p in params:
-        if p.grad is not None:
-            p.add_(p.grad, alpha=-lr)
-            p.grad = None
 
 
 def build_model(seed: int = 0) -> nn.Module:
@@ -79,13 +68,9 @@ def grad_cam(model: nn.Module, layer: nn.Module, x: torch.Tensor, target: torch.
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30, help="training steps (batch 32)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", default="out")
+    ap = example_parser(__doc__, steps=30, steps_help="training steps (batch 32)")
     ap.add_argument("--images", type=int, default=16, help="test images to explain")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_args(ap, argv)
 
     model = build_model().to(args.device)
     g = torch.Generator().manual_seed(1)
@@ -133,8 +118,7 @@ def main(argv=None) -> dict:
     png = os.path.join(args.out, "grad_cam.png")
     fig.savefig(png, dpi=80)
     plt.close(fig)
-    with open(os.path.join(args.out, "grad_cam.json"), "w") as f:
-        json.dump({"accuracy": accuracy, "peak_hits": hit.tolist(), "grad_stats": grad_stats}, f, indent=1)
+    write_json(args.out, "grad_cam.json", {"accuracy": accuracy, "peak_hits": hit.tolist(), "grad_stats": grad_stats})
     return {"cam": cam, "png": png, "x": x, "labels": y, "centres": (cy, cx), "peak": (py, px), "hits": hit,
             "accuracy": accuracy, "grad_stats": grad_stats, "activations": A.cpu(), "grads": dA.cpu(),
             "model": model}

@@ -14,50 +14,32 @@ beside the hooks, so the two can be compared.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 
 import torch
 from torch import nn
 
 import hookstats
+from _common import example_parser, mlp, parse_args, save_results, sgd_step, synthetic_batches
 
 LR = 0.05
 
 
-@torch.no_grad()
-def sgd_step(params, lr: float) -> None:
-    """p -= lr * p.grad, then clear the grads: what torch.optim.SGD(params, lr).step() and zero_grad() do. (The
-    first torch.optim optimizer imports torch._dynamo: seconds of start-up that a short example can skip.)"""
-    for p in params:
-        if p.grad is not None:
-            p.add_(p.grad, alpha=-lr)
-            p.grad = None
-
-
 def build_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    return mlp(32, 64, 64, 1, names=False, seed=seed)  # unnamed layers: parameters "0.weight", ..., "4.bias"
 
 
 def batches(steps: int, seed: int = 1, device: str = "cpu"):
     """Synthetic regression: y is the sum of the first four features."""
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(128, 32, generator=g)
-        yield x.to(device), x[:, :4].sum(1, keepdim=True).to(device)
+    def target(x, *_):
+        return x, x[:, :4].sum(1, keepdim=True)
+    return synthetic_batches(steps, (128, 32), target, seed=seed, device=device)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", default="out")
+    ap = example_parser(__doc__, steps=20)
     ap.add_argument("--check", action="store_true", help="also compute the norms the slow way, one .item() each")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_args(ap, argv)
 
     model = build_model().to(args.device)
     reference: dict[str, list[float]] = {}
@@ -88,11 +70,8 @@ def main(argv=None) -> dict:
     print("\nper-layer grad norm by step:")
     for layer, norms in per_layer.items():
         print(f"  layer {layer}: " + " ".join(f"{n:.3g}" for n in norms))
-    path = os.path.join(args.out, "grad_norms.json")
-    with open(path, "w") as f:
-        json.dump({"per_param": per_param, "per_layer": per_layer}, f, indent=1)
-    return {"per_param": per_param, "per_layer": per_layer, "reference": reference, "records": records,
-            "json": path}
+    return save_results(args.out, "grad_norms.json", {"per_param": per_param, "per_layer": per_layer},
+                        reference=reference, records=records)
 
 
 if __name__ == "__main__":

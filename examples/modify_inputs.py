@@ -16,43 +16,27 @@ The raw batch is not modified in place: a hook must return new tensors.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from collections import OrderedDict
-
 import torch
 from torch import nn
 
 import hookstats
+from _common import cpu_state_dict, example_parser, mlp, parse_args, save_results, sgd_step, synthetic_batches
 
 LR = 0.05
 LO, HI = 0.0, 100.0  # the sensor's physical range
 
 
-@torch.no_grad()
-def sgd_step(params, lr: float) -> None:
-    """p -= lr * p.grad, then clear the grads: what torch.optim.SGD(params, lr).step() and zero_grad() do. (The
-    first torch.optim optimizer imports torch._dynamo: seconds of start-up that a short example can skip.)"""
-    for p in params:
-        if p.grad is not None:
-            p.add_(p.grad, alpha=-lr)
-            p.grad = None
-
-
 def build_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(OrderedDict(fc1=nn.Linear(8, 32), act=nn.ReLU(), head=nn.Linear(32, 1)))
+    return mlp(8, 32, 1, names="fc1 act head", seed=seed)
 
 
 def batches(steps: int, seed: int = 1, device: str = "cpu"):
     """Raw sensor readings: offset 50, scale 10, with a few spikes of 100 sigma."""
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        z = torch.randn(64, 8, generator=g)
+    def sensor(z, step, g):
         x = 50.0 + 10.0 * z
         x[torch.rand(64, 8, generator=g) < 0.01] = 1000.0  # spikes
-        yield x.to(device), z[:, :1].to(device)
+        return x, z[:, :1]
+    return synthetic_batches(steps, (64, 8), sensor, seed=seed, device=device)
 
 
 def standardize(module, args):
@@ -65,12 +49,7 @@ def standardize(module, args):
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", default="out")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_args(example_parser(__doc__, steps=10), argv)
 
     model = build_model().to(args.device)
     clip = hookstats.clip_value(LO, HI)
@@ -106,12 +85,7 @@ def main(argv=None) -> dict:
         print(f"{i:>4}  {out['raw_max'][i]:>8.1f}  {out['clipped'][i]:>7}  {out['seen_min'][i]:>14.3f}  "
               f"{out['seen_max'][i]:>6.3f}  {out['seen_mean'][i]:>6.3f}  {out['seen_std'][i]:>5.3f}  "
               f"{out['loss'][i]:>7.4f}")
-    path = os.path.join(args.out, "modify_inputs.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    out["state_dict"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    out["json"] = path
-    return out
+    return save_results(args.out, "modify_inputs.json", out, state_dict=cpu_state_dict(model))
 
 
 if __name__ == "__main__":

@@ -16,15 +16,11 @@ that call `torch.isfinite(t).all().item()` sync once per module.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from collections import OrderedDict
-
 import torch
 from torch import nn
 
 import hookstats
+from _common import example_parser, mlp, parse_args, sgd_step, synthetic_batches, write_json
 
 LR = 0.05
 
@@ -34,40 +30,24 @@ class Log(nn.Module):
         return torch.log(x)
 
 
-@torch.no_grad()
-def sgd_step(params, lr: float) -> None:
-    """p -= lr * p.grad, then clear the grads: what torch.optim.SGD(params, lr).step() and zero_grad() do. (The
-    first torch.optim optimizer imports torch._dynamo: seconds of start-up that a short example can skip.)"""
-    for p in params:
-        if p.grad is not None:
-            p.add_(p.grad, alpha=-lr)
-            p.grad = None
-
-
 def build_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(OrderedDict(log=Log(), fc1=nn.Linear(12, 32), act=nn.ReLU(), fc2=nn.Linear(32, 1)))
+    return mlp(12, 32, 1, names="fc1 act fc2", before={"log": Log()}, seed=seed)  # log, fc1, act, fc2
 
 
 def batches(steps: int, bad_step: int, seed: int = 1, device: str = "cpu"):
     """Positive features (log-normal); at bad_step one reading is 0."""
-    g = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        z = torch.randn(64, 12, generator=g)
+    def readings(z, step, g):
         x = torch.exp(z)
         if step == bad_step:
             x[5, 3] = 0.0  # a dead sensor
-        yield x.to(device), z[:, :3].sum(1, keepdim=True).to(device)
+        return x, z[:, :3].sum(1, keepdim=True)
+    return synthetic_batches(steps, (64, 12), readings, seed=seed, device=device)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", default="out")
+    ap = example_parser(__doc__, steps=10)
     ap.add_argument("--bad-step", type=int, default=None, help="the step with the corrupt batch (default: steps // 2)")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_args(ap, argv)
     bad_step = args.steps // 2 if args.bad_step is None else args.bad_step
 
     model = build_model().to(args.device)
@@ -94,8 +74,7 @@ def main(argv=None) -> dict:
         where = [f"{r['module'] or '<model>'}:{r['kind']}" for r in bad]
         print(f"{len(bad)} records held NaN/Inf, in order: " + ", ".join(where[:8]) + (" ..." if len(bad) > 8 else ""))
     print(f"losses: {' '.join(f'{v:.3g}' for v in losses)}; weights finite after training: {params_finite}")
-    with open(os.path.join(args.out, "nan_hunting.json"), "w") as f:
-        json.dump({"first_nonfinite": first, "bad_step": bad_step, "losses": losses}, f, indent=1)
+    write_json(args.out, "nan_hunting.json", {"first_nonfinite": first, "bad_step": bad_step, "losses": losses})
     return {"first": first, "bad_records": bad, "bad_step": bad_step, "losses": losses,
             "params_finite": params_finite}
 

@@ -18,26 +18,13 @@ raw and clipped gradient's statistics takes one op per statistic and `.item()` c
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 import torch
 from torch import nn
 
 import hookstats
+from _common import cpu_state_dict, example_parser, parse_args, save_results, sgd_step, synthetic_batches
 
 LR = 0.05
-
-
-@torch.no_grad()
-def sgd_step(params, lr: float) -> None:
-    """p -= lr * p.grad, then clear the grads: what torch.optim.SGD(params, lr).step() and zero_grad() do. (The
-    first torch.optim optimizer imports torch._dynamo: seconds of start-up that a short example can skip.)"""
-    for p in params:
-        if p.grad is not None:
-            p.add_(p.grad, alpha=-lr)
-            p.grad = None
 
 
 def build_model(seed: int = 0) -> tuple[nn.Module, nn.Module]:
@@ -48,21 +35,17 @@ def build_model(seed: int = 0) -> tuple[nn.Module, nn.Module]:
 
 
 def batches(steps: int, seed: int = 1, device: str = "cpu"):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(32, 16, generator=g)
-        yield x.to(device), (x[:, 0] > 0).long().to(device) + (x[:, 1] > 1).long().to(device)
+    """3 classes from two features' thresholds."""
+    def label(x, *_):
+        return x, (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
+    return synthetic_batches(steps, (32, 16), label, seed=seed, device=device)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--out", default="out")
+    ap = example_parser(__doc__, steps=10)
     ap.add_argument("--scale", type=float, default=4.0, help="factor on the gradient reaching the encoder")
     ap.add_argument("--max-norm", type=float, default=0.05, help="max norm of that gradient after scaling")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_args(ap, argv)
 
     encoder, head = build_model()
     encoder.to(args.device)
@@ -93,14 +76,8 @@ def main(argv=None) -> dict:
     print(f"{'step':>4}  {'grad of h':>9}  {'x scale, clipped':>16}")
     for i in range(args.steps):
         print(f"{i:>4}  {out['raw_norm'][i]:>9.4g}  {out['clipped_norm'][i]:>16.4g}")
-    path = os.path.join(args.out, "scale_gradient.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    out["input_grads"] = input_grads
-    out["state_dict"] = {**{"encoder." + k: v.detach().cpu() for k, v in encoder.state_dict().items()},
-                         **{"head." + k: v.detach().cpu() for k, v in head.state_dict().items()}}
-    out["json"] = path
-    return out
+    state_dict = {**cpu_state_dict(encoder, "encoder."), **cpu_state_dict(head, "head.")}
+    return save_results(args.out, "scale_gradient.json", out, input_grads=input_grads, state_dict=state_dict)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ fi
 echo "built in $(( $(date +%s) - start )) s"
 $PY -c "import hookstats, sys; ok = hookstats.cuda_kernels_built(); print('CUDA kernels built:', ok); sys.exit(0 if ok else 1)" || exit 1
 
-echo "== CUDA tests (the CPU ones run in CI)"
+echo "== CUDA tests (the CPU ones run in CI; tests/test_cuda_graphs.py captures a monitored training step in a CUDA graph)"
 timeout 200 $PY -m pytest tests -q -m "cuda and not slow" -p no:cacheprovider -ra 2>&1 | tail -40 | tee "$OUT/tests.log"
 test_rc=${PIPESTATUS[0]}
 

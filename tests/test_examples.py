@@ -24,6 +24,10 @@ SCRIPTS = ["grad_norm_logging", "clip_by_norm", "clip_by_value", "capture_activa
 
 @lru_cache(maxsize=None)
 def load(name: str):
+    """Imports examples/<name>.py. Its `from _common import ...` finds examples/_common.py as `python
+    examples/<name>.py` would, with examples/ on sys.path."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"hookstats_example_{name}", EXAMPLES / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -392,7 +396,7 @@ def test_runs_as_script(script, script_runs):
 
 def test_readme_lists_every_script():
     readme = (EXAMPLES / "README.md").read_text()
-    found = sorted(p.stem for p in EXAMPLES.glob("*.py"))
+    found = sorted(p.stem for p in EXAMPLES.glob("*.py") if not p.stem.startswith("_"))  # not _common.py
     assert found == sorted(SCRIPTS)
     for name in SCRIPTS:
         assert f"python examples/{name}.py" in readme, name
