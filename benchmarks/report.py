@@ -734,6 +734,96 @@ def format_monitor_table(summary: dict[str, list[dict]]) -> str:
     return "\n".join(out) + "\n"
 
 
+COMPILE_CASES = ("eager", "eager_monitor", "compiled", "compiled_ca", "compiled_ca_monitor", "eager_after")
+_COMPILE_CASE_NAMES = {
+    "eager": "eager, no hooks",
+    "eager_monitor": "eager + Monitor",
+    "compiled": "torch.compile",
+    "compiled_ca": "torch.compile + compiled autograd",
+    "compiled_ca_monitor": "torch.compile + compiled autograd + Monitor",
+    "eager_after": "eager, no hooks, again (timed last)",
+}
+# What each case's "vs its pair" ratio divides by: the Monitor's cost in the same execution mode.
+_COMPILE_PAIRS = {"eager_monitor": "eager", "compiled_ca_monitor": "compiled_ca"}
+
+
+def summarize_compile(json_path: str) -> list[dict]:
+    """The torch.compile step benchmarks (benchmarks/test_bench_compile.py): one dict per (device, model, case),
+    sorted by device, model, then COMPILE_CASES. Keys: device, model, model_desc, case, backend, threads, rounds,
+    step_s (median), iqr (/ step_s), flush_s, flush_every, total_s (step_s + flush_s / flush_every), first_step_s
+    (the compiling step), graphs, new_graphs_while_timed, graph_breaks, records_per_step, vs_eager (total_s / the
+    mean of the two no-hooks eager cases), vs_pair (eager_monitor / eager baseline, compiled_ca_monitor /
+    compiled_ca)."""
+    with open(json_path) as f:
+        data = json.load(f)
+    rows: dict[tuple, dict] = {}
+    for bench in data.get("benchmarks", []):
+        extra = bench.get("extra_info", {})
+        if extra.get("family") != "compile" or extra.get("case") not in COMPILE_CASES:
+            continue
+        median = float(bench["stats"]["median"])
+        flush_s, every = extra.get("flush_s"), extra.get("flush_every")
+        rows[(extra["device"], extra["model"], extra["case"])] = {
+            "device": extra["device"], "model": extra["model"], "model_desc": extra.get("model_desc", extra["model"]),
+            "case": extra["case"], "backend": extra.get("backend"), "threads": extra.get("torch_threads"),
+            "rounds": bench["stats"].get("rounds"), "step_s": median,
+            "iqr": float(bench["stats"]["iqr"]) / median if median else None,
+            "flush_s": flush_s, "flush_every": every if flush_s is not None else None,
+            "total_s": median + flush_s / every if flush_s is not None and every else median,
+            "first_step_s": extra.get("first_step_s"), "graphs": extra.get("graphs"),
+            "new_graphs_while_timed": extra.get("new_graphs_while_timed"), "graph_breaks": extra.get("graph_breaks"),
+            "records_per_step": extra.get("records_per_step"),
+        }
+    out = []
+    for key in sorted(rows, key=lambda k: (k[0] != "cpu", k[0], k[1], COMPILE_CASES.index(k[2]))):
+        row = rows[key]
+        base = [rows[(key[0], key[1], c)]["total_s"] for c in ("eager", "eager_after") if (key[0], key[1], c) in rows]
+        base_s = sum(base) / len(base) if base else None
+        row["vs_eager"] = row["total_s"] / base_s if base_s else None
+        pair = _COMPILE_PAIRS.get(row["case"])
+        pair_s = base_s if pair == "eager" else rows.get((key[0], key[1], pair), {}).get("total_s") if pair else None
+        row["vs_pair"] = row["total_s"] / pair_s if pair_s else None
+        out.append(row)
+    return out
+
+
+def format_compile_table(rows: list[dict]) -> str:
+    """Markdown: per device and model, the training step eager and compiled, with and without a Monitor."""
+    out: list[str] = []
+    tables: dict[tuple, list[dict]] = {}
+    for row in rows:
+        tables.setdefault((row["device"], row["model"]), []).append(row)
+    for (device, model), group in tables.items():
+        backends = sorted({r["backend"] for r in group if r["backend"] and r["backend"] != "eager"})
+        threads = sorted({r["threads"] for r in group if r["threads"]})
+        notes = ["host clock", f"backend {', '.join(backends) or '–'}"]
+        if device == "cpu" and threads:
+            notes.append(", ".join(f"{t} torch thread{'s' if t > 1 else ''}" for t in threads))
+        out.append(f"### torch.compile and hookstats.Monitor, one training step, {device}: {group[0]['model_desc']} "
+                   f"(median times; {'; '.join(notes)})")
+        out.append("")
+        head = ["case", "step ms", "IQR", "step + flush share ms", "vs eager", "Monitor: vs same without",
+                "first step s", "graphs", "new graphs while timed", "graph breaks", "rounds"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "|".join(":---" if i == 0 else "---:" for i in range(len(head))) + "|")
+        for r in group:
+            out.append("| " + " | ".join([
+                _COMPILE_CASE_NAMES.get(r["case"], r["case"]), _fmt_ms(r["step_s"]), _fmt(r["iqr"], ".0%"),
+                _fmt_ms(r["total_s"]), _fmt(r["vs_eager"], ".2f", "x"), _fmt(r["vs_pair"], ".2f", "x"),
+                _fmt(r["first_step_s"], ".1f"), str(r["graphs"] if r["graphs"] is not None else "–"),
+                str(r["new_graphs_while_timed"] if r["new_graphs_while_timed"] is not None else "–"),
+                str(r["graph_breaks"] if r["graph_breaks"] is not None else "–"), str(r["rounds"] or "–"),
+            ]) + " |")
+        out.append("")
+    if not out:
+        return "No torch.compile benchmarks in this file.\n"
+    out.append("vs eager: step + flush share / the mean of the two eager no-hooks rows (timed first and last). Monitor: "
+               "vs same without: the Monitor case / the same execution mode without hooks (eager, or torch.compile "
+               "with compiled autograd): what the Monitor costs there. first step: the step that compiled (a few "
+               "seconds eager). new graphs while timed: graphs compiled during the timed rounds (0: no recompiles).")
+    return "\n".join(out) + "\n"
+
+
 def summarize_dist(json_path: str) -> list[dict]:
     """The extra_info of the distributed clipping benchmarks (timed inside the ranks, benchmarks/
     test_bench_distributed.py)."""
@@ -770,6 +860,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     monitor = summarize_monitor(args.json_path)
     if monitor["steps"] or monitor["hooks"]:  # likewise for the Monitor groups
         text += "\n" + format_monitor_table(monitor)
+    compile_rows = summarize_compile(args.json_path)
+    if compile_rows:
+        text += "\n" + format_compile_table(compile_rows)
     dist_rows = summarize_dist(args.json_path)
     if dist_rows:
         text += format_dist_table(dist_rows)

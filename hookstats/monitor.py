@@ -272,19 +272,23 @@ _KIND_ALIASES = {"inputs": "forward_pre", "outputs": "forward", "grad_output": "
                  "grad_input": "backward", "param_grad": "grad"}
 
 # Note [monitor under torch.compile]
-# A hook that dynamo traces (forward hooks inside a compiled module; backward hooks under compiled autograd) must
-# not read the step, seq or buffer row counts: they change every call, so each would be a guard and every step a
-# recompile. Such a hook only traces one _record_op call with the tensors and two constant ids (the monitor's and
-# the hook's). The op is registered as effectful (ordered), so compilers neither drop it (it returns nothing) nor
-# reorder it; when the compiled graph runs, it calls Monitor._record_compiled, the same eager recording as an
-# untraced hook, with the step, seq and `every` of that moment. So records, their order and their numbers are the
-# eager ones, and no guard depends on them. Where the effect cannot be registered (older PyTorch), the op is
-# called through torch.compiler.disable instead: a graph break per hook, but the same records.
+# A hook that dynamo traces (forward hooks inside a compiled module; module backward and "grad" hooks under compiled
+# autograd) must not read the step, seq, `every` or buffer row counts: they change from call to call, so each would
+# be a guard, and every step a recompile. Such a hook traces one _record_op call instead, with the tensors and two
+# constant ids (the monitor's and the hook's). The op is registered as effectful (ordered), so compilers neither
+# drop it (it returns nothing) nor reorder it; when the compiled graph runs, its Python body calls
+# Monitor._record_compiled: the eager recording, with the step, seq and `every` of that moment. Records, their
+# order and their step numbers are the eager ones, and no guard depends on them. Where the effect cannot be
+# registered (older PyTorch), the op is called through torch.compiler.disable: a graph break per hook, same records.
+# - The op is tagged cudagraph_unsafe: a CUDA graph replay would skip its Python body, and the record.
+# - Hooks are never compiled as frames of their own (_inlined_only): one called from eager code records eagerly.
+# - Dynamo does not guard on module hooks (torch._dynamo.config.skip_nnmodule_hook_guards): attach a Monitor before
+#   compiling; code compiled before then never calls its hooks. After detach() the compiled code still calls the op,
+#   which then records nothing.
+# - Without compiled autograd, dynamo refuses module backward hooks (a graph break at each module that has them, the
+#   hooks then run eagerly); "grad" hooks run eagerly in the autograd engine, after the compiled backward.
 _MONITOR_IDS = itertools.count()
 _LIVE_MONITORS: "weakref.WeakValueDictionary[int, Monitor]" = weakref.WeakValueDictionary()
-
-
-# cudagraph_unsafe: a CUDA graph replay would skip the Python body, and with it the record.
 _UNSAFE = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 
 
@@ -308,7 +312,7 @@ def _register_ordered_effect() -> bool:
         return True
     except (ImportError, AttributeError):
         pass
-    try:  # PyTorch < 2.8
+    try:  # older PyTorch
         from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
         _register_effectful_op(torch.ops.hookstats._monitor_record.default, _EffectType.ORDERED)
