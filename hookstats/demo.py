@@ -172,7 +172,7 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
                     x = x.clone()
                     x.view(-1)[7] = math.nan
                 else:  # token ids cannot hold a NaN: poison the embedding's output for this step
-                    poison = model.embed.register_forward_hook(_nan_output)
+                    poison = model.embed.register_forward_hook(_nan_output, prepend=True)  # before the Monitor sees it
             loss = loss_fn(model(x), y)
             if poison is not None:
                 poison.remove()

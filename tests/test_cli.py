@@ -99,7 +99,7 @@ def test_demo_mlp_writes_the_run_directory(demo_run):
         assert name in r.stdout
 
 
-@pytest.mark.parametrize("model,modules", [("transformer", "encoder.layers.0.self_attn"),
+@pytest.mark.parametrize("model,modules", [("transformer", "embed"),
                                            ("cnn", "features.0")])
 def test_demo_train_each_model(tmp_path, model, modules):
     from hookstats.demo import train
@@ -112,6 +112,7 @@ def test_demo_train_each_model(tmp_path, model, modules):
     assert res["loss"][0] == res["loss"][0] and res["loss"][0] > 0
     bad = res["first_nonfinite"]
     assert bad is not None and bad["step"] == 1 and bad["stats"]["nan_count"] > 0
+    assert (bad["module"], bad["kind"]) == (modules, "forward")  # where the NaN was put in, not downstream
     log = read_jsonl(res["log"])
     assert res["log"] == os.path.join(out, "log.jsonl")
     assert len(log.records) == res["records"] > 0
