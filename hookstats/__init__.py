@@ -29,6 +29,7 @@ from .clip import (
 from .formats import FORMATS, format_fit
 from .hooks import clip_value, fused_clip
 from .monitor import MONITOR_KINDS, Monitor, record
+from . import export  # hookstats.export.JSONLWriter, TensorBoardWriter, ...: optional packages load on first use
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_HIST_BINS",
     "MONITOR_KINDS",
     "Monitor",
+    "export",
     "clip_value",
     "fused_clip",
     "record",
