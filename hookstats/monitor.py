@@ -220,6 +220,11 @@ def _first_nonfinite(records: Iterable[dict]) -> Optional[dict]:
     return None
 
 
+# What a record hook's records are labelled with: the hook kind (a full backward hook records both sides).
+_RECORD_LABELS = ("backward:grad_input", "backward:grad_output", "backward_pre", "forward_pre", "forward", "tensor",
+                  "post_accumulate")
+
+
 class record(_Forms):
     """A hook that records statistics (and a histogram) of what it sees into a device buffer, returns nothing and
     changes nothing. Register the object (full backward hook: grad_input and grad_output are both recorded) or one
@@ -232,16 +237,28 @@ class record(_Forms):
         self._rec = _Recorder(histogram, slots)
         self._seq = 0
         self.step = 0
+        self._id = next(_MONITOR_IDS)  # for _record_op: Note [monitor under torch.compile]
+        _LIVE_MONITORS[self._id] = self
 
     def _add(self, kind: str, obj, module, which: str = "") -> None:
+        label = kind + which
+        if torch.compiler.is_compiling():  # no read of step/seq in traced code: Note [monitor under torch.compile]
+            return _record_traced(self._id, _RECORD_LABELS.index(label), obj)
         tensors: list = []
         _flatten(obj, tensors, keep_none=True)
+        self._add_tensors(label, tensors)
+        return None
+
+    def _add_tensors(self, label: str, tensors) -> None:
         for i, t in enumerate(tensors):
             if t is None:
                 continue
-            self._rec.add(t, (("seq", self._seq), ("step", self.step), ("module", self.name),
-                              ("kind", kind + which), ("index", i)))
+            self._rec.add(t, (("seq", self._seq), ("step", self.step), ("module", self.name), ("kind", label),
+                              ("index", i)))
             self._seq += 1
+
+    def _record_compiled(self, hid: int, tensors) -> None:
+        self._add_tensors(_RECORD_LABELS[hid], tensors)
 
     def _process(self, kind, obj, module, extra=None, param=None):
         if kind == "backward":

@@ -264,6 +264,36 @@ def test_detach_and_a_second_monitor_under_compile():
     assert len(other.records()) == 4 and len(mon.records()) == n
 
 
+def _record_hook_run(backend, histogram):
+    """records of a standalone hookstats.record on the tuple model's heads (forward_pre, and forward: a tuple output
+    with a None), 4 steps."""
+    torch.manual_seed(0)
+    model, shape = make_tuple()
+    r = hookstats.record("heads", histogram=histogram)
+    model.heads.register_forward_pre_hook(r.forward_pre)
+    model.heads.register_forward_hook(r.forward)
+    fwd = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(shape, generator=g).requires_grad_()
+        sum(o.square().sum() for o in outputs(fwd(x))).backward()
+        r.step += 1
+    return r.records()
+
+
+@pytest.mark.parametrize("histogram", [None, "exp"])
+def test_standalone_record_compiles_without_recompiles(histogram):
+    """The record hook object, like Monitor, reads no step or counter in traced code: one graph for every step."""
+    want = _record_hook_run(None, histogram)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = _record_hook_run("aot_eager", histogram)
+    assert graphs() == 1 and not graph_breaks()
+    for r in got + want:  # assert_same_records keys on module: the record's name
+        r.setdefault("module", "heads")
+    assert_same_records(got, want)
+    assert {r["kind"] for r in got} == {"forward_pre", "forward"} and max(r["step"] for r in got) == 3
+
+
 def test_record_op_opcheck():
     torch.manual_seed(0)
     model, shape = make_mlp()
