@@ -36,7 +36,7 @@ from typing import Callable
 import pytest
 import torch
 from conftest import SEED
-from test_bench_monitor import FLUSH_EVERY, MODEL_DESC, MODELS
+from test_bench_monitor import FLUSH_EVERY, MODEL_DESC, MODELS, monitored_step
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -110,16 +110,7 @@ def test_compile_step(benchmark, hookstats, device, model_name, case):
     mon = None
     if case.endswith("monitor"):
         mon = hookstats.Monitor(step.model, kinds=KINDS)
-        calls = [0]
-
-        def op():  # Note [flush cost] in test_bench_monitor.py
-            step()
-            mon.step()
-            calls[0] += 1
-            if calls[0] % FLUSH_EVERY == 0:
-                t0 = time.perf_counter()
-                mon.flush()
-                flush_s.append(time.perf_counter() - t0)
+        op = monitored_step(step, mon, flush_s)  # Note [flush cost] in test_bench_monitor.py
     else:
         op = step
 

@@ -51,6 +51,22 @@ from conftest import SEED
 from torch import nn
 
 FLUSH_EVERY = 10
+
+
+def monitored_step(step, mon, flush_s: list):
+    """step() then mon.step(), with a flush every FLUSH_EVERY calls, timed into flush_s (Note [flush cost])."""
+    calls = [0]
+
+    def op():
+        step()
+        mon.step()
+        calls[0] += 1
+        if calls[0] % FLUSH_EVERY == 0:
+            t0 = time.perf_counter()
+            mon.flush()
+            flush_s.append(time.perf_counter() - t0)
+
+    return op
 HIST_BINS, HIST_RANGE = 64, (-4.0, 4.0)  # a fixed range: histc with min=max=0 would read the data's range (2 passes)
 
 STEP_CASES = ("none", "empty_hooks", "torch_hooks", "monitor_hist", "monitor", "none_after")
@@ -242,16 +258,7 @@ def test_monitor_step(benchmark, hookstats, device, model_name, case):
         cleanup = ref.remove
     else:
         mon = make_monitor(hookstats, step.model, histogram=case == "monitor_hist")
-        calls = [0]
-
-        def op():  # Note [flush cost]
-            step()
-            mon.step()
-            calls[0] += 1
-            if calls[0] % FLUSH_EVERY == 0:
-                t0 = time.perf_counter()
-                mon.flush()
-                flush_s.append(time.perf_counter() - t0)
+        op = monitored_step(step, mon, flush_s)
 
         cleanup = mon.detach
 
