@@ -116,6 +116,18 @@ def plan_rounds(fn: Callable[[], object], case: str) -> tuple[int, int]:
     return max(MIN_ROUNDS[case], min(MAX_ROUNDS, rounds)), iterations
 
 
+def synced(op: Callable[[], object], device: str) -> Callable[[], object]:
+    """op, ending with a CUDA synchronize on CUDA: pytest-benchmark reads the host clock."""
+    if device != "cuda":
+        return op
+
+    def fn():
+        op()
+        torch.cuda.synchronize()
+
+    return fn
+
+
 def cuda_event_seconds(fn: Callable[[], object], reps: int = 15, min_s: float = 2e-3) -> float:
     """Median device time of one call of `fn`, from CUDA events around back-to-back launches.
 
@@ -159,14 +171,7 @@ def measure(benchmark):
     """
 
     def run(op: Callable[[], object], case: str, device: str, kind: str | None = None) -> None:
-        if device == "cuda":
-
-            def fn():
-                op()
-                torch.cuda.synchronize()
-
-        else:
-            fn = op
+        fn = synced(op, device)
         rounds, iterations = (1, 1) if benchmark.disabled else plan_rounds(fn, kind or case)
         benchmark.extra_info.update(case=case, rounds=rounds, iterations=iterations)
         benchmark.pedantic(fn, rounds=rounds, iterations=iterations, warmup_rounds=1)

@@ -68,7 +68,7 @@ from typing import Callable, Sequence
 
 import pytest
 import torch
-from conftest import BUDGET_S, DTYPES, MAX_ROUNDS, MIN_ROUNDS, SEED, make_input
+from conftest import BUDGET_S, DTYPES, MAX_ROUNDS, MIN_ROUNDS, SEED, make_input, synced
 
 FACTOR = 0.9  # the coefficient of every timed norm clip (Note [honest repeated clipping])
 # The smallest norm a schedule reaches: 1000x the clipping eps (1e-6), so eps moves the coefficient by <= 0.1%.
@@ -270,18 +270,7 @@ def measure_restored(benchmark):
     every round of one call, untimed (pytest-benchmark's `setup`)."""
 
     def run(op: Callable[[], object], restore: Callable[[], None], case: str, device: str, kind: str) -> None:
-        if device == "cuda":
-
-            def fn():
-                op()
-                torch.cuda.synchronize()
-
-            def setup():
-                restore()
-                torch.cuda.synchronize()
-
-        else:
-            fn, setup = op, restore
+        fn, setup = synced(op, device), synced(restore, device)
         rounds = 1 if benchmark.disabled else plan_restored(fn, setup, kind)
         benchmark.extra_info.update(case=case, rounds=rounds, iterations=1, restored=True)
         benchmark.pedantic(fn, setup=setup, rounds=rounds, warmup_rounds=1)

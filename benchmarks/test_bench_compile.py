@@ -31,11 +31,10 @@ import math
 import os
 import statistics
 import time
-from typing import Callable
 
 import pytest
 import torch
-from conftest import SEED
+from conftest import SEED, synced
 from test_bench_monitor import FLUSH_EVERY, MODEL_DESC, MODELS, monitored_step
 from torch import nn
 from torch._dynamo.utils import counters
@@ -114,11 +113,7 @@ def test_compile_step(benchmark, hookstats, device, model_name, case):
     else:
         op = step
 
-    fn: Callable[[], None] = op
-    if device == "cuda":
-        def fn():
-            op()
-            torch.cuda.synchronize()
+    fn = synced(op, device)
 
     t0 = time.perf_counter()
     fn()

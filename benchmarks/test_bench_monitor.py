@@ -47,7 +47,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import SEED
+from conftest import SEED, synced
 from torch import nn
 
 FLUSH_EVERY = 10
@@ -262,14 +262,7 @@ def test_monitor_step(benchmark, hookstats, device, model_name, case):
 
         cleanup = mon.detach
 
-    if device == "cuda":
-
-        def fn():
-            op()
-            torch.cuda.synchronize()
-
-    else:
-        fn = op
+    fn = synced(op, device)
 
     benchmark.group = f"monitor-step-{model_name}-{device}"
     benchmark.extra_info.update(

@@ -203,7 +203,7 @@ def _global_total64(grads: list, p: float, foreach: Optional[bool], op: str) -> 
         dtypes.append(dt)
         for dev, g in bd.items():
             by_device.setdefault(dev, []).extend(g)
-    first = grads[0]._local_tensor.device if dts and grads[0] is dts[0] else totals[0].device
+    first = grads[0]._local_tensor.device if dts and grads[0] is dts[0] else grads[0].device
     totals.sort(key=lambda t: t.device != first)
     return _combine(totals, p), functools.reduce(torch.promote_types, dtypes), by_device
 

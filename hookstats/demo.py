@@ -119,10 +119,9 @@ def _progress(total: int, desc: str):
 def prepare_out(out: str) -> None:
     """The demo's files in `out` are replaced; anything else there is left alone."""
     os.makedirs(out, exist_ok=True)
-    for name in (LOG_NAME,):
-        p = os.path.join(out, name)
-        if os.path.exists(p):
-            os.remove(p)
+    log = os.path.join(out, LOG_NAME)
+    if os.path.exists(log):
+        os.remove(log)
     for name in (TENSORBOARD_DIR, REPORT_DIR):
         p = os.path.join(out, name)
         if os.path.isdir(p):
@@ -186,8 +185,7 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
             if bar is not None:
                 bar.update(1)
                 if mon.flush_every and (step + 1) % mon.flush_every == 0:
-                    sc = mon._rec.flushed_scalars
-                    last = {s["tag"]: s["value"] for s in sc[-2:]}
+                    last = {s["tag"]: s["value"] for s in mon.scalars()[-2:]}  # flushed by step(): no copy
                     bar.set_postfix(loss=f"{last.get('loss', math.nan):.3f}",
                                     grad_norm=f"{last.get('grad_norm', math.nan):.3g}", refresh=False)
         records = mon.records()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
@@ -36,6 +37,23 @@ def scalar_items(records: Iterable[dict], stats: Sequence[str]) -> Iterator[tupl
         s = r["stats"]
         for k in stats:
             yield r["step"], scalar_tag(r, k), float(s[k])
+
+
+def by_step(records: list, scalars: Sequence[dict], stats: Sequence[str], histograms: bool,
+            info: Optional[dict]) -> list[tuple[int, list]]:
+    """What a flush writes, step by step in increasing order: (step, [(tag, float or Buckets), ...]) with the
+    records' statistics, their histograms (when `histograms`), then the logged scalars."""
+    per_step: dict[int, list] = defaultdict(list)
+    for step, tag, value in scalar_items(records, stats):
+        per_step[step].append((tag, value))
+    if histograms:
+        for r in records:
+            b = buckets(r, info)
+            if b is not None:
+                per_step[r["step"]].append((hist_tag(r, info), b))
+    for s in scalars:
+        per_step[s["step"]].append((s["tag"], float(s["value"])))
+    return sorted(per_step.items())
 
 
 class Buckets(NamedTuple):

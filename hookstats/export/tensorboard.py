@@ -3,10 +3,9 @@ counted (`add_histogram_raw`): no tensor is read again."""
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from typing import Optional, Sequence
 
-from ._common import DEFAULT_STATS, buckets, hist_tag, scalar_items
+from ._common import DEFAULT_STATS, by_step
 
 
 class TensorBoardWriter:
@@ -55,21 +54,14 @@ class TensorBoardWriter:
         add_scalar call each: a flush of thousands of records writes in milliseconds)."""
         from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 
-        per_step: dict[int, list] = defaultdict(list)
-        for step, tag, value in scalar_items(records, self.stats):
-            per_step[step].append(Summary.Value(tag=tag, simple_value=value))
-        if self.histograms:
-            for r in records:
-                b = buckets(r, self.info)
-                if b is not None:
-                    hist = HistogramProto(min=b.min, max=b.max, num=b.num, sum=b.sum, sum_squares=b.sum_squares,
-                                          bucket_limit=b.limits, bucket=b.counts)
-                    per_step[r["step"]].append(Summary.Value(tag=hist_tag(r, self.info), histo=hist))
-        for sc in scalars:
-            per_step[sc["step"]].append(Summary.Value(tag=sc["tag"], simple_value=float(sc["value"])))
         fw = self.writer._get_file_writer()
-        for step in sorted(per_step):
-            fw.add_summary(Summary(value=per_step[step]), step)
+        for step, items in by_step(records, scalars, self.stats, self.histograms, self.info):
+            values = [Summary.Value(tag=tag, simple_value=v) if isinstance(v, float) else
+                      Summary.Value(tag=tag, histo=HistogramProto(min=v.min, max=v.max, num=v.num, sum=v.sum,
+                                                                  sum_squares=v.sum_squares, bucket_limit=v.limits,
+                                                                  bucket=v.counts))
+                      for tag, v in items]
+            fw.add_summary(Summary(value=values), step)
         self.writer.flush()
 
     def close(self) -> None:

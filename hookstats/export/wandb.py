@@ -2,10 +2,9 @@
 bins through `wandb.Histogram(np_histogram=(counts, edges))`."""
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Optional, Sequence
 
-from ._common import DEFAULT_STATS, bucket_edges, buckets, hist_tag, scalar_items
+from ._common import DEFAULT_STATS, bucket_edges, by_step
 
 
 class WandbWriter:
@@ -39,19 +38,10 @@ class WandbWriter:
     def write(self, records: list, scalars: list = ()) -> None:
         import numpy as np
 
-        per_step: dict[int, dict] = defaultdict(dict)
-        for step, tag, value in scalar_items(records, self.stats):
-            per_step[step][tag] = value
-        if self.histograms:
-            for r in records:
-                b = buckets(r, self.info)
-                if b is not None:
-                    per_step[r["step"]][hist_tag(r, self.info)] = self._wandb.Histogram(
-                        np_histogram=(np.asarray(b.counts), np.asarray(bucket_edges(b))))
-        for s in scalars:
-            per_step[s["step"]][s["tag"]] = float(s["value"])
-        for step in sorted(per_step):
-            self.run.log(per_step[step], step=step)
+        for step, items in by_step(records, scalars, self.stats, self.histograms, self.info):
+            self.run.log({tag: v if isinstance(v, float) else
+                          self._wandb.Histogram(np_histogram=(np.asarray(v.counts), np.asarray(bucket_edges(v))))
+                          for tag, v in items}, step=step)
 
     def close(self) -> None:
         if self._own:
