@@ -1,8 +1,9 @@
 # hookstats: `make test` and `make demo` set up everything they need on a fresh machine.
 #
-#   make test            venv + torch + test deps, build (CUDA kernels too where a toolkit is found), run all tests
+#   make test            venv + torch + test deps, build (CUDA kernels too where a toolkit is found), run all tests,
+#                        then every benchmark once, untimed, at small sizes (a smoke run: a broken benchmark fails CI)
 #   make demo            the same set-up, then `python -m hookstats demo`
-#   make bench           pytest --benchmark-only, then the summary table (benchmarks/report.py)
+#   make bench           pytest --benchmark-only (the whole benchmark suite, timed), then the summary table
 #   PYTHON=python3 make test   use that interpreter as is (e.g. on a GPU machine that has torch), no venv
 #
 # TORCH_SPEC picks torch: the default CUDA build compiles the CUDA kernels here even without a GPU;
@@ -30,7 +31,7 @@ endif
 BUILD_STAMP := hookstats/.build-stamp
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: all build test test-fast demo bench clean
+.PHONY: all build test test-fast bench-smoke demo bench clean
 
 all: test
 
@@ -49,15 +50,19 @@ build: $(BUILD_STAMP)
 
 test: build
 	$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest benchmarks --benchmark-disable -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test-fast: build
 	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+
+bench-smoke: build
+	$(PY) -m pytest benchmarks --benchmark-disable -q -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: build
 	$(PY) -m hookstats demo
 
 bench: build
-	$(PY) -m pytest benchmarks --benchmark-only -q --benchmark-json=bench.json
+	$(PY) -m pytest --benchmark-only -q --benchmark-json=bench.json
 	$(PY) benchmarks/report.py bench.json
 
 clean:

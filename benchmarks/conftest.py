@@ -49,6 +49,37 @@ MAX_ROUNDS = 400
 MIN_ROUND_S = 200e-6  # batch calls of tiny ops into rounds of at least this long, so timer overhead vanishes
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Smoke mode (`--benchmark-disable`, which `make test` runs): each benchmarked function runs once, untimed, so a
+# benchmark that breaks fails CI instead of rotting; cases parametrized by a size above SMOKE_MAX_SIZE_LOG2 are
+# deselected (the smaller sizes of each grid still run). Files whose inputs are not sized by `size_log2` read
+# `benchmark.disabled` (or the bench_smoke fixture) and build small inputs themselves.
+SMOKE_MAX_SIZE_LOG2 = 20
+
+
+def _too_big_for_smoke(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    size = callspec.params.get("size_log2") if callspec is not None else None
+    return isinstance(size, int) and size > SMOKE_MAX_SIZE_LOG2
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("benchmark_disable", False):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if _too_big_for_smoke(item) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def bench_smoke(pytestconfig) -> bool:
+    """True when benchmarks run once, untimed (--benchmark-disable): benchmark files size their inputs down."""
+    return bool(pytestconfig.getoption("benchmark_disable", False))
+
+
 @pytest.fixture(scope="session")
 def hookstats():
     """The hookstats module, or a skip that says why it cannot be benchmarked."""
