@@ -30,7 +30,8 @@ def build_cuda() -> bool:
 
 
 def extension():
-    sources = [os.path.join("csrc", "hookstats.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    sources = [os.path.join("csrc", "hookstats.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp"))) \
+        + sorted(glob.glob(os.path.join("csrc", "monitor", "*.cpp")))
     cxx = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
     link = ["-fopenmp"]  # at::parallel_for is OpenMP inline code: without it the kernels run on one thread
     if build_cuda():

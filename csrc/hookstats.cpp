@@ -1,19 +1,13 @@
 // Every hookstats op schema, in one place. Implementations register per dispatch key:
 // cpu/*.cpp for CPU, cuda/*.cu for CUDA (compiled only where a CUDA toolkit is found).
-// Fake (meta) kernels for torch.compile live in hookstats/_ops.py.
-#include <Python.h>
+// Fake (meta) kernels for torch.compile live in hookstats/_ops.py. The Python module itself,
+// hookstats._C (whose loading runs these registrations), is defined in monitor/monitor_py.cpp.
 #include <torch/library.h>
 
 #include <string>
 
 namespace hookstats {
 std::string cpu_isa(const std::string& mode);  // cpu/stats_cpu.cpp
-}
-
-// `import hookstats._C` loads this library, whose static initializers register the ops.
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
 }
 
 TORCH_LIBRARY(hookstats, m) {

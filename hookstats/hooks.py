@@ -121,6 +121,10 @@ class _Forms:
         return self._process("forward", output, module)
 
     def tensor(self, grad):
+        if grad is None:
+            # An output of a multi-output op (chunk, unbind) that the loss does not use: PyTorch calls its hooks
+            # with None. Returning None keeps it None; raising would abort the backward pass.
+            return None
         if not isinstance(grad, torch.Tensor):
             raise TypeError(f"{self._name}.tensor is a Tensor.register_hook hook (grad) -> grad; got "
                             f"{type(grad).__name__}. For modules use the object itself or its module forms")

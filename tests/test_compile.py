@@ -21,6 +21,8 @@ order in which the autograd engine (or the compiled backward) accumulates gradie
 """
 from __future__ import annotations
 
+import os
+
 import contextlib
 import math
 
@@ -142,7 +144,12 @@ def key(r) -> tuple:
 
 def assert_same_records(got: list, want: list) -> None:
     assert want, "the eager run recorded nothing"
-    assert [key(r) for r in got if r["kind"] != "grad"] == [key(r) for r in want if r["kind"] != "grad"]
+    # Forward records come in hook order either way. Backward ones in the order autograd computes the gradients,
+    # which compiled autograd may change: grad records (post-accumulate hooks run after the compiled backward) and
+    # grad_output records of a module with several outputs (each output's tensor hook runs when its gradient is
+    # ready; Note [grad_output by tensor hooks]) are compared as sets.
+    fwd = ("forward", "forward_pre")
+    assert [key(r) for r in got if r["kind"] in fwd] == [key(r) for r in want if r["kind"] in fwd]
     assert sorted(map(key, got)) == sorted(map(key, want))
     for a, b in zip(sorted(got, key=key), sorted(want, key=key)):
         assert a["dtype"] == b["dtype"], key(a)
@@ -214,7 +221,8 @@ def test_hooks_run_eagerly_after_a_graph_break_are_not_compiled():
     assert_same_records(got, want)
     assert any("graph break in loop" in u for u in counters["unimplemented"]), "Loopy.forward was not skipped"
     compiled = [c() for c in torch._dynamo.convert_frame.input_codes.seen]
-    assert not [c for c in compiled if c is not None and c.co_filename == hookstats.monitor.__file__]
+    monitor_dir = os.path.dirname(hookstats.monitor.__file__)
+    assert not [c for c in compiled if c is not None and os.path.dirname(c.co_filename) == monitor_dir]
 
 
 def test_gradient_accumulation_does_not_recompile():
@@ -299,7 +307,7 @@ def test_record_op_opcheck():
     model, shape = make_mlp()
     mon = hookstats.Monitor(model, kinds="forward")
     xs = [torch.randn(5, 3), None, torch.arange(4), torch.randn(7, dtype=torch.float64).bfloat16()]
-    torch.library.opcheck(torch.ops.hookstats._monitor_record.default, (xs, mon._id, 0),
+    torch.library.opcheck(torch.ops.hookstats._monitor_record.default, (xs, mon._buf.id, 0),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
     recs = mon.records()

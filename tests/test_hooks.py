@@ -756,11 +756,30 @@ def test_registered_as_backward_pre_hook_is_a_type_error_at_backward():
 
 def test_tensor_forms_need_a_tensor():
     for obj in objects():
-        for bad in (1.0, None, (torch.ones(2),)):
+        for bad in (1.0, (torch.ones(2),)):
             with pytest.raises(TypeError):
                 obj.tensor(bad)
+        for bad in (1.0, None, (torch.ones(2),)):
             with pytest.raises(TypeError):
                 obj.post_accumulate(bad)
+
+
+def test_tensor_forms_pass_none_through():
+    """PyTorch calls a tensor hook with grad=None for an output of a multi-output op (chunk, unbind) that the loss
+    does not use (test_autograd's test_grad_nonleaf_register_hook): the hook must return None, not abort the
+    backward pass."""
+    for obj in objects():
+        assert obj.tensor(None) is None
+        x = torch.randn(4, 3, requires_grad=True)
+        a, b = x.chunk(2)
+        b.register_hook(obj.tensor)  # b is not used by the loss
+        a.register_hook(obj.tensor)
+        (a * 2).sum().backward()
+        assert torch.equal(x.grad[2:], torch.zeros(2, 3))
+        if isinstance(obj, hookstats.record):
+            assert [r["kind"] for r in obj.records()] == ["tensor"]  # a's grad only
+        else:
+            assert torch.all(x.grad[:2] != 0)
 
 
 @pytest.mark.parametrize("which", ["object", "backward_form"])

@@ -1,0 +1,227 @@
+// The hookstats._C Python module: the Monitor's C++ hook path (pybind11). Loading it also
+// registers every op (csrc/hookstats.cpp and the kernels' TORCH_LIBRARY_IMPL blocks).
+//
+// The hook callables below are what hookstats/monitor/hooks.py registers on modules (behind a
+// thin Python function that dynamo can trace, Note [monitor under torch.compile]): they flatten
+// what the hook sees in C++, skip non-floating tensors, and launch the stats kernel into the
+// site's row (Note [monitor sites] in recorder.h) with no Python per tensor. grad_output is
+// recorded by a C++ tensor hook that the forward hook registers on each output requiring grad,
+// which the autograd engine runs without Python or the GIL (Note [grad_output by tensor hooks]
+// in hookstats/monitor/hooks.py says where this equals register_full_backward_pre_hook).
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <pybind11/numpy.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "recorder.h"
+
+namespace py = pybind11;
+
+namespace hookstats {
+namespace monitor {
+namespace {
+
+using Tensors = std::vector<std::pair<int32_t, at::Tensor>>;
+
+// A tensor that dispatches to Python (a DTensor, a tensor subclass): its local part, from the
+// Python function set by set_local_part (hookstats.distributed.local_part). Needs the GIL.
+py::object& local_part_fn() {
+  static py::object* fn = new py::object();  // leaked: outlives interpreter teardown
+  return *fn;
+}
+
+at::Tensor plain(const at::Tensor& t) {
+  if (!t.unsafeGetTensorImpl()->is_python_dispatch()) return t;
+  py::gil_scoped_acquire gil;
+  py::object& fn = local_part_fn();
+  if (!fn) return t;
+  py::object r = fn(py::reinterpret_steal<py::object>(THPVariable_Wrap(t)));
+  return THPVariable_Unpack(r.ptr());
+}
+
+// The tensors of a hook argument, depth first, as hookstats.hooks._flatten(keep_none=True):
+// tensors, tuples and lists (namedtuples, structseqs), dicts (OrderedDict, ModelOutput) by their
+// values; None keeps its index; anything else is not a tensor position.
+void flatten(PyObject* o, Tensors& out, int32_t& index) {
+  if (THPVariable_Check(o)) {
+    out.emplace_back(index++, THPVariable_Unpack(o));
+  } else if (o == Py_None) {
+    ++index;
+  } else if (PyTuple_Check(o)) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(o);
+    for (Py_ssize_t i = 0; i < n; ++i) flatten(PyTuple_GET_ITEM(o, i), out, index);
+  } else if (PyList_Check(o)) {
+    const Py_ssize_t n = PyList_GET_SIZE(o);
+    for (Py_ssize_t i = 0; i < n; ++i) flatten(PyList_GET_ITEM(o, i), out, index);
+  } else if (PyDict_CheckExact(o)) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &k, &v)) flatten(v, out, index);
+  } else if (PyDict_Check(o)) {  // a subclass (OrderedDict, ModelOutput): its own order
+    py::object vals = py::reinterpret_borrow<py::object>(o).attr("values")();
+    for (py::handle v : vals) flatten(v.ptr(), out, index);
+  }
+}
+
+Tensors flat(py::handle obj) {
+  Tensors ts;
+  int32_t index = 0;
+  flatten(obj.ptr(), ts, index);
+  for (auto& p : ts) p.second = plain(p.second);
+  return ts;
+}
+
+void record_obj(Recorder& r, int32_t hook, py::handle obj) {
+  if (!r.active()) return;
+  Tensors ts = flat(obj);
+  if (ts.empty()) return;
+  const int32_t call = r.next_call(hook);
+  py::gil_scoped_release nogil;  // the kernels need no Python; tensor hooks of other threads may record meanwhile
+  r.record_many(hook, call, ts);
+}
+
+// grad_output of each output that requires grad, recorded when autograd computes it.
+void hook_outputs(const std::shared_ptr<Recorder>& r, int32_t hook, const Tensors& ts) {
+  for (const auto& p : ts) {
+    const at::Tensor& t = p.second;
+    if (!t.defined() || !t.requires_grad()) continue;
+    const int32_t index = p.first;
+    std::weak_ptr<Recorder> weak = r;
+    const_cast<at::Tensor&>(t).register_hook([weak, hook, index](const at::Tensor& g) {
+      if (!g.defined()) return;  // an output of a multi-output op that the loss does not use
+      auto rec = weak.lock();
+      if (!rec || !rec->active()) return;
+      rec->record(hook, index, rec->next_tensor_call(hook, index), plain(g));
+    });
+  }
+}
+
+// forward hook (module, args, output): records output (fwd >= 0) and hooks grad_output (grad >= 0).
+struct ForwardHook {
+  std::shared_ptr<Recorder> rec;
+  int32_t fwd, grad;
+  void operator()(py::handle module, py::handle args, py::handle output) const {
+    if (!rec->active()) return;
+    Tensors ts = flat(output);
+    if (ts.empty()) return;
+    if (grad >= 0) hook_outputs(rec, grad, ts);
+    if (fwd >= 0) {
+      const int32_t call = rec->next_call(fwd);
+      py::gil_scoped_release nogil;
+      rec->record_many(fwd, call, ts);
+    }
+  }
+};
+
+// forward pre-hook (module, args), full backward hook (module, grad_input, grad_output): record
+// the positional inputs / grad_input.
+struct ArgsHook {
+  std::shared_ptr<Recorder> rec;
+  int32_t hook;
+  void pre(py::handle module, py::handle args) const { record_obj(*rec, hook, args); }
+  void backward(py::handle module, py::handle grad_input, py::handle grad_output) const {
+    record_obj(*rec, hook, grad_input);
+  }
+};
+
+py::list site_rows(const std::vector<Site>& sites) {
+  py::list out;
+  for (const Site& s : sites) {
+    out.append(py::make_tuple(s.hook, s.index, s.call, std::string(c10::toString(s.dtype)), s.dev, s.row, s.hgroup,
+                              s.hrow));
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace monitor
+}  // namespace hookstats
+
+PYBIND11_MODULE(_C, m) {
+  using namespace hookstats::monitor;
+  m.doc() = "hookstats kernels (torch.ops.hookstats) and the Monitor's C++ hook path";
+  py::class_<Recorder, std::shared_ptr<Recorder>>(m, "Recorder")
+      .def(py::init([](int64_t slots, int64_t mode, int64_t bins, double lo, double hi, int64_t rows) {
+             return std::make_shared<Recorder>(slots, HistConfig{mode, bins, lo, hi}, rows);
+           }),
+           py::arg("slots"), py::arg("hist_mode") = 0, py::arg("bins") = 0, py::arg("lo") = 0.0,
+           py::arg("hi") = 0.0, py::arg("rows") = 64)
+      .def("add_hook", &Recorder::add_hook)
+      .def("begin_step", &Recorder::begin_step, py::arg("step"), py::arg("active"), py::arg("hist_on"))
+      .def_property_readonly("active", &Recorder::active)
+      .def("close", &Recorder::close)
+      .def("record", [](Recorder& r, int32_t hook, py::handle obj) { record_obj(r, hook, obj); },
+           "records the tensors of obj (a tensor or a structure of them) as one call of hook")
+      .def("record_tensors",
+           [](Recorder& r, int32_t hook, const std::vector<std::optional<at::Tensor>>& xs) {
+             if (!r.active()) return;
+             Tensors ts;
+             for (size_t i = 0; i < xs.size(); ++i) {
+               if (xs[i].has_value()) ts.emplace_back(static_cast<int32_t>(i), plain(*xs[i]));
+             }
+             if (ts.empty()) return;
+             const int32_t call = r.next_call(hook);
+             py::gil_scoped_release nogil;
+             r.record_many(hook, call, ts);
+           })
+      .def("record_grad",
+           [](Recorder& r, int32_t hook, int32_t index, const at::Tensor& g) {
+             if (!r.active()) return;
+             at::Tensor x = plain(g);
+             const int32_t call = r.next_tensor_call(hook, index);
+             py::gil_scoped_release nogil;
+             r.record(hook, index, call, x);
+           })
+      .def("record_params",
+           [](Recorder& r, const std::vector<std::pair<int32_t, at::Tensor>>& grads) {
+             // One record per (hook, grad), each its hook's next call: the "grad" kind's once-per-step path.
+             if (!r.active()) return;
+             std::vector<std::tuple<int32_t, int32_t, at::Tensor>> calls;
+             calls.reserve(grads.size());
+             for (const auto& [hook, g] : grads) calls.emplace_back(hook, r.next_call(hook), plain(g));
+             py::gil_scoped_release nogil;
+             r.record_calls(calls);
+           })
+      .def("take",
+           [](Recorder& r) {
+             Recorder::Taken t = r.take();
+             py::list stats, hists;
+             for (auto& [dev, block] : t.stats) stats.append(block);
+             for (auto& [dev, len, block] : t.hists) hists.append(py::make_tuple(dev, len, block));
+             auto arr = [](const std::vector<int32_t>& v) {
+               py::array_t<int32_t> a(static_cast<py::ssize_t>(v.size()));
+               if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(int32_t));
+               return a;
+             };
+             return py::make_tuple(stats, hists, t.steps, std::vector<bool>(t.hist_on.begin(), t.hist_on.end()),
+                                   arr(t.order_slots), arr(t.order_sites));
+           })
+      .def("reset", &Recorder::reset)
+      .def_property_readonly("skipped", &Recorder::skipped)
+      .def_property_readonly("num_sites", &Recorder::num_sites)
+      .def_property_readonly("pending_slots", &Recorder::pending_slots)
+      .def("sites_from", [](Recorder& r, int64_t from) { return site_rows(r.sites_from(from)); },
+           "(hook, index, call, dtype, dev, row, hist_group, hist_row) of the sites from `from` on")
+      .def("devices", [](Recorder& r) {
+        py::list out;
+        for (const auto& d : r.devices()) out.append(d.str());
+        return out;
+      });
+
+  py::class_<ForwardHook>(m, "ForwardHook")
+      .def(py::init([](std::shared_ptr<Recorder> r, int32_t fwd, int32_t grad) {
+        return ForwardHook{std::move(r), fwd, grad};
+      }))
+      .def("__call__", &ForwardHook::operator());
+  py::class_<ArgsHook>(m, "ArgsHook")
+      .def(py::init([](std::shared_ptr<Recorder> r, int32_t hook) { return ArgsHook{std::move(r), hook}; }))
+      .def("pre", &ArgsHook::pre)
+      .def("backward", &ArgsHook::backward);
+  m.def("set_local_part", [](py::object fn) { local_part_fn() = std::move(fn); },
+        "the function that maps a tensor subclass (DTensor) to the plain tensor to record");
+}

@@ -1,0 +1,331 @@
+// The Monitor's recording core: Note [monitor sites] in recorder.h.
+#include "recorder.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "../core/checks.h"
+#include "../core/hist_ops.h"
+#include "../core/stats_ops.h"
+
+namespace hookstats {
+namespace monitor {
+namespace {
+
+bool is_recordable(const at::Tensor& t) {
+  if (!t.defined() || t.layout() != at::kStrided) return false;
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16;
+}
+
+// stats_into through the dispatcher (CPU or CUDA kernel), below autograd: the buffers are
+// not part of any graph, and x may require grad.
+void stats_into(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
+                int64_t hist_slot, const HistConfig& h) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookstats::stats_into", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&,
+                                   int64_t, int64_t, int64_t, double, double)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  op.call(x, out, slot, hist, hist_slot, hist.has_value() ? h.mode : 0, h.bins, h.lo, h.hi);
+}
+
+void check_backend(const at::Tensor& x) {
+  if (!x.is_cuda()) return;
+  static const bool has_cuda = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("hookstats::stats_into", "")
+                                   .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+  TORCH_CHECK(has_cuda,
+              "hookstats.Monitor recorded a CUDA tensor, but this build of hookstats has no CUDA kernels. Rebuild "
+              "with a CUDA build of torch and a CUDA toolkit: `CUDA_HOME=/usr/local/cuda pip install "
+              "--no-build-isolation -e .` (HOOKSTATS_FORCE_CPU must be unset).");
+}
+
+int64_t hist_len_of(at::ScalarType t, const HistConfig& h) {
+  return hist_length(t, make_hist_spec(static_cast<int>(h.mode), h.mode == kHistRange ? h.bins : 0, h.lo, h.hi));
+}
+
+}  // namespace
+
+Recorder::Recorder(int64_t slots, HistConfig hist, int64_t init_rows)
+    : slots_(slots), init_rows_(init_rows), hist_(hist) {
+  TORCH_CHECK_VALUE(slots >= 1, "hookstats.Monitor: slots must be >= 1, got ", slots);
+  TORCH_CHECK_VALUE(init_rows >= 1, "hookstats.Monitor: rows must be >= 1, got ", init_rows);
+}
+
+int32_t Recorder::add_hook() {
+  std::lock_guard<std::mutex> g(mu_);
+  hooks_.emplace_back();
+  return static_cast<int32_t>(hooks_.size() - 1);
+}
+
+void Recorder::begin_step(int64_t step, bool active, bool hist_on) {
+  std::lock_guard<std::mutex> g(mu_);
+  ++epoch_;
+  step_ = step;
+  hist_on_ = hist_on;
+  active_.store(active && !closed_);
+}
+
+void Recorder::close() {
+  std::lock_guard<std::mutex> g(mu_);
+  closed_ = true;
+  active_.store(false);
+  devs_.clear();
+  hists_.clear();
+  slot_steps_.clear();
+  slot_hist_.clear();
+  order_slots_.clear();
+  order_sites_.clear();
+  cur_slot_ = -1;
+  slot_epoch_ = -1;
+}
+
+int32_t Recorder::next_call(int32_t hook) {
+  std::lock_guard<std::mutex> g(mu_);
+  HookState& h = hooks_.at(hook);
+  if (h.epoch != epoch_) {
+    h.epoch = epoch_;
+    h.calls = 0;
+    std::fill(h.tensor_calls.begin(), h.tensor_calls.end(), 0);
+  }
+  return h.calls++;
+}
+
+int32_t Recorder::next_tensor_call(int32_t hook, int32_t index) {
+  std::lock_guard<std::mutex> g(mu_);
+  HookState& h = hooks_.at(hook);
+  if (h.epoch != epoch_) {
+    h.epoch = epoch_;
+    h.calls = 0;
+    std::fill(h.tensor_calls.begin(), h.tensor_calls.end(), 0);
+  }
+  if (static_cast<int64_t>(h.tensor_calls.size()) <= index) h.tensor_calls.resize(index + 1, 0);
+  return h.tensor_calls[index]++;
+}
+
+int32_t Recorder::device_index(const c10::Device& d) {
+  for (size_t i = 0; i < devs_.size(); ++i) {
+    if (devs_[i].device == d) return static_cast<int32_t>(i);
+  }
+  DeviceBuffer b{d, at::Tensor(), 0, 0};
+  b.cap = init_rows_;
+  b.stats = at::full({slots_ * b.cap, static_cast<int64_t>(kNumStatFields)}, std::nan(""),
+                     at::TensorOptions().dtype(at::kDouble).device(d));
+  devs_.push_back(std::move(b));
+  return static_cast<int32_t>(devs_.size() - 1);
+}
+
+int32_t Recorder::hist_group(int32_t dev, int64_t len) {
+  for (size_t i = 0; i < hists_.size(); ++i) {
+    if (hists_[i].dev == dev && hists_[i].len == len) return static_cast<int32_t>(i);
+  }
+  HistBuffer h{dev, len, at::Tensor(), 0, 0};
+  h.cap = init_rows_;
+  h.counts = at::zeros({slots_ * h.cap, len}, at::TensorOptions().dtype(at::kLong).device(devs_[dev].device));
+  hists_.push_back(std::move(h));
+  return static_cast<int32_t>(hists_.size() - 1);
+}
+
+// New rows: the same slots, twice the rows per slot; the old block copied on the device.
+void Recorder::grow_rows(DeviceBuffer& b) {
+  const int64_t F = kNumStatFields;
+  at::Tensor n = at::full({slots_ * 2 * b.cap, F}, std::nan(""), b.stats.options());
+  n.view({slots_, 2 * b.cap, F}).narrow(1, 0, b.cap).copy_(b.stats.view({slots_, b.cap, F}));
+  b.stats = n;
+  b.cap *= 2;
+}
+
+void Recorder::grow_hist_rows(HistBuffer& h) {
+  at::Tensor n = at::zeros({slots_ * 2 * h.cap, h.len}, h.counts.options());
+  n.view({slots_, 2 * h.cap, h.len}).narrow(1, 0, h.cap).copy_(h.counts.view({slots_, h.cap, h.len}));
+  h.counts = n;
+  h.cap *= 2;
+}
+
+// More slots (steps between flushes than expected): every buffer doubles its slots.
+void Recorder::grow_slots(int64_t need) {
+  int64_t s = slots_;
+  while (s < need) s *= 2;
+  const int64_t F = kNumStatFields;
+  for (auto& b : devs_) {
+    at::Tensor n = at::full({s * b.cap, F}, std::nan(""), b.stats.options());
+    n.narrow(0, 0, slots_ * b.cap).copy_(b.stats);
+    b.stats = n;
+  }
+  for (auto& h : hists_) {
+    at::Tensor n = at::zeros({s * h.cap, h.len}, h.counts.options());
+    n.narrow(0, 0, slots_ * h.cap).copy_(h.counts);
+    h.counts = n;
+  }
+  slots_ = s;
+}
+
+int64_t Recorder::ensure_slot() {
+  if (slot_epoch_ != epoch_) {
+    slot_epoch_ = epoch_;
+    cur_slot_ = static_cast<int64_t>(slot_steps_.size());
+    slot_steps_.push_back(step_);
+    slot_hist_.push_back(hist_on_ ? 1 : 0);
+    if (cur_slot_ >= slots_) grow_slots(cur_slot_ + 1);
+  }
+  return cur_slot_;
+}
+
+int32_t Recorder::site_for(int32_t hook, int32_t index, int32_t call, const at::Tensor& t) {
+  HookState& h = hooks_.at(hook);
+  const int64_t key = (static_cast<int64_t>(call) << 32) | static_cast<uint32_t>(index);
+  const c10::Device dev = t.device();
+  const at::ScalarType dt = t.scalar_type();
+  auto it = h.sites.find(key);
+  int32_t prev = -1;
+  if (it != h.sites.end()) {
+    for (int32_t s = it->second; s >= 0; s = sites_[s].next) {
+      const Site& site = sites_[s];
+      if (site.dtype == dt && devs_[site.dev].device == dev) return s;
+      prev = s;
+    }
+  }
+  Site s{hook, index, call, 0, 0, -1, -1, -1, dt};
+  s.dev = device_index(dev);
+  DeviceBuffer& b = devs_[s.dev];
+  if (b.rows == b.cap) grow_rows(b);
+  s.row = static_cast<int32_t>(b.rows++);
+  if (hist_.mode != 0) {
+    s.hgroup = hist_group(s.dev, hist_len_of(dt, hist_));
+    HistBuffer& hb = hists_[s.hgroup];
+    if (hb.rows == hb.cap) grow_hist_rows(hb);
+    s.hrow = static_cast<int32_t>(hb.rows++);
+  }
+  const int32_t id = static_cast<int32_t>(sites_.size());
+  sites_.push_back(s);
+  if (prev >= 0) {
+    sites_[prev].next = id;
+  } else {
+    h.sites.emplace(key, id);
+  }
+  return id;
+}
+
+void Recorder::write(int32_t site, const at::Tensor& x, int64_t slot, bool hist) {
+  const Site& s = sites_[site];
+  const DeviceBuffer& b = devs_[s.dev];
+  order_slots_.push_back(static_cast<int32_t>(slot));
+  order_sites_.push_back(site);
+  if (hist && s.hgroup >= 0) {
+    const HistBuffer& hb = hists_[s.hgroup];
+    stats_into(x, b.stats, slot * b.cap + s.row, hb.counts, slot * hb.cap + s.hrow, hist_);
+  } else {
+    stats_into(x, b.stats, slot * b.cap + s.row, std::nullopt, 0, hist_);
+  }
+}
+
+void Recorder::record(int32_t hook, int32_t index, int32_t call, const at::Tensor& t) {
+  if (!is_recordable(t)) {
+    if (t.defined()) skipped_.fetch_add(1);
+    return;
+  }
+  check_backend(t);
+  std::lock_guard<std::mutex> g(mu_);
+  if (!active_.load() || closed_) return;
+  const int32_t s = site_for(hook, index, call, t);
+  const int64_t slot = ensure_slot();
+  write(s, t, slot, hist_on_);
+}
+
+void Recorder::record_many(int32_t hook, int32_t call, const std::vector<std::pair<int32_t, at::Tensor>>& ts) {
+  int64_t skipped = 0;
+  for (const auto& p : ts) {
+    if (!is_recordable(p.second)) ++skipped;
+    else check_backend(p.second);
+  }
+  if (skipped) skipped_.fetch_add(skipped);
+  if (static_cast<int64_t>(ts.size()) == skipped) return;
+  std::lock_guard<std::mutex> g(mu_);
+  if (!active_.load() || closed_) return;
+  const int64_t slot = ensure_slot();
+  for (const auto& p : ts) {
+    if (!is_recordable(p.second)) continue;
+    const int32_t s = site_for(hook, p.first, call, p.second);
+    write(s, p.second, slot, hist_on_);
+  }
+}
+
+void Recorder::record_calls(const std::vector<std::tuple<int32_t, int32_t, at::Tensor>>& calls) {
+  for (const auto& [hook, call, t] : calls) {
+    if (!is_recordable(t)) skipped_.fetch_add(1);
+    else check_backend(t);
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  if (!active_.load() || closed_) return;
+  const int64_t slot = ensure_slot();
+  for (const auto& [hook, call, t] : calls) {
+    if (!is_recordable(t)) continue;
+    write(site_for(hook, 0, call, t), t, slot, hist_on_);
+  }
+}
+
+Recorder::Taken Recorder::take() {
+  std::lock_guard<std::mutex> g(mu_);
+  Taken out;
+  const int64_t used = static_cast<int64_t>(slot_steps_.size());
+  const int64_t F = kNumStatFields;
+  for (const auto& b : devs_) {
+    out.stats.emplace_back(b.device, b.stats.view({slots_, b.cap, F}).narrow(0, 0, used).narrow(1, 0, b.rows));
+  }
+  for (const auto& h : hists_) {
+    out.hists.emplace_back(h.dev, h.len, h.counts.view({slots_, h.cap, h.len}).narrow(0, 0, used).narrow(1, 0, h.rows));
+  }
+  out.steps = slot_steps_;
+  out.hist_on = slot_hist_;
+  out.order_slots = order_slots_;
+  out.order_sites = order_sites_;
+  return out;
+}
+
+void Recorder::reset() {
+  std::lock_guard<std::mutex> g(mu_);
+  const int64_t used = static_cast<int64_t>(slot_steps_.size());
+  if (used) {
+    for (auto& b : devs_) b.stats.narrow(0, 0, used * b.cap).fill_(std::nan(""));
+    for (auto& h : hists_) h.counts.narrow(0, 0, used * h.cap).zero_();
+  }
+  slot_steps_.clear();
+  slot_hist_.clear();
+  order_slots_.clear();
+  order_sites_.clear();
+  slot_epoch_ = -1;  // the step in progress takes a new slot at its next record
+  cur_slot_ = -1;
+}
+
+int64_t Recorder::num_sites() {
+  std::lock_guard<std::mutex> g(mu_);
+  return static_cast<int64_t>(sites_.size());
+}
+
+std::vector<Site> Recorder::sites_from(int64_t from) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (from >= static_cast<int64_t>(sites_.size())) return {};
+  return std::vector<Site>(sites_.begin() + from, sites_.end());
+}
+
+std::vector<c10::Device> Recorder::devices() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<c10::Device> out;
+  for (const auto& b : devs_) out.push_back(b.device);
+  return out;
+}
+
+int64_t Recorder::pending_slots() {
+  std::lock_guard<std::mutex> g(mu_);
+  return static_cast<int64_t>(slot_steps_.size());
+}
+
+}  // namespace monitor
+}  // namespace hookstats

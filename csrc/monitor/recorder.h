@@ -1,0 +1,148 @@
+// The Monitor's recording core (Note [monitor sites]): the site table, the per-device step-block
+// buffers, and the record path that hook callables (monitor_py.cpp) and tensor hooks call
+// without Python. Torch-facing C++ only; Python sees it through pybind11.
+//
+// Note [monitor sites]
+// A site is one (hook, tensor index, call number within the step, device, dtype): "the 2nd call
+// of block 3's forward, output 0". Site ids are small integers, assigned when a site is first
+// recorded, in that order, and never reused; new sites may appear at any step. Each device has a
+// stats buffer of [slots, cap] rows of 13 float64 (one row per (step slot, site)), and each
+// (device, histogram length) a histogram buffer of [slots, hcap] int64 rows; a site owns one row
+// index in its device's block (and one in its histogram group's). A step that records anything
+// takes the next slot. A row is written by one stats_into call; every row starts (and is reset
+// after each flush to) NaN. The host keeps the site table, one step number per slot, and the
+// order in which rows were written (two int32 per record: records come back in hook-call order,
+// whatever the site numbering). A flush
+// copies each buffer's used block to the host in one copy (Python: hookstats/monitor/buffers.py).
+// A buffer grows (doubles, slots or cap) by a device-to-device copy: no host sync, nothing dropped.
+// Call numbers count per hook and step for forward-side hooks, and per (hook, tensor index) and
+// step for tensor hooks, at the time the hook runs: gradient accumulation and retain_graph give
+// one site per backward call, as they give one PyTorch hook call each.
+// Tensor hooks run on autograd threads without the GIL: every state change is under one mutex.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace hookstats {
+namespace monitor {
+
+struct HistConfig {
+  int64_t mode = 0;  // 0: none, 1: range, 2: exponent (csrc/core/hist_ops.h)
+  int64_t bins = 0;
+  double lo = 0.0, hi = 0.0;
+};
+
+struct Site {
+  int32_t hook, index, call;
+  int32_t dev;     // index into Recorder::devs_
+  int32_t row;     // row within the device's step block
+  int32_t hgroup;  // index into Recorder::hists_, -1 without a histogram
+  int32_t hrow;
+  int32_t next;    // another site with the same (hook, index, call) but another device or dtype, or -1
+  at::ScalarType dtype;
+};
+
+struct DeviceBuffer {
+  c10::Device device;
+  at::Tensor stats;  // [slots * cap, 13] float64: row (slot, r) at slot * cap + r
+  int64_t cap = 0, rows = 0;
+};
+
+struct HistBuffer {
+  int32_t dev;
+  int64_t len;
+  at::Tensor counts;  // [slots * cap, len] int64
+  int64_t cap = 0, rows = 0;
+};
+
+class Recorder {
+ public:
+  Recorder(int64_t slots, HistConfig hist, int64_t init_rows);
+
+  // A new hook id (hooks are numbered from 0; Python keeps their names and kinds).
+  int32_t add_hook();
+
+  // Starts step `step`: records go under it while `active`; histograms only when `hist_on`.
+  void begin_step(int64_t step, bool active, bool hist_on);
+  bool active() const { return active_.load(std::memory_order_relaxed); }
+  // Closed recorders record nothing (a graph built before detach() still runs its hooks).
+  void close();
+
+  // The next call number of hook (forward-side hooks: one per call, for all its tensors).
+  int32_t next_call(int32_t hook);
+  // The next call number of (hook, index) (tensor hooks).
+  int32_t next_tensor_call(int32_t hook, int32_t index);
+  // Records t at site (hook, index, call) of the current step. Non-floating tensors are counted
+  // in skipped() and not recorded.
+  void record(int32_t hook, int32_t index, int32_t call, const at::Tensor& t);
+  // Records many tensors of one hook call under one lock.
+  void record_many(int32_t hook, int32_t call, const std::vector<std::pair<int32_t, at::Tensor>>& ts);
+
+  // Records tensor 0 of many hook calls (hook, call, tensor) under one lock, into one step slot.
+  void record_calls(const std::vector<std::tuple<int32_t, int32_t, at::Tensor>>& calls);
+
+  // Flush support, under the lock: the used blocks (device tensors, views), the step per slot,
+  // whether each slot's histograms were on, and then reset() makes the buffers empty again.
+  struct Taken {
+    std::vector<std::pair<c10::Device, at::Tensor>> stats;                   // [slots, rows, 13]
+    std::vector<std::tuple<int32_t, int64_t, at::Tensor>> hists;             // (dev, len, [slots, rows, len])
+    std::vector<int64_t> steps;
+    std::vector<uint8_t> hist_on;
+    std::vector<int32_t> order_slots, order_sites;  // every written (slot, site), in the order written
+  };
+  Taken take();
+  void reset();  // NaN/zero the used rows and forget the slots (after the host copy is enqueued)
+
+  int64_t skipped() const { return skipped_.load(); }
+  int64_t num_sites();
+  // Sites [from, num_sites()): (hook, index, call, dtype name, device string, dev, row, hgroup, hrow).
+  std::vector<Site> sites_from(int64_t from);
+  std::vector<c10::Device> devices();
+  int64_t pending_slots();
+
+ private:
+  int32_t site_for(int32_t hook, int32_t index, int32_t call, const at::Tensor& t);
+  int32_t device_index(const c10::Device& d);
+  int32_t hist_group(int32_t dev, int64_t len);
+  int64_t ensure_slot();
+  void grow_slots(int64_t need);
+  void grow_rows(DeviceBuffer& b);
+  void grow_hist_rows(HistBuffer& h);
+  void write(int32_t site, const at::Tensor& x, int64_t slot, bool hist);
+
+  std::mutex mu_;
+  int64_t slots_;          // capacity of every buffer, in step slots
+  int64_t init_rows_;
+  HistConfig hist_;
+  std::vector<DeviceBuffer> devs_;
+  std::vector<HistBuffer> hists_;
+  std::vector<Site> sites_;
+  struct HookState {
+    int64_t epoch = -1;
+    int32_t calls = 0;
+    std::vector<int32_t> tensor_calls;
+    std::unordered_map<int64_t, int32_t> sites;  // (call << 32 | index) -> first site id
+  };
+  std::vector<HookState> hooks_;
+  int64_t epoch_ = 0, step_ = 0;
+  std::atomic<bool> active_{true};
+  bool hist_on_ = true;
+  bool closed_ = false;
+  int64_t slot_epoch_ = -1, cur_slot_ = -1;
+  std::vector<int64_t> slot_steps_;
+  std::vector<uint8_t> slot_hist_;
+  std::vector<int32_t> order_slots_, order_sites_;
+  std::atomic<int64_t> skipped_{0};
+};
+
+}  // namespace monitor
+}  // namespace hookstats

@@ -1,0 +1,114 @@
+"""torch.compile glue of the Monitor's hooks: Note [monitor under torch.compile].
+
+Note [monitor under torch.compile]
+A hook that dynamo traces (forward hooks inside a compiled module; module backward and "grad" hooks under compiled
+autograd) must not read the step, call counts, `every` or buffer sizes: they change from call to call, so each
+would be a guard, and every step a recompile. Such a hook traces one _record_op call instead, with the tensors and
+two constant ids (the recorder's and the hook's). The op is registered as effectful (ordered), so compilers neither
+drop it (it returns nothing) nor reorder it; when the compiled graph runs, its body hands the tensors to the C++
+recorder (hookstats/monitor/buffers.py): the eager recording, with the step, call numbers and `every` of that
+moment. Records, their sites and their step numbers are the eager ones, and no guard depends on them. Where the
+effect cannot be registered (older PyTorch), the op is called through torch.compiler.disable: a graph break per
+hook, same records.
+- The op is tagged cudagraph_unsafe: a CUDA graph replay would skip its body, and the record.
+- Hooks are never compiled as frames of their own (inlined_only): one called from eager code records eagerly.
+- Dynamo does not guard on module hooks (torch._dynamo.config.skip_nnmodule_hook_guards): attach a Monitor before
+  compiling; code compiled before then never calls its hooks. After detach() the compiled code still calls the op,
+  which then records nothing.
+- Without compiled autograd, dynamo refuses module backward hooks (a graph break at each module that has them, the
+  hooks then run eagerly); "grad" hooks run eagerly in the autograd engine, after the compiled backward.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+from ..hooks import _flatten
+
+_IDS = itertools.count()
+# id -> the Buffers of a Monitor or record object (weakly: a dropped Monitor frees its buffers and model).
+_LIVE: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_UNSAFE = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+
+
+def register(buffers) -> int:
+    """A constant id under which traced hooks reach `buffers` (held weakly)."""
+    i = next(_IDS)
+    _LIVE[i] = buffers
+    return i
+
+
+@torch.library.custom_op("hookstats::_monitor_record", mutates_args=(), **_UNSAFE)
+def _record_op(xs: list[Optional[torch.Tensor]], monitor: int, hook: int, index: int = -1) -> None:
+    """Records xs as one call of hook; with index >= 0, xs[0] as tensor `index` of a tensor hook (grad_output)."""
+    buffers = _LIVE.get(monitor)
+    if buffers is not None:
+        if index >= 0:
+            buffers.record_grad(hook, index, xs[0])
+        else:
+            buffers.record_tensors(hook, xs)
+
+
+@_record_op.register_fake
+def _record_op_fake(xs, monitor, hook, index=-1) -> None:
+    return None
+
+
+def _register_ordered_effect() -> bool:
+    try:
+        from torch._library.effects import EffectType
+
+        _record_op.register_effect(EffectType.ORDERED)
+        return True
+    except (ImportError, AttributeError):
+        pass
+    try:  # older PyTorch
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+        _register_effectful_op(torch.ops.hookstats._monitor_record.default, _EffectType.ORDERED)
+        return True
+    except (ImportError, AttributeError):
+        return False
+
+
+if _register_ordered_effect():
+    _record_op_traced = _record_op
+else:
+    _record_op_traced = torch.compiler.disable(_record_op)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+is_compiling = torch.compiler.is_compiling
+
+
+def inlined_only(hook):
+    """hook, which dynamo traces where a compiled frame calls it, but never compiles as a frame of its own: a hook
+    called from eager code (a module run eagerly after a graph break) records eagerly, instead of being compiled
+    once per hook (each has other constants) until dynamo's recompile limit."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        set_code_exec_strategy(hook.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError):  # older PyTorch: the hook compiles, and records the same
+        pass
+    return hook
+
+
+def record_traced(mid: int, hid: int, obj) -> None:
+    """The traced body of a Monitor hook: see Note [monitor under torch.compile]."""
+    if _is_exporting():  # an exported program must not call back into this process's monitors
+        return None
+    tensors: list = []
+    _flatten(obj, tensors, keep_none=True)
+    _record_op_traced([None if t is None else t.detach() for t in tensors], mid, hid)
+    return None
+
+
+def record_traced_tensor(mid: int, hid: int, index: int, grad) -> None:
+    """The traced body of a grad_output tensor hook (Note [grad_output by tensor hooks] in hooks.py)."""
+    if grad is None or _is_exporting():
+        return grad
+    _record_op_traced([grad.detach()], mid, hid, index)
+    return grad  # unchanged; compiled autograd takes a hook's None for a missing gradient

@@ -1,0 +1,354 @@
+"""hookstats.Monitor: statistics of every matching layer, every step, into device buffers, read back when you choose.
+
+The data path: hooks (hooks.py, C++ callables of csrc/monitor/) -> site rows of device buffers (buffers.py; Note
+[monitor sites] in csrc/monitor/recorder.h) -> flush: one host copy per buffer, a columnar Block -> records(),
+summary(), first_nonfinite(), exporters.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .._ops import STATS_FIELDS
+from . import hooks as _hooks
+from .buffers import Buffers
+from .summary import format_summary, summary_from_columns
+
+# Hook kinds a Monitor attaches, and the aliases it accepts.
+MONITOR_KINDS = ("forward_pre", "forward", "backward_pre", "backward", "grad")
+_KIND_ALIASES = {"inputs": "forward_pre", "outputs": "forward", "grad_output": "backward_pre",
+                 "grad_input": "backward", "param_grad": "grad"}
+
+
+def _kinds(kinds) -> tuple:
+    ks = []
+    for k in ([kinds] if isinstance(kinds, str) else kinds):
+        k = _KIND_ALIASES.get(k, k)
+        if k not in MONITOR_KINDS:
+            raise ValueError(f"hookstats.Monitor: unknown kind {k!r}; use any of {MONITOR_KINDS} "
+                             f"(or the aliases {sorted(_KIND_ALIASES)})")
+        if k not in ks:
+            ks.append(k)
+    return tuple(ks)
+
+
+def _positive(name: str, v, optional: bool = False):
+    if optional and v is None:
+        return v
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"hookstats.Monitor: {name} must be {'None or ' if optional else ''}an int >= 1, got {v!r}")
+    return v
+
+
+class Monitor:
+    """Statistics of every matching layer, every step (or every `every` steps), into device buffers.
+
+    kinds (a name or a sequence of names): "forward" (module outputs), "forward_pre" (positional inputs),
+    "backward_pre" (grad_output, alias "grad_output"), "backward" (grad_input, alias "grad_input"), "grad" (each
+    parameter's .grad: after each accumulation, or, with `optimizer=`, once per step in one call per device at the
+    optimizer's step; `record_grads()` records them on demand).
+    include / exclude: globs on qualified module names ("" is the model itself; "grad" uses parameter names).
+    histogram: a histogram spec recorded with every tensor ((bins, (lo, hi)), Histogram.range(...), "exp");
+    histogram_every=M: statistics every recorded step, the histogram every M-th of them.
+    Each hook call is one C++ call: the stats kernel runs once per tensor into the tensor's row of a device buffer
+    (Note [monitor sites]); nothing is read back until `flush()` / `records()`. Steps skipped by `every` launch
+    nothing. Non-floating tensors are skipped and counted (`skipped`).
+    exporters: objects with write(records, scalars) (hookstats.export: JSONLWriter, TensorBoardWriter,
+    WandbWriter) that receive each flush's new records; `flush_every=N` flushes at every N-th `step()` (one host copy
+    per buffer then, none in between); `keep_records=False` keeps no host copy once exporters have them (long runs).
+    slots: steps the buffers hold before they grow (default: flush_every, or 16).
+    `log(tag, value)` records a scalar (loss, total grad norm) beside the statistics, without a host sync.
+    process_group (a ProcessGroup, or "world"): flush() merges every rank's records (Note [merging records across
+    ranks] in hookstats.distributed) and becomes a collective that every rank calls at the same points (step() with
+    flush_every, flush(), detach()); records()/summary()/first_nonfinite() then read what was flushed without
+    flushing, so that calling them on one rank cannot hang the others. Exporters write on `export_rank` only.
+    DTensor tensors (FSDP2's sharded parameters and grads) are recorded by their local shard.
+    """
+
+    def __init__(self, model: torch.nn.Module, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
+                 kinds: Sequence[str] = ("forward", "backward_pre"), histogram=None, every: int = 1,
+                 slots: Optional[int] = None, exporters: Sequence[Any] = (), flush_every: Optional[int] = None,
+                 keep_records: bool = True, process_group=None, export_rank: int = 0,
+                 histogram_every: int = 1, optimizer: Optional[torch.optim.Optimizer] = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"hookstats.Monitor needs a torch.nn.Module, got {type(model).__name__}")
+        self.every = _positive("every", every)
+        self.flush_every = _positive("flush_every", flush_every, optional=True)
+        self.histogram_every = _positive("histogram_every", histogram_every)
+        slots = _positive("slots", slots if slots is not None else (self.flush_every or 16))
+        include = [include] if isinstance(include, str) else list(include)
+        exclude = [exclude] if isinstance(exclude, str) else list(exclude)
+        self.kinds = _kinds(kinds)
+        exporters = list(exporters)
+        for e in exporters:
+            if not callable(getattr(e, "write", None)):
+                raise TypeError(f"hookstats.Monitor: an exporter needs a write(records, scalars) method; "
+                                f"{type(e).__name__} has none")
+        if not keep_records and not exporters:
+            raise ValueError("hookstats.Monitor: keep_records=False without exporters would throw every record away")
+        if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
+            raise TypeError(f"hookstats.Monitor: optimizer= needs a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        self.exporters = exporters
+        self._buf = Buffers(histogram, slots)
+        self._buf.keep = keep_records
+        self.rank = 0
+        self._exporting = True
+        if process_group is not None:
+            import torch.distributed as dist
+
+            from ..distributed import resolve_group
+
+            self._buf.group = resolve_group(process_group)
+            self.rank = dist.get_rank(self._buf.group)
+            self._exporting = self.rank == export_rank
+        self._step = 0
+        self._recorded_steps = 0  # steps recorded so far (histogram_every counts these)
+        self._handles: list = []
+        self._model = model
+        self._optimizer = optimizer
+
+        def wanted(name: str) -> bool:
+            return any(fnmatch.fnmatchcase(name, p) for p in include) and \
+                not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+
+        self._wanted = wanted
+        self.modules = [name for name, _ in model.named_modules() if wanted(name)]
+        self._attach(model)
+        self._begin_step()
+        info = self.run_info()
+        try:
+            for e in self._active_exporters():
+                begin = getattr(e, "begin", None)
+                if begin is not None:
+                    begin(info)
+        except BaseException:  # no half-built Monitor left recording through its hooks
+            self._detach_hooks()
+            raise
+
+    # -- hooks ----------------------------------------------------------------------------------------------------
+    def _attach(self, model: torch.nn.Module) -> None:
+        b, rec, mid, kinds = self._buf, self._buf.rec, self._buf.id, self.kinds
+        for name, mod in model.named_modules():
+            if not self._wanted(name):
+                continue
+            if "forward_pre" in kinds:
+                self._handles.append(mod.register_forward_pre_hook(
+                    _hooks.forward_pre_hook(rec, mid, b.hook(name, "forward_pre"))))
+            if "forward" in kinds or "backward_pre" in kinds:
+                fwd = b.hook(name, "forward") if "forward" in kinds else -1
+                grad = b.hook(name, "backward_pre") if "backward_pre" in kinds else -1
+                self._handles.append(mod.register_forward_hook(_hooks.forward_hook(rec, mid, fwd, grad)))
+            if "backward" in kinds:
+                self._handles.append(mod.register_full_backward_hook(
+                    _hooks.backward_hook(rec, mid, b.hook(name, "backward"))))
+        self._params: list = []
+        if "grad" in kinds:
+            for pname, p in model.named_parameters():
+                if p.requires_grad and self._wanted(pname):
+                    hid = b.hook(pname, "grad")
+                    self._params.append((hid, p))
+                    if self._optimizer is None:
+                        self._handles.append(p.register_post_accumulate_grad_hook(_hooks.grad_hook(rec, mid, hid)))
+            if self._optimizer is not None:
+                self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_hook()))
+
+    def _optimizer_hook(self):
+        import weakref
+
+        me = weakref.ref(self)  # the optimizer must not keep a dropped Monitor (and its model) alive
+
+        def hook(optimizer, args, kwargs):
+            mon = me()
+            if mon is not None:
+                mon.record_grads()
+            return None
+
+        return hook
+
+    def record_grads(self) -> None:
+        """Records every monitored parameter's current .grad (kind "grad") under the current step: one C++ call,
+        one kernel launch per gradient. Called at the optimizer's step when the Monitor was given `optimizer=`."""
+        if "grad" not in self.kinds:
+            raise RuntimeError("hookstats.Monitor.record_grads needs the 'grad' kind (kinds=(..., 'grad'))")
+        if self._model is None or not self._buf.rec.active:
+            return
+        self._buf.rec.record_params([(hid, p.grad) for hid, p in self._params if p.grad is not None])
+
+    def _active_exporters(self) -> list:
+        return self.exporters if self._exporting else []
+
+    @property
+    def histogram(self):
+        """The Histogram recorded with each tensor, or None."""
+        return self._buf.histogram
+
+    def run_info(self) -> dict:
+        """What exporters need to read the records: histogram spec, statistics fields, kinds, modules, versions."""
+        from .. import __version__
+
+        h = self._buf.histogram
+        hist = None if h is None else ({"kind": "exp"} if h.kind == "exp" else
+                                       {"kind": "range", "bins": h.bins, "lo": h.lo, "hi": h.hi})
+        return {"hookstats": __version__, "torch": torch.__version__, "histogram": hist,
+                "stats_fields": list(STATS_FIELDS), "kinds": list(self.kinds), "modules": list(self.modules),
+                "every": self.every, "histogram_every": self.histogram_every}
+
+    # -- control --------------------------------------------------------------------------------------------------
+    def _begin_step(self) -> None:
+        active = self._model is not None and self._step % self.every == 0
+        hist_on = self._recorded_steps % self.histogram_every == 0
+        self._buf.rec.begin_step(self._step, active, hist_on)
+        if active:
+            self._recorded_steps += 1
+
+    def step(self) -> None:
+        """Ends a step: the next hooks record under step + 1 (and only every `every` steps). With flush_every=N,
+        every N-th call flushes."""
+        self._step += 1
+        self._begin_step()
+        if self.flush_every is not None and self._step % self.flush_every == 0:
+            self.flush()
+
+    def log(self, tag: str, value) -> None:
+        """Records a scalar under the current step: a one-element tensor (copied on its device, no host sync:
+        `mon.log("loss", loss)`, `mon.log("grad_norm", clip_grad_norm_(...))`) or a number. Read back with
+        `scalars()`; exporters write it as a scalar named tag. Logged even on steps skipped by `every`."""
+        if not isinstance(tag, str) or not tag:
+            raise TypeError(f"hookstats.Monitor.log needs a non-empty str tag, got {tag!r}")
+        if self._model is None:
+            raise RuntimeError("hookstats.Monitor.log after detach(): the monitor is closed")
+        self._buf.scalars.add(value, self._step, tag)
+
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    @property
+    def skipped(self) -> int:
+        """Non-floating tensors (token ids, masks) the hooks saw and did not record."""
+        return self._buf.skipped
+
+    def flush(self) -> list[dict]:
+        """Copies the recorded rows to the host: one copy per buffer (non-blocking into pinned memory on CUDA), and
+        hands the new records and scalars to every exporter. Returns the new records (as dicts: built for the
+        return value and the exporters only; the Monitor itself keeps columns)."""
+        block = self._buf.flush()
+        scalars = self._buf.scalars.flush(self._buf.keep)
+        exporters = self._active_exporters()
+        if exporters and (len(block) or scalars):
+            new = block.records()
+            for e in exporters:
+                e.write(new, scalars)
+            return new
+        return _LazyRecords(block)
+
+    def _read(self) -> None:
+        if self._buf.group is None and self._model is not None:
+            self.flush()
+
+    def scalars(self) -> list[dict]:
+        """Every scalar logged with log() so far: dicts with seq, step, tag and value, in call order. Flushes first
+        (without a process group). Scalars are this rank's: they are not merged across ranks."""
+        self._read()
+        return list(self._buf.scalars.flushed)
+
+    def records(self) -> list[dict]:
+        """Every record so far, in the order the hooks ran (Note [grad_output by tensor hooks] says where a
+        grad_output record's place differs from a full backward pre-hook's): dicts with
+        seq, step, module, kind, index (the tensor's position in what the hook saw, None entries counted), dtype,
+        stats (a dict of the 13 STATS_FIELDS) and histogram (a list of counts, or None). Flushes first (without a
+        process group: with one, call flush() on every rank). Built from the flushed columns when called."""
+        self._read()
+        return self._buf.records()
+
+    def first_nonfinite(self) -> Optional[dict]:
+        """The first record (by step and hook order) whose tensor held a NaN or Inf: NaN hunting without
+        torch.autograd.detect_anomaly. None if there was none."""
+        self._read()
+        return self._buf.first_nonfinite()
+
+    def summary_rows(self) -> list[dict]:
+        """One row per (module, kind): hookstats.monitor.summary_rows() of the records, from their columns."""
+        self._read()
+        return summary_from_columns(*self._buf.columns())
+
+    def summary(self) -> str:
+        """The per-layer table of summary_rows(), as text."""
+        return format_summary(self.summary_rows())
+
+    def detach(self) -> None:
+        """Removes every hook and drops the buffers and the reference to the model. Unflushed records are flushed
+        first (and handed to the exporters, which are then closed); records already flushed stay readable."""
+        try:
+            if self._model is not None:
+                self.flush()
+        finally:  # even when the flush fails (a rank mismatch, an exporter error), the hooks go and writers close
+            if self._model is not None:
+                for e in self._active_exporters():
+                    close = getattr(e, "close", None)
+                    if close is not None:
+                        close()
+            self._detach_hooks()
+
+    def _detach_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        # A graph built before detach() still calls the hooks it captured (PyTorch snapshots a module's backward
+        # hooks at forward time, and tensor hooks live in the graph): they must record nothing from now on.
+        self._buf.release()
+        self._model = None
+        self._params = []
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def __del__(self):
+        try:
+            for h in self._handles:
+                h.remove()
+            self._buf.release()
+        except Exception:
+            pass
+
+
+class _LazyRecords(list):
+    """flush()'s return value when no exporter needs dicts: a list whose dicts are built on first access."""
+
+    def __init__(self, block):
+        super().__init__()
+        self._block = block
+        self._built = False
+
+    def _build(self):
+        if not self._built:
+            self._built = True
+            super().extend(self._block.records())
+
+    def __len__(self):
+        return len(self._block)
+
+    def __iter__(self):
+        self._build()
+        return super().__iter__()
+
+    def __getitem__(self, i):
+        self._build()
+        return super().__getitem__(i)
+
+    def __eq__(self, other):
+        self._build()
+        return list.__eq__(self, other)
+
+    def __bool__(self):
+        return len(self._block) > 0
+
+    def __repr__(self):
+        self._build()
+        return list.__repr__(self)

@@ -1,0 +1,71 @@
+"""hookstats.record: a hook object that records what it sees, for users who register hooks themselves."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..hooks import _Forms
+from .buffers import Buffers
+from .compile import is_compiling, record_traced
+
+# What a record hook's records are labelled with: the hook kind (a full backward hook records both sides).
+_RECORD_LABELS = ("backward:grad_input", "backward:grad_output", "backward_pre", "forward_pre", "forward", "tensor",
+                  "post_accumulate")
+
+
+class record(_Forms):
+    """A hook that records statistics (and a histogram) of what it sees into a device buffer, returns nothing and
+    changes nothing. Register the object (full backward hook: grad_input and grad_output are both recorded) or one
+    of its forms (see hookstats.hooks); read with `records()` (which flushes: one host copy). Records carry
+    `step`: set `rec.step` (or call `rec.next_step()`) to number them; every call within a step is its own site
+    (Note [monitor sites]), in call order."""
+
+    _name = "hookstats.record"
+
+    def __init__(self, name: str = "", *, histogram=None, slots: int = 16):
+        self.name = name
+        self._buf = Buffers(histogram, slots)
+        self._hooks = {label: self._buf.hook(name, label) for label in _RECORD_LABELS}
+        self._step = 0
+        self._buf.rec.begin_step(0, True, True)
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = int(value)
+        self._buf.rec.begin_step(self._step, True, True)
+
+    def next_step(self) -> None:
+        self.step = self._step + 1
+
+    def _add(self, label: str, obj) -> None:
+        hid = self._hooks[label]
+        if is_compiling():  # no read of step or call counts in traced code: Note [monitor under torch.compile]
+            return record_traced(self._buf.id, hid, obj)
+        self._buf.record(hid, obj)
+        return None
+
+    def _process(self, kind, obj, module, extra=None, param=None):
+        if kind == "backward":
+            self._add("backward:grad_input", obj)
+            self._add("backward:grad_output", extra)
+        else:
+            self._add(kind, obj)
+        return None
+
+    def flush(self) -> None:
+        self._buf.flush()
+
+    def records(self) -> list[dict]:
+        self._buf.flush()
+        return self._buf.records()
+
+    def first_nonfinite(self) -> Optional[dict]:
+        self._buf.flush()
+        return self._buf.first_nonfinite()
+
+    @property
+    def skipped(self) -> int:
+        return self._buf.skipped

@@ -1,0 +1,77 @@
+"""The per-layer summary table of a Monitor's records, computed from columns (numpy arrays), never per record."""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .._ops import STATS_FIELDS
+
+_F = {name: i for i, name in enumerate(STATS_FIELDS)}
+
+
+def summary_from_columns(module: Sequence[str], kind: Sequence[str], step: np.ndarray, stats: np.ndarray) -> list[dict]:
+    """Per (module, kind), in the order first seen: number of records, last step's l2 (the tensors of that step
+    combined), the largest linf, the smallest min and largest max (over records without NaN), and the NaN / Inf
+    totals. `stats` is [n, 13] in STATS_FIELDS order, row i for (module[i], kind[i], step[i])."""
+    n = len(step)
+    if n == 0:
+        return []
+    keys: dict[tuple, int] = {}
+    group = np.empty(n, dtype=np.int64)
+    for i, k in enumerate(zip(module, kind)):
+        group[i] = keys.setdefault(k, len(keys))
+    g = len(keys)
+    step = np.asarray(step, dtype=np.int64)
+    count = np.bincount(group, minlength=g)
+    nan = np.bincount(group, weights=stats[:, _F["nan_count"]], minlength=g)
+    inf = np.bincount(group, weights=stats[:, _F["inf_count"]], minlength=g)
+
+    def reduce(col: str, fn, init: float) -> np.ndarray:
+        v = stats[:, _F[col]]
+        ok = v == v
+        out = np.full(g, init)
+        fn.at(out, group[ok], v[ok])
+        return out
+
+    linf = reduce("linf", np.maximum, 0.0)
+    mn = reduce("min", np.minimum, math.inf)
+    mx = reduce("max", np.maximum, -math.inf)
+    last = np.full(g, np.iinfo(np.int64).min)
+    np.maximum.at(last, group, step)
+    at_last = step == last[group]
+    l2 = np.sqrt(np.bincount(group[at_last], weights=np.square(stats[at_last, _F["l2"]]), minlength=g))
+    rows = []
+    for (mod, knd), j in keys.items():
+        rows.append({"module": mod, "kind": knd, "records": int(count[j]), "last_step": int(last[j]),
+                     "l2": float(l2[j]), "linf": float(linf[j]), "min": float(mn[j]), "max": float(mx[j]),
+                     "nan": int(nan[j]), "inf": int(inf[j])})
+    return rows
+
+
+def summary_rows(records: Iterable[dict]) -> list[dict]:
+    """summary_from_columns() of records as dicts (a log read back, records())."""
+    records = list(records)
+    stats = np.array([[r["stats"][f] for f in STATS_FIELDS] for r in records], dtype=np.float64).reshape(-1, 13)
+    return summary_from_columns([r["module"] for r in records], [r["kind"] for r in records],
+                                np.array([r["step"] for r in records], dtype=np.int64), stats)
+
+
+SUMMARY_HEADER = ("module", "kind", "records", "last l2", "max |x|", "min", "max", "NaN", "Inf")
+
+
+def summary_cells(rows: Sequence[dict]) -> list[list[str]]:
+    """The cells of the summary table (SUMMARY_HEADER columns), as strings."""
+    return [[r["module"] or "<model>", r["kind"], str(r["records"]), f"{r['l2']:.4g}", f"{r['linf']:.4g}",
+             f"{r['min']:.4g}", f"{r['max']:.4g}", str(r["nan"]), str(r["inf"])] for r in rows]
+
+
+def format_summary(rows: Sequence[dict]) -> str:
+    """summary_rows() as an aligned text table."""
+    head = SUMMARY_HEADER
+    body = summary_cells(rows)
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
