@@ -3,8 +3,10 @@
 // Fake (meta) kernels for torch.compile live in hookstats/_ops.py. The Python module itself,
 // hookstats._C (whose loading runs these registrations), is defined in monitor/monitor_py.cpp.
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <string>
+#include <vector>
 
 namespace hookstats {
 std::string cpu_isa(const std::string& mode);  // cpu/stats_cpu.cpp
@@ -23,6 +25,11 @@ TORCH_LIBRARY(hookstats, m) {
   // is given, the histogram added to row `hist_slot` of hist (int64).
   m.def("stats_into(Tensor x, Tensor(a!) out, int slot, Tensor(b!)? hist=None, int hist_slot=0, int hist_mode=0, "
         "int bins=0, float lo=0., float hi=0.) -> ()");
+  // stats_into for many tensors of one device in one call: xs[i] into row rows[i] of out, and,
+  // when hist is given, its histogram added to row hist_rows[i] of hist (one histogram length:
+  // group the tensors by dtype for exponent histograms). csrc/core/multi_bindings.h.
+  m.def("stats_multi_into(Tensor[] xs, Tensor(a!) out, int[] rows, Tensor(b!)? hist=None, int[] hist_rows=[], "
+        "int hist_mode=0, int bins=0, float lo=0., float hi=0.) -> ()");
   // Norms of a list of tensors on one device (any float dtypes and layouts), one kernel call:
   // (per-tensor norms [n], the total norm of their concatenation), both float64, overflow-safe
   // (csrc/core/norm_ops.h, Note [norm partials]). p is inf or a finite p > 0.
@@ -38,6 +45,17 @@ TORCH_LIBRARY(hookstats, m) {
   // reads and writes it once (cuda/clip_cuda.cu, Note [fused clip_norm_]); path 1 forces the
   // two-launch path, path 2 the fused one (for tests and benchmarks).
   m.def("clip_norm_(Tensor(a!) x, float p, float max_norm, float eps, int policy, int path=0) -> Tensor");
+  // The traced body of a Monitor hook (hookstats/monitor/compile.py, Note [monitor under torch.compile]):
+  // records xs as one call of `hook` of the recorder registered as `monitor` (csrc/monitor/), or,
+  // with index >= 0, xs[0] as tensor `index` of a grad_output tensor hook. Registered as an ordered
+  // effect from Python; cudagraph_unsafe, since a replay would skip its host-side site bookkeeping.
+  static const std::vector<at::Tag> monitor_record_tags{
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+      at::Tag::cudagraph_unsafe
+#endif
+  };
+  m.def("_monitor_record(Tensor?[] xs, int monitor, int hook, int index=-1) -> ()", monitor_record_tags);
+
   // Which CPU code path runs: "avx2" or "default" (Note [cpu dispatch]); "" only reads it.
   m.def("_cpu_isa(str mode) -> str", &hookstats::cpu_isa);
 }

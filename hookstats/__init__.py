@@ -14,6 +14,7 @@ from ._ops import (
     stats,
     stats_buffer,
     stats_into,
+    stats_multi_into,
 )
 from .clip import (
     Norms,
@@ -65,4 +66,5 @@ __all__ = [
     "stats",
     "stats_buffer",
     "stats_into",
+    "stats_multi_into",
 ]

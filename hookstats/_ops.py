@@ -453,3 +453,43 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot)
     else:
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, hist_slot, mode, bins, lo, hi)
+
+
+if HAVE_EXTENSION:
+
+    @torch.library.register_fake("hookstats::stats_multi_into")
+    def _stats_multi_into_fake(xs, out, rows, hist=None, hist_rows=(), hist_mode=0, bins=0, lo=0.0, hi=0.0):
+        if any(x.device != out.device for x in xs) or (hist is not None and hist.device != out.device):
+            raise ValueError(f"hookstats.stats_multi_into: the tensors and buffers must be on one device, got "
+                             f"{sorted({str(x.device) for x in xs} | {str(out.device)})}")
+        return None
+
+
+def stats_multi_into(xs, out: torch.Tensor, rows, hist: Optional[torch.Tensor] = None, hist_rows=None,
+                     histogram=None) -> None:
+    """`stats_into(xs[i], out, rows[i])` for every tensor of `xs` (one device), in one call: on the CPU the small
+    tensors are spread over the threads (each reduced by one thread, big ones by all), on CUDA the kernels are
+    launched from C++ without Python per tensor. With `hist` and `histogram`, each histogram is added to row
+    `hist_rows[i]` (default: `rows`) of `hist`; exponent histograms need tensors of one dtype group (one length).
+    Every row equals what `stats_into` writes."""
+    xs = list(xs)
+    for x in xs:
+        check_tensor(x, "stats_multi_into")
+    rows = [int(r) for r in rows]
+    if not xs:
+        return
+    if hist is not None:
+        if histogram is None:
+            raise ValueError("hookstats.stats_multi_into: hist= needs histogram= (Histogram.range(...) or 'exp')")
+        h = as_histogram(histogram)
+        hist_rows = rows if hist_rows is None else [int(r) for r in hist_rows]
+    if not HAVE_EXTENSION or not uses_kernels(xs[0]):
+        for i, x in enumerate(xs):
+            stats_into(x, out, rows[i], hist, None if hist is None else hist_rows[i], histogram)
+        return
+    check_device(xs[0], "stats_multi_into")
+    xs = [x.detach() for x in xs]
+    if hist is None:
+        torch.ops.hookstats.stats_multi_into.default(xs, out, rows)
+    else:
+        torch.ops.hookstats.stats_multi_into.default(xs, out, rows, hist, hist_rows, h.mode, h.bins, h.lo, h.hi)

@@ -196,6 +196,39 @@ def test_all_kinds_with_compiled_autograd(model, histogram):
     assert graph_breaks() == []
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_hooks_make_no_python_call(backend):
+    """A traced hook is a call of the C++ op hookstats::_monitor_record: running the compiled graph calls no Python
+    function of hookstats (it used to call back into a Python custom op for every hook)."""
+    import sys
+
+    torch.manual_seed(0)
+    model, shape = MODELS["mlp"]()
+    mon = hookstats.Monitor(model, kinds=FWD_KINDS)
+    fwd = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.randn(shape)
+    for _ in range(2):
+        fwd(x)
+        mon.step()
+    pkg = os.path.dirname(hookstats.__file__)
+    calls = []
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(pkg):
+            calls.append(frame.f_code.co_name)
+
+    n_before = len(mon.records())
+    sys.setprofile(prof)
+    try:
+        fwd(x)
+    finally:
+        sys.setprofile(None)
+    mon.step()
+    assert calls == []
+    assert len(mon.records()) - n_before == 2 * len(list(model.modules()))  # forward_pre + forward of each module
+    assert torch.Tag.cudagraph_unsafe in torch.ops.hookstats._monitor_record.default.tags
+
+
 def test_backward_kinds_without_compiled_autograd_break_the_graph_but_record_the_same():
     # PyTorch's limitation: module backward hooks need compiled autograd. Dynamo breaks the graph at each module
     # that has them and runs them eagerly; "grad" hooks (post-accumulate) never enter the forward graph.

@@ -424,6 +424,12 @@ void run_cpu(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64
 
 }  // namespace
 
+// The single-tensor runner, for hookstats::stats_multi_into (cpu/multi_stats_cpu.cpp).
+void stats_cpu_runner(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
+                      bool accumulate) {
+  run_cpu(x, out, hs, hist, hist_len, accumulate);
+}
+
 // Declared in hookstats.cpp, which defines the op.
 std::string cpu_isa(const std::string& mode) {
   TORCH_CHECK_VALUE(mode.empty() || mode == "avx2" || mode == "default",

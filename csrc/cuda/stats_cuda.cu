@@ -278,6 +278,12 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
 
 }  // namespace
 
+// The single-tensor runner, for hookstats::stats_multi_into (cuda/multi_stats_cuda.cu).
+void stats_cuda_runner(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
+                       bool accumulate) {
+  run_cuda(x, out, hs, hist, hist_len, accumulate);
+}
+
 TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {
   m.impl("stats", &stats_op<run_cuda>);
   m.impl("stats_into", &stats_into_op<run_cuda>);

@@ -13,8 +13,11 @@
 #include <pybind11/numpy.h>
 
 #include <cstring>
+#include <iterator>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -129,6 +132,50 @@ struct ArgsHook {
   }
 };
 
+// Recorders that compiled graphs reach by id (the `monitor` argument of hookstats::_monitor_record).
+std::mutex& registry_mutex() {
+  static std::mutex* m = new std::mutex();
+  return *m;
+}
+std::unordered_map<int64_t, std::weak_ptr<Recorder>>& registry() {
+  static auto* r = new std::unordered_map<int64_t, std::weak_ptr<Recorder>>();
+  return *r;
+}
+
+void register_recorder(int64_t id, const std::shared_ptr<Recorder>& r) {
+  std::lock_guard<std::mutex> g(registry_mutex());
+  auto& reg = registry();
+  for (auto it = reg.begin(); it != reg.end();) {  // forget dropped recorders
+    it = it->second.expired() ? reg.erase(it) : std::next(it);
+  }
+  reg[id] = r;
+}
+
+// hookstats::_monitor_record: what a compiled graph runs where a traced Monitor hook was (no Python).
+void monitor_record(const c10::List<std::optional<at::Tensor>>& xs, int64_t monitor, int64_t hook, int64_t index) {
+  std::shared_ptr<Recorder> rec;
+  {
+    std::lock_guard<std::mutex> g(registry_mutex());
+    auto it = registry().find(monitor);
+    if (it != registry().end()) rec = it->second.lock();
+  }
+  if (!rec || !rec->active()) return;
+  const int32_t h = static_cast<int32_t>(hook);
+  if (index >= 0) {
+    const std::optional<at::Tensor> g = xs.size() ? xs.get(0) : std::nullopt;
+    if (!g.has_value() || !g->defined()) return;
+    rec->record(h, static_cast<int32_t>(index), rec->next_tensor_call(h, static_cast<int32_t>(index)), *g);
+    return;
+  }
+  Tensors ts;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const std::optional<at::Tensor> t = xs.get(i);
+    if (t.has_value() && t->defined()) ts.emplace_back(static_cast<int32_t>(i), *t);
+  }
+  if (ts.empty()) return;
+  rec->record_many(h, rec->next_call(h), ts);
+}
+
 py::list site_rows(const std::vector<Site>& sites) {
   py::list out;
   for (const Site& s : sites) {
@@ -222,6 +269,12 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::shared_ptr<Recorder> r, int32_t hook) { return ArgsHook{std::move(r), hook}; }))
       .def("pre", &ArgsHook::pre)
       .def("backward", &ArgsHook::backward);
+  m.def("register_recorder", &register_recorder,
+        "makes a recorder reachable by id from hookstats::_monitor_record (held weakly)");
   m.def("set_local_part", [](py::object fn) { local_part_fn() = std::move(fn); },
         "the function that maps a tensor subclass (DTensor) to the plain tensor to record");
+}
+
+TORCH_LIBRARY_IMPL(hookstats, CompositeExplicitAutograd, m) {
+  m.impl("_monitor_record", &hookstats::monitor::monitor_record);
 }

@@ -258,6 +258,11 @@ void Recorder::record_many(int32_t hook, int32_t call, const std::vector<std::pa
 }
 
 void Recorder::record_calls(const std::vector<std::tuple<int32_t, int32_t, at::Tensor>>& calls) {
+  static auto multi = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("hookstats::stats_multi_into", "")
+                          .typed<void(at::TensorList, const at::Tensor&, at::IntArrayRef,
+                                      const std::optional<at::Tensor>&, at::IntArrayRef, int64_t, int64_t, double,
+                                      double)>();
   for (const auto& [hook, call, t] : calls) {
     if (!is_recordable(t)) skipped_.fetch_add(1);
     else check_backend(t);
@@ -265,9 +270,47 @@ void Recorder::record_calls(const std::vector<std::tuple<int32_t, int32_t, at::T
   std::lock_guard<std::mutex> g(mu_);
   if (!active_.load() || closed_) return;
   const int64_t slot = ensure_slot();
-  for (const auto& [hook, call, t] : calls) {
-    if (!is_recordable(t)) continue;
-    write(site_for(hook, 0, call, t), t, slot, hist_on_);
+  // One stats_multi_into call per (device, histogram group): every grad of a device in one call.
+  struct Group {
+    int32_t dev, hgroup;
+    std::vector<at::Tensor> xs;
+    std::vector<int64_t> rows, hrows;
+  };
+  std::vector<int32_t> ids(calls.size(), -1);
+  for (size_t i = 0; i < calls.size(); ++i) {  // every site first: a new one may grow (re-lay) a buffer
+    const auto& [hook, call, t] = calls[i];
+    if (is_recordable(t)) ids[i] = site_for(hook, 0, call, t);
+  }
+  std::vector<Group> groups;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (ids[i] < 0) continue;
+    const at::Tensor& t = std::get<2>(calls[i]);
+    const int32_t id = ids[i];
+    order_slots_.push_back(static_cast<int32_t>(slot));
+    order_sites_.push_back(id);
+    const Site& s = sites_[id];
+    const int32_t hg = hist_on_ ? s.hgroup : -1;
+    Group* grp = nullptr;
+    for (auto& gr : groups) {
+      if (gr.dev == s.dev && gr.hgroup == hg) grp = &gr;
+    }
+    if (grp == nullptr) {
+      groups.push_back(Group{s.dev, hg, {}, {}, {}});
+      grp = &groups.back();
+    }
+    grp->xs.push_back(t);
+    grp->rows.push_back(slot * devs_[s.dev].cap + s.row);
+    if (hg >= 0) grp->hrows.push_back(slot * hists_[hg].cap + s.hrow);
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  for (const auto& gr : groups) {
+    const DeviceBuffer& b = devs_[gr.dev];
+    if (gr.hgroup >= 0) {
+      multi.call(gr.xs, b.stats, gr.rows, hists_[gr.hgroup].counts, gr.hrows, hist_.mode, hist_.bins, hist_.lo,
+                 hist_.hi);
+    } else {
+      multi.call(gr.xs, b.stats, gr.rows, std::nullopt, {}, 0, 0, 0.0, 0.0);
+    }
   }
 }
 

@@ -5,9 +5,10 @@ A hook that dynamo traces (forward hooks inside a compiled module; module backwa
 autograd) must not read the step, call counts, `every` or buffer sizes: they change from call to call, so each
 would be a guard, and every step a recompile. Such a hook traces one _record_op call instead, with the tensors and
 two constant ids (the recorder's and the hook's). The op is registered as effectful (ordered), so compilers neither
-drop it (it returns nothing) nor reorder it; when the compiled graph runs, its body hands the tensors to the C++
-recorder (hookstats/monitor/buffers.py): the eager recording, with the step, call numbers and `every` of that
-moment. Records, their sites and their step numbers are the eager ones, and no guard depends on them. Where the
+drop it (it returns nothing) nor reorder it; when the compiled graph runs, it hands the tensors to the C++
+recorder (Note [monitor sites] in csrc/monitor/recorder.h): the eager recording, with the step, call numbers and `every` of that
+moment. The op is C++ (csrc/monitor/monitor_py.cpp): a compiled graph makes no call into Python where a hook was.
+Records, their sites and their step numbers are the eager ones, and no guard depends on them. Where the
 effect cannot be registered (older PyTorch), the op is called through torch.compiler.disable: a graph break per
 hook, same records.
 - The op is tagged cudagraph_unsafe: a CUDA graph replay would skip its body, and the record.
@@ -21,63 +22,41 @@ hook, same records.
 from __future__ import annotations
 
 import itertools
-import weakref
-from typing import Optional
 
 import torch
 
 from ..hooks import _flatten
 
 _IDS = itertools.count()
-# id -> the Buffers of a Monitor or record object (weakly: a dropped Monitor frees its buffers and model).
-_LIVE: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_UNSAFE = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 
 
 def register(buffers) -> int:
-    """A constant id under which traced hooks reach `buffers` (held weakly)."""
+    """A constant id under which traced hooks reach the C++ recorder of `buffers` (held weakly by the registry)."""
+    from .. import _C
+
     i = next(_IDS)
-    _LIVE[i] = buffers
+    _C.register_recorder(i, buffers.rec)
     return i
 
 
-@torch.library.custom_op("hookstats::_monitor_record", mutates_args=(), **_UNSAFE)
-def _record_op(xs: list[Optional[torch.Tensor]], monitor: int, hook: int, index: int = -1) -> None:
-    """Records xs as one call of hook; with index >= 0, xs[0] as tensor `index` of a tensor hook (grad_output)."""
-    buffers = _LIVE.get(monitor)
-    if buffers is not None:
-        if index >= 0:
-            buffers.record_grad(hook, index, xs[0])
-        else:
-            buffers.record_tensors(hook, xs)
-
-
-@_record_op.register_fake
+@torch.library.register_fake("hookstats::_monitor_record")
 def _record_op_fake(xs, monitor, hook, index=-1) -> None:
     return None
 
 
 def _register_ordered_effect() -> bool:
+    op = torch.ops.hookstats._monitor_record.default
     try:
-        from torch._library.effects import EffectType
-
-        _record_op.register_effect(EffectType.ORDERED)
-        return True
-    except (ImportError, AttributeError):
-        pass
-    try:  # older PyTorch
         from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
-        _register_effectful_op(torch.ops.hookstats._monitor_record.default, _EffectType.ORDERED)
+        _register_effectful_op(op, _EffectType.ORDERED)
         return True
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError, TypeError):
         return False
 
 
-if _register_ordered_effect():
-    _record_op_traced = _record_op
-else:
-    _record_op_traced = torch.compiler.disable(_record_op)
+_record_op = torch.ops.hookstats._monitor_record.default
+_record_op_traced = _record_op if _register_ordered_effect() else torch.compiler.disable(_record_op)
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 is_compiling = torch.compiler.is_compiling
 

@@ -1,0 +1,420 @@
+"""The Monitor's C++ hook path (issue #13): grad_output recorded by C++ tensor hooks, against PyTorch's own
+register_full_backward_pre_hook in every case where the two could differ (Note [grad_output by tensor hooks] in
+hookstats/monitor/hooks.py); sites and their call numbers; the columnar flush; a dropped Monitor frees its model;
+histogram_every; grads once per step through optimizer= and record_grads().
+
+The reference is a plain full backward pre-hook on the same modules that clones what it sees. Records are compared
+per step as multisets of (module, index, stats): the order of grad_output records follows the order autograd runs
+the hooks, which is where the two mechanisms may differ (the tests say where they do).
+"""
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import hookstats
+from hookstats import reference
+
+from conftest import stats_mismatches
+
+
+class PreCapture:
+    """register_full_backward_pre_hook on every named module: (step, module, index, clone) of each grad_output."""
+
+    def __init__(self, model: nn.Module):
+        self.items: list = []
+        self.step = 0
+        self.handles = []
+        for name, mod in model.named_modules():
+            self.handles.append(mod.register_full_backward_pre_hook(self._hook(name)))
+
+    def _hook(self, name):
+        def hook(module, grad_output):
+            for i, g in enumerate(grad_output):
+                if g is not None:
+                    self.items.append((self.step, name, i, g.detach().clone()))
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def run(make, body, steps: int = 2):
+    """(monitor records of kind backward_pre, PyTorch's captured grad_outputs) of `steps` calls of body(model, s),
+    on two identical models: one with a Monitor, one with the capture."""
+    torch.manual_seed(0)
+    m1 = make()
+    torch.manual_seed(0)
+    m2 = make()
+    m2.load_state_dict(m1.state_dict())
+    mon = hookstats.Monitor(m1, kinds="backward_pre")
+    cap = PreCapture(m2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(steps):
+            cap.step = s
+            torch.manual_seed(100 + s)
+            body(m1, s)
+            torch.manual_seed(100 + s)
+            body(m2, s)
+            mon.step()
+    recs = mon.records()
+    mon.detach()
+    cap.remove()
+    return recs, cap.items
+
+
+def assert_same(recs, items):
+    def key_r(r):
+        return (r["step"], r["module"], r["index"], r["stats"]["numel"], round(r["stats"]["sum"], 4))
+
+    def key_i(it):
+        s, name, i, g = it
+        return (s, name, i, g.numel(), round(float(g.double().sum()), 4))
+
+    assert sorted(map(key_r, recs)) == sorted(map(key_i, items))
+    by_key = {}
+    for it in items:
+        by_key.setdefault(key_i(it), []).append(it[3])
+    for r in recs:
+        t = by_key[key_r(r)].pop()
+        st = hookstats.Stats(*[torch.tensor(r["stats"][f], dtype=torch.float64) for f in hookstats.STATS_FIELDS])
+        bad = stats_mismatches(st, reference.stats(t), t.dtype)
+        assert not bad, (key_r(r), bad)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def test_plain_model_equals_full_backward_pre_hooks():
+    def body(m, s):
+        m(torch.randn(5, 4)).pow(2).sum().backward()
+
+    recs, items = run(mlp, body)
+    assert len(recs) == 2 * 4  # root, 0, 1, 2 a step
+    assert_same(recs, items)
+
+
+def test_container_output_is_its_childs_output():
+    """nn.Sequential returns its last child's output tensor: both hooks see it; both record the same values. Tensor
+    hooks run in registration order (the child's forward hook registered first), PyTorch's pre-hooks the
+    container's first."""
+    def body(m, s):
+        m(torch.randn(5, 4)).sum().backward()
+
+    recs, items = run(mlp, body, steps=1)
+    assert_same(recs, items)
+    order = [r["module"] for r in recs]
+    assert order.index("2") < order.index("")
+    assert [it[1] for it in items].index("") < [it[1] for it in items].index("2")
+
+
+class InPlaceAfter(nn.Module):
+    """A child whose output is modified in place by the parent after the child returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y.mul_(3.0)  # in place on the child's output
+        return y.tanh()
+
+
+def test_output_modified_in_place_after_the_module():
+    """PyTorch's full backward pre-hook refuses this ("Output 0 of BackwardHookFunction is a view and is being
+    modified inplace"); the Monitor's tensor hook records the gradient w.r.t. the value lin returned."""
+    torch.manual_seed(0)
+    m = InPlaceAfter()
+    x = torch.randn(5, 4)
+    cap = PreCapture(m)
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        m(x)
+    cap.remove()
+    mon = hookstats.Monitor(m, kinds="backward_pre")
+    m(x).sum().backward()
+    lin = [r for r in mon.records() if r["module"] == "lin"]
+    y0 = m.lin(x).detach().requires_grad_()
+    (y0 * 3.0).tanh().sum().backward()  # the same function, out of place
+    assert len(lin) == 1
+    assert math.isclose(lin[0]["stats"]["sum"], float(y0.grad.double().sum()), rel_tol=1e-5)
+    assert math.isclose(lin[0]["stats"]["l2"], float(y0.grad.double().norm()), rel_tol=1e-5)
+
+
+class ViewOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.view = View()
+
+    def forward(self, x):
+        return self.view(self.lin(x))
+
+
+class View(nn.Module):
+    def forward(self, x):
+        return x.view(-1, 2, 3).transpose(1, 2)
+
+
+def test_output_that_is_a_view():
+    def body(m, s):
+        (m(torch.randn(5, 4)) * torch.arange(6.0).view(2, 3).t()).sum().backward()
+
+    recs, items = run(ViewOut, body)
+    assert_same(recs, items)
+
+
+class PartlyNoGrad(nn.Module):
+    """Two outputs: one detached (needs no grad), one not used by the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.split = Split()
+
+    def forward(self, x):
+        return self.split(self.lin(x))
+
+
+class Split(nn.Module):
+    def forward(self, x):
+        a, b, c = x.chunk(3, dim=1)
+        return a, b.detach(), c
+
+
+def test_outputs_without_grad_and_unused_outputs_are_not_recorded():
+    def body(m, s):
+        a, b, c = m(torch.randn(5, 4))
+        (a * 2).sum().backward()  # c unused, b needs no grad
+
+    recs, items = run(PartlyNoGrad, body)
+    assert_same(recs, items)
+    assert {(r["module"], r["index"]) for r in recs} == {("", 0), ("split", 0), ("lin", 0)}
+
+
+def test_no_grad_forward_records_no_grad_output():
+    torch.manual_seed(0)
+    m = mlp()
+    mon = hookstats.Monitor(m)
+    with torch.no_grad():
+        m(torch.randn(3, 4))
+    assert {r["kind"] for r in mon.records()} == {"forward"}
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_module_called_twice_in_a_step():
+    def body(m, s):
+        m(torch.randn(5, 4)).pow(2).sum().backward()
+
+    recs, items = run(Twice, body)
+    assert_same(recs, items)
+    assert sum(1 for r in recs if r["module"] == "lin" and r["step"] == 0) == 2
+
+
+def test_gradient_accumulation_and_retain_graph():
+    def body(m, s):
+        for k in range(3):  # three micro-batches: three backward calls a step
+            out = m(torch.randn(5, 4)).pow(2).sum()
+            out.backward(retain_graph=True)
+            if k == 2:
+                out.backward()  # the same graph twice (retain_graph)
+
+    recs, items = run(mlp, body)
+    assert_same(recs, items)
+    assert sum(1 for r in recs if r["module"] == "0" and r["step"] == 1) == 4
+
+
+def test_forward_records_and_sites():
+    """A site per (hook, index, call): a module called twice in a step has two sites, reused by the next steps; the
+    step block holds one row per site."""
+    torch.manual_seed(0)
+    m = Twice()
+    mon = hookstats.Monitor(m, kinds="forward")
+    for _ in range(3):
+        m(torch.randn(2, 4))
+        mon.step()
+    recs = mon.records()
+    assert [(r["step"], r["module"]) for r in recs] == [(s, n) for s in range(3) for n in ("lin", "lin", "")]
+    assert len(mon._buf.table) == 3  # lin call 0, lin call 1, root
+    assert [r["seq"] for r in recs] == list(range(9))
+
+
+def test_new_sites_at_a_later_step_keep_call_order():
+    class Grows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, n):
+            for _ in range(n):
+                x = self.lin(x)
+            return x
+
+    torch.manual_seed(0)
+    m = Grows()
+    mon = hookstats.Monitor(m, kinds="forward", slots=1, include="lin")
+    for n in (1, 3, 2, 5):
+        m(torch.randn(2, 4), n)
+        mon.step()
+    steps = [r["step"] for r in mon.records()]
+    assert steps == [0] + [1] * 3 + [2] * 2 + [3] * 5  # past 1 slot and past the first sites: the buffers grew
+
+
+def test_flush_is_one_block_of_columns():
+    torch.manual_seed(0)
+    m = mlp()
+    mon = hookstats.Monitor(m, histogram=(8, (-2.0, 2.0)))
+    for _ in range(3):
+        m(torch.randn(4, 4)).sum().backward()
+        mon.step()
+    block = mon._buf.flush()
+    assert len(block) == 3 * 8
+    assert block.stats.shape == (24, 13) and block.steps.tolist() == [0] * 8 + [1] * 8 + [2] * 8
+    assert (block.hist_group >= 0).all() and sum(len(h) for h in block.hists) == 24
+    assert list(block.column("kind")[:8]) == ["forward"] * 4 + ["backward_pre"] * 4
+    recs = block.records()  # the dicts, built on demand from the columns
+    assert recs[0]["histogram"] is not None and sum(recs[0]["histogram"]) == recs[0]["stats"]["numel"]
+    assert mon._buf.rec.pending_slots == 0
+
+
+def test_dropped_monitor_frees_model_and_grads():
+    """The "grad" kind's post-accumulate hooks are held by PyTorch in C++: a hook that reached the Monitor would
+    keep the model and every gradient alive once the Monitor is dropped without detach()."""
+    torch.manual_seed(0)
+    model = mlp()
+    mon = hookstats.Monitor(model, kinds=("forward", "backward_pre", "backward", "grad"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.randn(3, 4)).sum().backward()
+    mon.step()
+    ref, grad_ref = weakref.ref(model), weakref.ref(model[0].weight.grad)
+    mon_ref = weakref.ref(mon)
+    del mon
+    gc.collect()
+    assert mon_ref() is None
+    del model
+    gc.collect()
+    assert ref() is None and grad_ref() is None
+
+
+def test_dropped_monitor_with_optimizer_frees_model():
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = hookstats.Monitor(model, kinds=("forward", "grad"), optimizer=opt)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ref = weakref.ref(mon)
+    del mon
+    gc.collect()
+    assert ref() is None
+    opt.step()  # the optimizer's pre-hook outlives the Monitor harmlessly
+
+
+def test_histogram_every():
+    torch.manual_seed(0)
+    m = mlp()
+    mon = hookstats.Monitor(m, kinds="forward", histogram="exp", histogram_every=3)
+    for _ in range(7):
+        m(torch.randn(3, 4))
+        mon.step()
+    recs = mon.records()
+    with_hist = sorted({r["step"] for r in recs if r["histogram"] is not None})
+    assert with_hist == [0, 3, 6] and {r["step"] for r in recs} == set(range(7))
+    for r in recs:
+        if r["histogram"] is not None:
+            assert sum(r["histogram"]) == r["stats"]["numel"]
+
+
+def test_histogram_every_counts_recorded_steps():
+    torch.manual_seed(0)
+    m = mlp()
+    mon = hookstats.Monitor(m, kinds="forward", histogram="exp", every=2, histogram_every=2)
+    for _ in range(9):
+        m(torch.randn(3, 4))
+        mon.step()
+    recs = mon.records()
+    assert sorted({r["step"] for r in recs}) == [0, 2, 4, 6, 8]
+    assert sorted({r["step"] for r in recs if r["histogram"] is not None}) == [0, 4, 8]
+
+
+def test_grads_once_per_step_with_optimizer():
+    """With optimizer=, "grad" records every parameter's accumulated grad once per step, at opt.step(), instead of
+    once per accumulation."""
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = hookstats.Monitor(model, kinds="grad", optimizer=opt)
+    want = []
+    for s in range(3):
+        for _ in range(2):  # two micro-batches
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+        want.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        mon.step()
+    recs = mon.records()
+    assert [(r["step"], r["module"]) for r in recs] == [(s, n) for s in range(3) for n, _ in model.named_parameters()]
+    for r in recs:
+        g = want[r["step"]][r["module"]]
+        st = hookstats.Stats(*[torch.tensor(r["stats"][f], dtype=torch.float64) for f in hookstats.STATS_FIELDS])
+        assert not stats_mismatches(st, reference.stats(g), g.dtype)
+
+
+def test_record_grads_on_demand():
+    torch.manual_seed(0)
+    model = mlp()
+    mon = hookstats.Monitor(model, kinds=("forward", "grad"), include=["2", "2.*"])
+    model(torch.randn(3, 4)).sum().backward()
+    n_acc = len([r for r in mon.records() if r["kind"] == "grad"])
+    mon.record_grads()
+    grads = [r for r in mon.records() if r["kind"] == "grad"]
+    assert n_acc == 2 and len(grads) == 4  # after accumulation (no optimizer), then on demand
+    assert [r["module"] for r in grads[2:]] == ["2.weight", "2.bias"]
+    with pytest.raises(RuntimeError, match="'grad' kind"):
+        hookstats.Monitor(model, kinds="forward").record_grads()
+
+
+def test_bad_cadence_arguments():
+    m = mlp()
+    for kw in ({"histogram_every": 0}, {"every": 0}, {"slots": 0}, {"flush_every": 0}):
+        with pytest.raises(ValueError):
+            hookstats.Monitor(m, **kw)
+    with pytest.raises(TypeError, match="Optimizer"):
+        hookstats.Monitor(m, optimizer=object())
+
+
+def test_model_output_dicts_and_namedtuples_are_flattened_in_cpp():
+    from collections import OrderedDict, namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+
+    class Out(nn.Module):
+        def forward(self, x):
+            return {"first": x * 2, "rest": [Pair(x + 1, None), OrderedDict(z=x.sum(), ids=x.long())]}
+
+    m = Out()
+    mon = hookstats.Monitor(m, kinds="forward")
+    x = torch.randn(3, 2)
+    m(x)
+    recs = mon.records()
+    assert [r["index"] for r in recs] == [0, 1, 3]  # None keeps index 2; the int64 tensor (index 4) is skipped
+    assert mon.skipped == 1
+    assert math.isclose(recs[2]["stats"]["sum"], float(x.sum()), rel_tol=1e-6)
