@@ -848,6 +848,45 @@ def format_dist_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize_large(json_path: str) -> list[dict]:
+    """The extra_info of the large-model benchmarks (benchmarks/test_bench_large_models.py): interleaved medians and
+    ratios measured inside the benchmark."""
+    with open(json_path) as f:
+        data = json.load(f)
+    return [b.get("extra_info", {}) for b in data.get("benchmarks", [])
+            if b.get("extra_info", {}).get("family") == "large"]
+
+
+LARGE_CASE_NAMES = {"none": "no hooks", "empty_hooks": "PyTorch's empty forward + full backward pre-hooks",
+                    "monitor": "Monitor, default kinds", "monitor_grads": "+ grad (optimizer=)",
+                    "monitor_exp": "+ exponent histogram"}
+
+
+def format_large_table(rows: list[dict]) -> str:
+    lines = ["", "## Monitor on large models (1 thread, interleaved; flush every 10 steps counted in)", ""]
+    for r in rows:
+        if r.get("bench") == "step":
+            lines += [f"### {r['model']}: {r['modules']} modules, {r['records_per_step']} records a step (with grads)",
+                      "", "| case | step ms | vs no hooks | target |", "|---|---:|---:|---:|"]
+            targets = r.get("targets", {})
+            for case, name in LARGE_CASE_NAMES.items():
+                if case not in r.get("ratios", {}):
+                    continue
+                ratio = r["ratios"][case]
+                target = targets.get(case)
+                mark = "" if target is None else (f"<= {target:.2f}x " + ("met" if ratio <= target else "**missed**"))
+                lines.append(f"| {name} | {r['step_s'][case] * 1e3:.2f} | {ratio:.2f}x | {mark} |")
+            lines.append("")
+        elif r.get("bench") == "host":
+            t = r.get("targets", {})
+            for key, label in (("record_host_s", "host time per recorded tensor (tiny tensor, kernel included)"),
+                               ("flush_per_record_s", f"flush per record ({r.get('flush_records')} records)")):
+                v, goal = r[key], t.get(key)
+                verdict = "" if goal is None else f" (target <= {goal * 1e6:.2f} us: {'met' if v <= goal else 'missed'})"
+                lines.append(f"- {label}: {v * 1e6:.2f} us{verdict}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", help="pytest-benchmark JSON (--benchmark-json=PATH)")
@@ -866,6 +905,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     dist_rows = summarize_dist(args.json_path)
     if dist_rows:
         text += format_dist_table(dist_rows)
+    large_rows = summarize_large(args.json_path)
+    if large_rows:
+        text += format_large_table(large_rows)
     sys.stdout.write(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

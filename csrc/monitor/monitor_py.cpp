@@ -9,10 +9,12 @@
 // which the autograd engine runs without Python or the GIL (Note [grad_output by tensor hooks]
 // in hookstats/monitor/hooks.py says where this equals register_full_backward_pre_hook).
 #include <torch/extension.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/numpy.h>
 
 #include <cstring>
+#include <typeinfo>
 #include <iterator>
 #include <memory>
 #include <mutex>
@@ -176,6 +178,45 @@ void monitor_record(const c10::List<std::optional<at::Tensor>>& xs, int64_t moni
   rec->record_many(h, rec->next_call(h), ts);
 }
 
+// The hook callables as plain C functions (METH_FASTCALL, the hook in a capsule): a call costs
+// what a builtin's call costs, a fraction of a pybind11 method's argument dispatch.
+template <typename H>
+void drop_capsule(PyObject* cap) {
+  delete static_cast<H*>(PyCapsule_GetPointer(cap, typeid(H).name()));
+}
+
+template <typename H, int N>
+PyObject* call_hook(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != N) {
+    PyErr_Format(PyExc_TypeError, "hookstats Monitor hook takes %d arguments, got %zd", N, nargs);
+    return nullptr;
+  }
+  const H& h = *static_cast<H*>(PyCapsule_GetPointer(self, typeid(H).name()));
+  if constexpr (N == 3) h(args[0], args[1], args[2]);
+  else h(args[0], args[1]);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+struct PreHook {
+  ArgsHook h;
+  void operator()(py::handle m, py::handle args) const { h.pre(m, args); }
+};
+struct GradInputHook {
+  ArgsHook h;
+  void operator()(py::handle m, py::handle gi, py::handle go) const { h.backward(m, gi, go); }
+};
+
+template <typename H, int N>
+py::object make_hook(H h, const char* name) {
+  static PyMethodDef def = {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(&call_hook<H, N>)),
+                            METH_FASTCALL, "a hookstats Monitor hook (csrc/monitor/monitor_py.cpp)"};
+  py::object cap = py::reinterpret_steal<py::object>(PyCapsule_New(new H(std::move(h)), typeid(H).name(),
+                                                                   &drop_capsule<H>));
+  return py::reinterpret_steal<py::object>(PyCFunction_New(&def, cap.ptr()));
+}
+
 py::list site_rows(const std::vector<Site>& sites) {
   py::list out;
   for (const Site& s : sites) {
@@ -260,15 +301,15 @@ PYBIND11_MODULE(_C, m) {
         return out;
       });
 
-  py::class_<ForwardHook>(m, "ForwardHook")
-      .def(py::init([](std::shared_ptr<Recorder> r, int32_t fwd, int32_t grad) {
-        return ForwardHook{std::move(r), fwd, grad};
-      }))
-      .def("__call__", &ForwardHook::operator());
-  py::class_<ArgsHook>(m, "ArgsHook")
-      .def(py::init([](std::shared_ptr<Recorder> r, int32_t hook) { return ArgsHook{std::move(r), hook}; }))
-      .def("pre", &ArgsHook::pre)
-      .def("backward", &ArgsHook::backward);
+  m.def("forward_hook", [](std::shared_ptr<Recorder> r, int32_t fwd, int32_t grad) {
+    return make_hook<ForwardHook, 3>(ForwardHook{std::move(r), fwd, grad}, "forward_hook");
+  }, "a forward hook (module, args, output): records output (hook id fwd >= 0), hooks grad_output (grad >= 0)");
+  m.def("forward_pre_hook", [](std::shared_ptr<Recorder> r, int32_t hook) {
+    return make_hook<PreHook, 2>(PreHook{ArgsHook{std::move(r), hook}}, "forward_pre_hook");
+  }, "a forward pre-hook (module, args): records the positional inputs");
+  m.def("backward_hook", [](std::shared_ptr<Recorder> r, int32_t hook) {
+    return make_hook<GradInputHook, 3>(GradInputHook{ArgsHook{std::move(r), hook}}, "backward_hook");
+  }, "a full backward hook (module, grad_input, grad_output): records grad_input");
   m.def("register_recorder", &register_recorder,
         "makes a recorder reachable by id from hookstats::_monitor_record (held weakly)");
   m.def("set_local_part", [](py::object fn) { local_part_fn() = std::move(fn); },

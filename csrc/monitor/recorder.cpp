@@ -2,6 +2,7 @@
 #include "recorder.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -15,6 +16,10 @@
 #include "../core/stats_ops.h"
 
 namespace hookstats {
+
+void stats_cpu_runner(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
+                      bool accumulate);  // cpu/stats_cpu.cpp
+
 namespace monitor {
 namespace {
 
@@ -54,7 +59,12 @@ int64_t hist_len_of(at::ScalarType t, const HistConfig& h) {
 }  // namespace
 
 Recorder::Recorder(int64_t slots, HistConfig hist, int64_t init_rows)
-    : slots_(slots), init_rows_(init_rows), hist_(hist) {
+    : slots_(slots),
+      init_rows_(init_rows),
+      hist_(hist),
+      hist_spec_(make_hist_spec(static_cast<int>(hist.mode), hist.mode == kHistRange ? hist.bins : 0, hist.lo,
+                                hist.hi)),
+      no_hist_(make_hist_spec(kHistNone, 0, 0.0, 0.0)) {
   TORCH_CHECK_VALUE(slots >= 1, "hookstats.Monitor: slots must be >= 1, got ", slots);
   TORCH_CHECK_VALUE(init_rows >= 1, "hookstats.Monitor: rows must be >= 1, got ", init_rows);
 }
@@ -218,6 +228,18 @@ void Recorder::write(int32_t site, const at::Tensor& x, int64_t slot, bool hist)
   const DeviceBuffer& b = devs_[s.dev];
   order_slots_.push_back(static_cast<int32_t>(slot));
   order_sites_.push_back(site);
+  if (x.is_cpu() && !x.unsafeGetTensorImpl()->is_python_dispatch()) {  // the CPU runner directly: the buffers are ours, their checks done once, when allocated
+    RECORD_FUNCTION("hookstats::stats_into", c10::ArrayRef<const c10::IValue>{});  // the profiler still sees it
+    double* row = b.stats.data_ptr<double>() + (slot * b.cap + s.row) * static_cast<int64_t>(kNumStatFields);
+    if (hist && s.hgroup >= 0) {
+      const HistBuffer& hb = hists_[s.hgroup];
+      stats_cpu_runner(x, StatsOut{row, nullptr, true}, hist_spec_, hb.counts.data_ptr<int64_t>() +
+                       (slot * hb.cap + s.hrow) * hb.len, hb.len, true);
+    } else {
+      stats_cpu_runner(x, StatsOut{row, nullptr, true}, no_hist_, nullptr, 0, true);
+    }
+    return;
+  }
   if (hist && s.hgroup >= 0) {
     const HistBuffer& hb = hists_[s.hgroup];
     stats_into(x, b.stats, slot * b.cap + s.row, hb.counts, slot * hb.cap + s.hrow, hist_);

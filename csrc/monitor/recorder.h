@@ -24,6 +24,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "../core/hist_ops.h"
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -123,6 +125,7 @@ class Recorder {
   int64_t slots_;          // capacity of every buffer, in step slots
   int64_t init_rows_;
   HistConfig hist_;
+  HistSpec hist_spec_, no_hist_;  // for the CPU runner, called directly
   std::vector<DeviceBuffer> devs_;
   std::vector<HistBuffer> hists_;
   std::vector<Site> sites_;

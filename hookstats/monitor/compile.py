@@ -58,7 +58,9 @@ def _register_ordered_effect() -> bool:
 _record_op = torch.ops.hookstats._monitor_record.default
 _record_op_traced = _record_op if _register_ordered_effect() else torch.compiler.disable(_record_op)
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-is_compiling = torch.compiler.is_compiling
+# The eager check a hook makes on every call: dynamo folds it to True where it traces the hook; eagerly it is one
+# call that returns False (torch.compiler.is_compiling costs twice as much).
+is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def inlined_only(hook):

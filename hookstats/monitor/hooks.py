@@ -43,8 +43,8 @@ def forward_hook(rec, mid: int, fwd: int, grad: int):
     """A forward hook recording the output (hook id fwd >= 0) and registering grad_output hooks (grad >= 0)."""
     from .. import _C
 
-    call = _C.ForwardHook(rec, fwd, grad).__call__
-    call_no_grad = _C.ForwardHook(rec, fwd, -1).__call__ if grad >= 0 else call
+    call = _C.forward_hook(rec, fwd, grad)
+    call_no_grad = _C.forward_hook(rec, fwd, -1) if grad >= 0 else call
 
     def hook(module, args, output):
         if is_compiling():
@@ -93,7 +93,7 @@ def _traced_grad_hooks(mid: int, hid: int, output) -> None:
 def forward_pre_hook(rec, mid: int, hid: int):
     from .. import _C
 
-    call = _C.ArgsHook(rec, hid).pre
+    call = _C.forward_pre_hook(rec, hid)
 
     def hook(module, args):
         if is_compiling():
@@ -109,7 +109,7 @@ def backward_hook(rec, mid: int, hid: int):
     hook)."""
     from .. import _C
 
-    call = _C.ArgsHook(rec, hid).backward
+    call = _C.backward_hook(rec, hid)
 
     def hook(module, grad_input, grad_output):
         if is_compiling():
