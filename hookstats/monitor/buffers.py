@@ -10,6 +10,7 @@ asked for (`Monitor.records()`, exporters).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
@@ -88,6 +89,26 @@ class Block:
             rows = self.stats.tolist()
             self._records = [self.record(i, rows[i]) for i in range(len(rows))]
         return self._records
+
+
+class LazyRecords(Sequence):
+    """The records of one Block as a sequence of dicts, built on first access: what flush() returns, so that a
+    training loop that ignores it pays for no dict. Compares equal to the list of the same dicts."""
+
+    def __init__(self, block: Block):
+        self._block = block
+
+    def __len__(self) -> int:
+        return len(self._block)
+
+    def __getitem__(self, i):
+        return self._block.records()[i]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, tuple, Sequence)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._block.records())
 
 
 class ScalarBuffer:

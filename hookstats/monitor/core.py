@@ -13,7 +13,7 @@ import torch
 
 from .._ops import STATS_FIELDS
 from . import hooks as _hooks
-from .buffers import Buffers
+from .buffers import Buffers, LazyRecords
 from .summary import format_summary, summary_from_columns
 
 # Hook kinds a Monitor attaches, and the aliases it accepts.
@@ -243,7 +243,7 @@ class Monitor:
             for e in exporters:
                 e.write(new, scalars)
             return new
-        return _LazyRecords(block)
+        return LazyRecords(block)
 
     def _read(self) -> None:
         if self._buf.group is None and self._model is not None:
@@ -316,39 +316,3 @@ class Monitor:
             self._buf.release()
         except Exception:
             pass
-
-
-class _LazyRecords(list):
-    """flush()'s return value when no exporter needs dicts: a list whose dicts are built on first access."""
-
-    def __init__(self, block):
-        super().__init__()
-        self._block = block
-        self._built = False
-
-    def _build(self):
-        if not self._built:
-            self._built = True
-            super().extend(self._block.records())
-
-    def __len__(self):
-        return len(self._block)
-
-    def __iter__(self):
-        self._build()
-        return super().__iter__()
-
-    def __getitem__(self, i):
-        self._build()
-        return super().__getitem__(i)
-
-    def __eq__(self, other):
-        self._build()
-        return list.__eq__(self, other)
-
-    def __bool__(self):
-        return len(self._block) > 0
-
-    def __repr__(self):
-        self._build()
-        return list.__repr__(self)
