@@ -97,25 +97,25 @@ void Recorder::close() {
   slot_epoch_ = -1;
 }
 
-int32_t Recorder::next_call(int32_t hook) {
-  std::lock_guard<std::mutex> g(mu_);
+// hook's counters, reset at the first use in a new step.
+Recorder::HookState& Recorder::hook_state(int32_t hook) {
   HookState& h = hooks_.at(hook);
   if (h.epoch != epoch_) {
     h.epoch = epoch_;
     h.calls = 0;
     std::fill(h.tensor_calls.begin(), h.tensor_calls.end(), 0);
   }
-  return h.calls++;
+  return h;
+}
+
+int32_t Recorder::next_call(int32_t hook) {
+  std::lock_guard<std::mutex> g(mu_);
+  return hook_state(hook).calls++;
 }
 
 int32_t Recorder::next_tensor_call(int32_t hook, int32_t index) {
   std::lock_guard<std::mutex> g(mu_);
-  HookState& h = hooks_.at(hook);
-  if (h.epoch != epoch_) {
-    h.epoch = epoch_;
-    h.calls = 0;
-    std::fill(h.tensor_calls.begin(), h.tensor_calls.end(), 0);
-  }
+  HookState& h = hook_state(hook);
   if (static_cast<int64_t>(h.tensor_calls.size()) <= index) h.tensor_calls.resize(index + 1, 0);
   return h.tensor_calls[index]++;
 }

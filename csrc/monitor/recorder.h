@@ -136,6 +136,7 @@ class Recorder {
     std::unordered_map<int64_t, int32_t> sites;  // (call << 32 | index) -> first site id
   };
   std::vector<HookState> hooks_;
+  HookState& hook_state(int32_t hook);
   int64_t epoch_ = 0, step_ = 0;
   std::atomic<bool> active_{true};
   bool hist_on_ = true;
