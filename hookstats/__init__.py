@@ -27,6 +27,8 @@ from .clip import (
     norms,
 )
 from .formats import FORMATS, format_fit
+from .channel import CHANNEL_FIELDS, ChannelCalibrator, ChannelStats, channel_stats, channel_stats_buffer, channel_stats_into
+from .per_sample import PerSampleGradNorms
 from .hooks import clip_value, fused_clip
 from .monitor import MONITOR_KINDS, Monitor, record
 from . import export  # hookstats.export.JSONLWriter, TensorBoardWriter, ...: optional packages load on first use
@@ -65,4 +67,11 @@ __all__ = [
     "stats",
     "stats_buffer",
     "stats_into",
+    "CHANNEL_FIELDS",
+    "ChannelCalibrator",
+    "ChannelStats",
+    "channel_stats",
+    "channel_stats_buffer",
+    "channel_stats_into",
+    "PerSampleGradNorms",
 ]
