@@ -31,8 +31,9 @@
 namespace hookstats {
 namespace {
 
-constexpr int64_t kRowBlock = 16;    // rows per float block (rows order)
+constexpr int64_t kRowBlock = 32;    // rows per float block (rows order): float sums of <= 32 values
 constexpr int64_t kChanTile = 256;   // channels per task tile (rows order)
+constexpr int64_t kGatherTile = 128; // channels per tile when they are gathered (a 32 KB stack tile)
 constexpr int64_t kRunBlock = 512;   // values per float block (runs order)
 constexpr int64_t kGather = 4096;    // gather buffer (runs order)
 constexpr int64_t kMaxTasks = 64;
@@ -79,7 +80,42 @@ struct TileAcc {
   }
 };
 
+// Adds one block's float results of W channels (lanes of sa, sq, mn, mx over nrows rows) into the tile
+// at channel j; lanes that cannot be trusted are re-read in double.
+template <int B, typename scalar_t, typename V, typename M>
+HS_INLINE void rows_flush(const scalar_t* const* rowp, int64_t nrows, int64_t j, const V& sa, const V& sq,
+                          const V& mn, const V& mx, TileAcc<acc_of<scalar_t>>& t) {
+  using acc_t = acc_of<scalar_t>;
+  constexpr int W = sizeof(V) / sizeof(acc_t);
+  const V nmn = -mn;
+  const V am = nmn > mx ? nmn : mx;
+  const M ok = ((sa - sa) == 0) & (am <= ChanLimits<acc_t>::hi) & ((am >= ChanLimits<acc_t>::lo) | (am == 0));
+  const M bad = ~ok;
+  if (!simd::any_lane(bad)) {
+    for (int l = 0; l < W; ++l) {
+      t.sum_abs[j + l] += static_cast<double>(sa[l]);
+      t.sum_sq[j + l] += static_cast<double>(sq[l]);
+    }
+    const V omn = load_acc<V>(t.mn + j), omx = load_acc<V>(t.mx + j);
+    store_acc<V>(t.mn + j, mn < omn ? mn : omn);
+    store_acc<V>(t.mx + j, mx > omx ? mx : omx);
+    return;
+  }
+  for (int l = 0; l < W; ++l) {
+    ChannelPartial q = channel_empty();
+    if (bad[l]) {
+      for (int64_t i = 0; i < nrows; ++i) channel_add(q, static_cast<double>(rowp[i][j + l]));
+    } else {
+      q.sum_abs = sa[l]; q.sum_sq = sq[l]; q.mn = mn[l]; q.mx = mx[l];
+    }
+    t.add(j + l, q);
+  }
+}
+
 // One block of rows: rowp[i] points at the tile's first channel in row i, channels at unit stride.
+// The block is read row by row (four rows at a time, each walked forward: streams the prefetchers
+// follow), into float accumulators of the whole tile kept in L1; four rows are combined in a tree
+// before they reach the accumulators. Then the block is flushed into the tile's double sums.
 template <int B, typename scalar_t>
 HS_INLINE void rows_block(const scalar_t* const* rowp, int64_t nrows, int64_t nch, TileAcc<acc_of<scalar_t>>& t) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
@@ -87,43 +123,52 @@ HS_INLINE void rows_block(const scalar_t* const* rowp, int64_t nrows, int64_t nc
   using V = typename L::V;
   using M = typename L::M;
   constexpr int W = L::W;
-  const V inf = V{} + static_cast<acc_t>(INFINITY);
-  int64_t j = 0;
-  for (; j + W <= nch; j += W) {
-    V sa{}, sq{}, mn = inf, mx = -inf;
-    for (int64_t i = 0; i < nrows; ++i) {
-      const V v = L::load(rowp[i] + j);
-      const V a = simd::abs_bits<V, M>(v);
-      sa += a;
-      sq += a * a;
-      mn = v < mn ? v : mn;
-      mx = v > mx ? v : mx;
+  const int64_t nvec = nch / W;
+  alignas(64) acc_t bsa[kChanTile], bsq[kChanTile], bmn[kChanTile], bmx[kChanTile];
+  if (nvec > 0) {
+    const V inf = V{} + static_cast<acc_t>(INFINITY);
+    for (int64_t k = 0; k < nvec * W; k += W) {
+      store_acc<V>(bsa + k, V{}); store_acc<V>(bsq + k, V{});
+      store_acc<V>(bmn + k, inf); store_acc<V>(bmx + k, -inf);
     }
-    const V nmn = -mn;
-    const V am = nmn > mx ? nmn : mx;
-    const M ok = ((sa - sa) == 0) & (am <= ChanLimits<acc_t>::hi) & ((am >= ChanLimits<acc_t>::lo) | (am == 0));
-    const M bad = ~ok;
-    if (!simd::any_lane(bad)) {
-      for (int l = 0; l < W; ++l) {
-        t.sum_abs[j + l] += static_cast<double>(sa[l]);
-        t.sum_sq[j + l] += static_cast<double>(sq[l]);
+    int64_t i = 0;
+    for (; i + 4 <= nrows; i += 4) {
+      const scalar_t* r0 = rowp[i];
+      const scalar_t* r1 = rowp[i + 1];
+      const scalar_t* r2 = rowp[i + 2];
+      const scalar_t* r3 = rowp[i + 3];
+      for (int64_t k = 0; k < nvec * W; k += W) {
+        const V v0 = L::load(r0 + k), v1 = L::load(r1 + k), v2 = L::load(r2 + k), v3 = L::load(r3 + k);
+        const V a0 = simd::abs_bits<V, M>(v0), a1 = simd::abs_bits<V, M>(v1);
+        const V a2 = simd::abs_bits<V, M>(v2), a3 = simd::abs_bits<V, M>(v3);
+        const V l01 = v0 < v1 ? v0 : v1, l23 = v2 < v3 ? v2 : v3;
+        const V h01 = v0 > v1 ? v0 : v1, h23 = v2 > v3 ? v2 : v3;
+        const V l = l01 < l23 ? l01 : l23, h = h01 > h23 ? h01 : h23;
+        const V mn = load_acc<V>(bmn + k), mx = load_acc<V>(bmx + k);
+        store_acc<V>(bsa + k, load_acc<V>(bsa + k) + ((a0 + a1) + (a2 + a3)));
+        store_acc<V>(bsq + k, load_acc<V>(bsq + k) + ((a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3)));
+        store_acc<V>(bmn + k, l < mn ? l : mn);
+        store_acc<V>(bmx + k, h > mx ? h : mx);
       }
-      const V omn = load_acc<V>(t.mn + j), omx = load_acc<V>(t.mx + j);
-      store_acc<V>(t.mn + j, mn < omn ? mn : omn);
-      store_acc<V>(t.mx + j, mx > omx ? mx : omx);
-    } else {
-      for (int l = 0; l < W; ++l) {
-        ChannelPartial q = channel_empty();
-        if (bad[l]) {
-          for (int64_t i = 0; i < nrows; ++i) channel_add(q, static_cast<double>(rowp[i][j + l]));
-        } else {
-          q.sum_abs = sa[l]; q.sum_sq = sq[l]; q.mn = mn[l]; q.mx = mx[l];
-        }
-        t.add(j + l, q);
+    }
+    for (; i < nrows; ++i) {
+      const scalar_t* r0 = rowp[i];
+      for (int64_t k = 0; k < nvec * W; k += W) {
+        const V v = L::load(r0 + k);
+        const V a = simd::abs_bits<V, M>(v);
+        const V mn = load_acc<V>(bmn + k), mx = load_acc<V>(bmx + k);
+        store_acc<V>(bsa + k, load_acc<V>(bsa + k) + a);
+        store_acc<V>(bsq + k, load_acc<V>(bsq + k) + a * a);
+        store_acc<V>(bmn + k, v < mn ? v : mn);
+        store_acc<V>(bmx + k, v > mx ? v : mx);
       }
+    }
+    for (int64_t k = 0; k < nvec * W; k += W) {
+      rows_flush<B, scalar_t, V, M>(rowp, nrows, k, load_acc<V>(bsa + k), load_acc<V>(bsq + k), load_acc<V>(bmn + k),
+                                    load_acc<V>(bmx + k), t);
     }
   }
-  for (; j < nch; ++j) {
+  for (int64_t j = nvec * W; j < nch; ++j) {
     ChannelPartial q = channel_empty();
     for (int64_t i = 0; i < nrows; ++i) channel_add(q, static_cast<double>(rowp[i][j]));
     t.add(j, q);
@@ -143,13 +188,13 @@ HS_INLINE void rows_task_body(const ChannelView& v, const RowsTask& task, Channe
   t.init(task.nch);
   const bool gather = v.cstride != 1;
   const scalar_t* rowp[kRowBlock];
-  alignas(64) scalar_t tile[kRowBlock * kChanTile];  // rows gathered when channels are strided
+  alignas(64) scalar_t tile[kRowBlock * kGatherTile];  // rows gathered when channels are strided
   for (int64_t r = task.r0; r < task.r1; r += kRowBlock) {
     const int64_t n = std::min(kRowBlock, task.r1 - r);
     for (int64_t i = 0; i < n; ++i) {
       const scalar_t* p = base + element_offset(v.rest, r + i) + task.c0 * v.cstride;
       if (gather) {
-        scalar_t* dst = tile + i * kChanTile;
+        scalar_t* dst = tile + i * kGatherTile;
         for (int64_t c = 0; c < task.nch; ++c) dst[c] = p[c * v.cstride];
         p = dst;
       }
@@ -181,19 +226,26 @@ HS_INLINE void span_body(const scalar_t* p, int64_t n, ChannelPartial& q) {
   while (i < n) {
     const int64_t end = std::min(n, i + kRunBlock);
     const int64_t start = i;
+    // Four vectors per step, summed in a tree before they reach the accumulators: the loop-carried chains
+    // are one add per four vectors.
     V sa0{}, sq0{}, mn0 = inf, mx0 = -inf;
-    V sa1{}, sq1{}, mn1 = inf, mx1 = -inf;
-    for (; i + 2 * W <= end; i += 2 * W) {
-      const V v0 = L::load(p + i);
-      const V v1 = L::load(p + i + W);
-      const V a0 = simd::abs_bits<V, M>(v0);
-      const V a1 = simd::abs_bits<V, M>(v1);
-      sa0 += a0; sq0 += a0 * a0; mn0 = v0 < mn0 ? v0 : mn0; mx0 = v0 > mx0 ? v0 : mx0;
-      sa1 += a1; sq1 += a1 * a1; mn1 = v1 < mn1 ? v1 : mn1; mx1 = v1 > mx1 ? v1 : mx1;
+    for (; i + 4 * W <= end; i += 4 * W) {
+      const V v0 = L::load(p + i), v1 = L::load(p + i + W), v2 = L::load(p + i + 2 * W), v3 = L::load(p + i + 3 * W);
+      const V a0 = simd::abs_bits<V, M>(v0), a1 = simd::abs_bits<V, M>(v1);
+      const V a2 = simd::abs_bits<V, M>(v2), a3 = simd::abs_bits<V, M>(v3);
+      sa0 += (a0 + a1) + (a2 + a3);
+      sq0 += (a0 * a0 + a1 * a1) + (a2 * a2 + a3 * a3);
+      const V l01 = v0 < v1 ? v0 : v1, l23 = v2 < v3 ? v2 : v3;
+      const V h01 = v0 > v1 ? v0 : v1, h23 = v2 > v3 ? v2 : v3;
+      const V l = l01 < l23 ? l01 : l23, h = h01 > h23 ? h01 : h23;
+      mn0 = l < mn0 ? l : mn0;
+      mx0 = h > mx0 ? h : mx0;
     }
-    sa0 += sa1; sq0 += sq1;
-    mn0 = mn1 < mn0 ? mn1 : mn0;
-    mx0 = mx1 > mx0 ? mx1 : mx0;
+    for (; i + W <= end; i += W) {
+      const V v0 = L::load(p + i);
+      const V a0 = simd::abs_bits<V, M>(v0);
+      sa0 += a0; sq0 += a0 * a0; mn0 = v0 < mn0 ? v0 : mn0; mx0 = v0 > mx0 ? v0 : mx0;
+    }
     acc_t sa = 0, sq = 0, mn = static_cast<acc_t>(INFINITY), mx = -static_cast<acc_t>(INFINITY);
     for (int l = 0; l < W; ++l) {
       sa += sa0[l]; sq += sq0[l];
@@ -277,23 +329,26 @@ template <typename scalar_t>
 void channel_cpu_typed(const ChannelView& v, const ChannelOut& out) {
   const int64_t C = v.channels, M = v.rows;
   const bool avx2 = simd::use_avx2();
-  std::vector<ChannelPartial> partials;
+  // Partials of every (group, channel), cached per calling thread: no allocation (or page faults) once warm.
+  static thread_local std::vector<ChannelPartial> partials;
   int64_t groups = 1;
   if (M == 0) {
     partials.assign(static_cast<size_t>(C), channel_empty());
   } else if (v.rows_order) {
-    const int64_t tiles = ceil_div(C, kChanTile);
+    const int64_t tile_w = v.cstride == 1 ? kChanTile : kGatherTile;
+    const int64_t tiles = ceil_div(C, tile_w);
     groups = std::max<int64_t>(1, std::min(ceil_div(target_tasks(C * M), tiles), ceil_div(M, kRowBlock)));
     const int64_t rows_per = ceil_div(ceil_div(M, groups), kRowBlock) * kRowBlock;
     groups = ceil_div(M, rows_per);
     partials.resize(static_cast<size_t>(groups * C));
+    ChannelPartial* const pp = partials.data();  // the lambda runs on workers: not through the thread_local's name
     const auto fn = avx2 ? &rows_task_avx2<scalar_t> : &rows_task_default<scalar_t>;
     at::parallel_for(0, tiles * groups, 1, [&](int64_t b, int64_t e) {
       for (int64_t k = b; k < e; ++k) {
         const int64_t tile = k / groups, g = k % groups;
-        const int64_t c0 = tile * kChanTile;
-        const RowsTask t{c0, std::min(kChanTile, C - c0), g * rows_per, std::min(M, (g + 1) * rows_per)};
-        fn(v, t, partials.data() + g * C + c0);
+        const int64_t c0 = tile * tile_w;
+        const RowsTask t{c0, std::min(tile_w, C - c0), g * rows_per, std::min(M, (g + 1) * rows_per)};
+        fn(v, t, pp + g * C + c0);
       }
     });
   } else {
@@ -301,13 +356,14 @@ void channel_cpu_typed(const ChannelView& v, const ChannelOut& out) {
     const int64_t rows_per = ceil_div(M, groups);
     groups = ceil_div(M, rows_per);
     partials.resize(static_cast<size_t>(groups * C));
+    ChannelPartial* const pp = partials.data();
     const auto fn = avx2 ? &runs_task_avx2<scalar_t> : &runs_task_default<scalar_t>;
     const int64_t grain = std::max<int64_t>(1, kMinTaskElems / std::max<int64_t>(1, rows_per));
     at::parallel_for(0, C * groups, grain, [&](int64_t b, int64_t e) {
       for (int64_t k = b; k < e; ++k) {
         const int64_t c = k / groups, g = k % groups;
         const RunsTask t{c, g * rows_per, std::min(M, (g + 1) * rows_per)};
-        fn(v, t, partials.data() + g * C + c);
+        fn(v, t, pp + g * C + c);
       }
     });
   }
