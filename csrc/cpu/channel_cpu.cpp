@@ -341,9 +341,11 @@ void channel_cpu_typed(const ChannelView& v, const ChannelOut& out) {
     const int64_t rows_per = ceil_div(ceil_div(M, groups), kRowBlock) * kRowBlock;
     groups = ceil_div(M, rows_per);
     partials.resize(static_cast<size_t>(groups * C));
-    ChannelPartial* const pp = partials.data();  // the lambda runs on workers: not through the thread_local's name
+    // The lambda runs on workers: it reaches the cache through a copied pointer, never through the thread_local's
+    // name (which names each worker's own, empty, vector; GCC re-reads even a const local initialised from it).
+    ChannelPartial* pp = partials.data();
     const auto fn = avx2 ? &rows_task_avx2<scalar_t> : &rows_task_default<scalar_t>;
-    at::parallel_for(0, tiles * groups, 1, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, tiles * groups, 1, [&, pp](int64_t b, int64_t e) {
       for (int64_t k = b; k < e; ++k) {
         const int64_t tile = k / groups, g = k % groups;
         const int64_t c0 = tile * tile_w;
@@ -356,10 +358,10 @@ void channel_cpu_typed(const ChannelView& v, const ChannelOut& out) {
     const int64_t rows_per = ceil_div(M, groups);
     groups = ceil_div(M, rows_per);
     partials.resize(static_cast<size_t>(groups * C));
-    ChannelPartial* const pp = partials.data();
+    ChannelPartial* pp = partials.data();
     const auto fn = avx2 ? &runs_task_avx2<scalar_t> : &runs_task_default<scalar_t>;
     const int64_t grain = std::max<int64_t>(1, kMinTaskElems / std::max<int64_t>(1, rows_per));
-    at::parallel_for(0, C * groups, grain, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, C * groups, grain, [&, pp](int64_t b, int64_t e) {
       for (int64_t k = b; k < e; ++k) {
         const int64_t c = k / groups, g = k % groups;
         const RunsTask t{c, g * rows_per, std::min(M, (g + 1) * rows_per)};
