@@ -303,3 +303,30 @@ def test_calibrator_conv_channels_and_errors():
     assert cal.buffers == {}
     lin(torch.randn(3, 4))
     assert cal.results()[""].count.tolist() == [3.0] * 4
+
+
+def test_without_extension_uses_the_reference():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys, warnings
+        sys.modules["hookstats._C"] = None
+        warnings.simplefilter("ignore")
+        import torch, hookstats
+        assert not hookstats.HAVE_EXTENSION
+        x = torch.tensor([[1.0, -2.0], [float("nan"), 4.0], [-3.0, 0.5]])
+        s = hookstats.channel_stats(x, -1)
+        assert s.absmax.tolist() == [3.0, 4.0] and s.nonfinite.tolist() == [1, 0] and s.count.tolist() == [3, 3]
+        assert s.min.tolist() == [-3.0, -2.0] and s.sum_sq.tolist() == [10.0, 20.25]
+        buf = hookstats.channel_stats_buffer(2)
+        hookstats.channel_stats_into(x, buf, 1)
+        hookstats.channel_stats_into(x, buf, 1)
+        assert buf[6].tolist() == [6.0, 6.0] and buf[0].tolist() == [3.0, 4.0] and buf[2].tolist() == [20.0, 40.5]
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
