@@ -87,12 +87,22 @@ class PerSampleGradNorms:
       per sample before the norm, exactly (the calls' tokens are concatenated); calls with different batch sizes
       are different samples and are appended. (Two micro-batches forwarded before one common backward would
       therefore be summed: run a backward per micro-batch.)
+    - `max_norm=C`: per-sample clipping. When a backward is done, each sample's gradient over the hooked layers is
+      scaled to at most C before the batch sum: sum_b (coef_b - 1) grad_b is added to every hooked `.grad` (one
+      weighted matrix product per layer from the kept tensors, which then live until the end of the backward),
+      coef_b = min(1, C / (norm_b + eps)) (`clip_coef()`). Norms read afterwards are the unclipped ones.
     - `step()` clears the current vectors (and any forward whose gradient never came); call it once per optimizer
       step, after reading. Nothing is copied to the host until `top_samples` / `first_nonfinite_sample` / `.tolist()`.
     """
 
     def __init__(self, model: nn.Module, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
-                 batch_dim: int = 0):
+                 batch_dim: int = 0, max_norm: Optional[float] = None, eps: float = 1e-6):
+        if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm >= 0):
+            raise ValueError(f"hookstats.PerSampleGradNorms: max_norm must be a number >= 0 or None, got {max_norm!r}")
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.eps = float(eps)
+        self._clip: list = []
+        self._coef: List[torch.Tensor] = []
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"hookstats.PerSampleGradNorms: batch_dim must be an int >= 0, got {batch_dim!r}")
         inc = [include] if isinstance(include, str) else list(include)
@@ -176,6 +186,9 @@ class PerSampleGradNorms:
         if grad is None:
             return None
         call.grad = grad.detach()
+        if self.max_norm is not None and not self._flush_queued:  # clipping runs when this backward is done
+            self._flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_all)
         pend = self._pending.get(name, [])
         if len(pend) == 1 and pend[0] is call:  # the common case: compute now, free the tensors
             pend.clear()
@@ -192,6 +205,35 @@ class PerSampleGradNorms:
         self._flush_queued = False
         for name in list(self._pending):
             self._flush_layer(name)
+        if self._clip:
+            self._apply_clip()
+
+    # Per-sample clipping: each sample's gradient (over the hooked layers) scaled to at most max_norm before the
+    # batch sum. Autograd has summed the unclipped per-sample gradients into .grad; this adds
+    # sum_b (coef_b - 1) grad_b, one weighted matrix product per layer from the same kept tensors, so .grad becomes
+    # (what it held before this backward) + sum_b coef_b grad_b. No second backward, no per-sample gradients.
+    def _apply_clip(self) -> None:
+        entries, self._clip = self._clip, []
+        batches = {b for _, b, _, _ in entries}
+        if len(batches) > 1:
+            raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): one backward saw batches of sizes "
+                               f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
+        with torch.no_grad():
+            sq = torch.stack([v.to(torch.float64) for _, _, out, _ in entries for v in out.values()]).sum(0)
+            coef = torch.clamp(self.max_norm / (sq.sqrt() + self.eps), max=1.0)
+            self._coef.append(coef)
+            for mod, _, out, ctx in entries:
+                w = (coef - 1.0).to(ctx[2].dtype)
+                for attr, delta in _clip_deltas(ctx, w, tuple(out)).items():
+                    p = getattr(mod, attr)
+                    if p.grad is not None:
+                        p.grad.add_(delta.reshape(p.shape).to(p.grad.dtype))
+
+    def clip_coef(self) -> torch.Tensor:
+        """The per-sample clipping coefficients min(1, max_norm / (norm + eps)) of this step, [samples] float64."""
+        if not self._coef:
+            raise RuntimeError("hookstats.PerSampleGradNorms: no clipped backward since the last step()")
+        return torch.cat(self._coef) if len(self._coef) > 1 else self._coef[0]
 
     def _flush_layer(self, name: str) -> None:
         pend = self._pending.get(name, [])
@@ -211,9 +253,11 @@ class PerSampleGradNorms:
             kind = calls[0].kind
             attrs = calls[0].attrs
             mod_params = dict((a, pn) for pn, a in self._params[name])
-            out = getattr(self, f"_sq_{kind}")(calls, attrs)
+            out, ctx = getattr(self, f"_sq_{kind}")(calls, attrs)
             for a, v in out.items():
                 self._sq.setdefault(mod_params[a], []).append(v)
+            if self.max_norm is not None:  # kept until the end of this backward (Note: per-sample clipping)
+                self._clip.append((calls[0].mod, calls[0].batch, out, ctx))
         for c in calls:
             c.a = c.grad = c.mod = None
 
@@ -237,7 +281,7 @@ class PerSampleGradNorms:
             out["weight"] = outer_sq_norms(a, g)
         if "bias" in attrs:
             out["bias"] = g.sum(1).square().sum(1)
-        return out
+        return out, ("linear", a, g)
 
     def _sq_conv(self, calls, attrs):
         mod = calls[0].mod
@@ -263,7 +307,7 @@ class PerSampleGradNorms:
             out["weight"] = outer_sq_norms(a, g).reshape(b, groups).sum(1)
         if "bias" in attrs:
             out["bias"] = g.sum(1).reshape(b, -1).square().sum(1)
-        return out
+        return out, ("conv", a, g, groups, b)
 
     def _sq_embedding(self, calls, attrs):
         mod = calls[0].mod
@@ -288,7 +332,7 @@ class PerSampleGradNorms:
         rows = torch.zeros(n, d, dtype=g.dtype, device=g.device).index_add_(0, seg, g.reshape(n, d)[perm])
         sample_of_seg = torch.zeros(n, dtype=torch.long, device=idx.device).scatter_(0, seg, skey // mod.num_embeddings)
         sq = torch.zeros(b, dtype=g.dtype, device=g.device).index_add_(0, sample_of_seg, rows.square().sum(1))
-        return {"weight": sq}
+        return {"weight": sq}, ("embedding", idx, g, mod.num_embeddings)
 
     def _sq_layernorm(self, calls, attrs):
         mod = calls[0].mod
@@ -312,7 +356,7 @@ class PerSampleGradNorms:
             out["weight"] = (g * xhat).sum(1).square().sum(1)
         if "bias" in attrs:
             out["bias"] = g.sum(1).square().sum(1)
-        return out
+        return out, ("layernorm", xhat, g)
 
     # -- results ---------------------------------------------------------------------------------------------------
     def per_param_sq(self) -> Dict[str, torch.Tensor]:
@@ -377,6 +421,8 @@ class PerSampleGradNorms:
         """Starts a new step: clears the vectors and any kept input still waiting for a gradient."""
         self._sq.clear()
         self._pending.clear()
+        self._clip.clear()
+        self._coef.clear()
 
     reset = step
 
@@ -391,6 +437,39 @@ class PerSampleGradNorms:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _clip_deltas(ctx, w: torch.Tensor, attrs) -> Dict[str, torch.Tensor]:
+    """sum_b w_b grad_b for each parameter of one layer, from the tensors its norms were computed from."""
+    kind = ctx[0]
+    out: Dict[str, torch.Tensor] = {}
+    if kind == "linear":
+        _, a, g = ctx
+        gw = g * w[:, None, None]
+        if "weight" in attrs:
+            out["weight"] = gw.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1])
+        if "bias" in attrs:
+            out["bias"] = gw.sum((0, 1))
+    elif kind == "conv":
+        _, a, g, groups, b = ctx  # [B*groups, L, K], [B*groups, L, O/groups]
+        gw = (g.reshape(b, groups, *g.shape[1:]) * w[:, None, None, None])
+        if "weight" in attrs:
+            out["weight"] = torch.einsum("bglo,bglk->gok", gw, a.reshape(b, groups, *a.shape[1:]))
+        if "bias" in attrs:
+            out["bias"] = gw.sum((0, 2)).reshape(-1)
+    elif kind == "embedding":
+        _, idx, g, vocab = ctx
+        gw = (g * w[:, None, None]).reshape(-1, g.shape[-1])
+        out["weight"] = torch.zeros(vocab, g.shape[-1], dtype=g.dtype, device=g.device).index_add_(
+            0, idx.reshape(-1), gw)
+    else:  # layernorm
+        _, xhat, g = ctx
+        gw = g * w[:, None, None]
+        if "weight" in attrs:
+            out["weight"] = (gw * xhat).sum((0, 1))
+        if "bias" in attrs:
+            out["bias"] = gw.sum((0, 1))
+    return out
 
 
 def _is_functorch(t: torch.Tensor) -> bool:

@@ -249,3 +249,59 @@ def test_float32_and_bfloat16_models():
             torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=1e-3 * float(want[k].max()))
         psn.remove()
         m.zero_grad()
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, groups=1)
+        self.conv2 = nn.Conv1d(4, 6, 3, groups=2)
+        self.fc = nn.Linear(6 * 6, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))  # [B, 4, 8, 8]
+        h = self.conv2(h.mean(2))  # [B, 6, 6]
+        return self.fc(h.flatten(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["tiny", "conv"])
+def test_per_sample_clipping(device, name):
+    """max_norm=C: after backward, .grad == sum_b min(1, C / (||g_b|| + eps)) g_b, with g_b the materialised
+    per-sample gradients over the hooked layers; the reported norms stay the unclipped ones."""
+    if name == "tiny":
+        model = Tiny().double().to(device)
+        x = torch.randint(0, 11, (6, 5), generator=torch.Generator().manual_seed(5)).to(device)
+    else:
+        model = ConvNet().double().to(device)
+        x = f64(6, 3, 8, 8, seed=5, device=device)
+    out, r = run(model, x, seed=6)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xb, rb):
+        return (functional_call(model, p, (xb.unsqueeze(0),)) * rb.unsqueeze(0)).sum()
+
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, r)
+    norms = torch.stack([v.reshape(v.shape[0], -1).square().sum(1) for v in g.values()]).sum(0).sqrt()
+    max_norm = float(norms.median())
+    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    assert (coef < 1).any() and (coef == 1).any()
+    psn = hookstats.PerSampleGradNorms(model, max_norm=max_norm)
+    for p in model.parameters():  # an earlier micro-batch's gradient stays as it was
+        p.grad = torch.ones_like(p)
+    (model(x) * r).sum().backward()
+    for k, p in model.named_parameters():
+        want = 1 + (g[k] * coef.reshape(-1, *[1] * (g[k].dim() - 1))).sum(0)
+        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-12, msg=lambda m: f"{k}: {m}")
+    torch.testing.assert_close(psn.total(), norms, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(psn.clip_coef(), coef, rtol=1e-9, atol=1e-12)
+    psn.remove()
+
+
+def test_clipping_errors():
+    with pytest.raises(ValueError, match="max_norm"):
+        hookstats.PerSampleGradNorms(nn.Linear(2, 2), max_norm=-1.0)
+    psn = hookstats.PerSampleGradNorms(nn.Linear(2, 2), max_norm=1.0)
+    with pytest.raises(RuntimeError, match="no clipped backward"):
+        psn.clip_coef()
