@@ -150,7 +150,18 @@ class PerSampleGradNorms:
             call = self._make_call(mod, args[0].detach())
             call.attrs = tuple(a for _, a in active)
             self._pending.setdefault(name, []).append(call)
-            output.register_hook(lambda g, name=name, call=call: self._grad_hook(name, call, g))
+            # Linear / Embedding outputs of [B, T, ...] inputs are views of a fresh 2-D result. A hook on such a
+            # view never fires once a later op modifies it in place (ReLU(inplace=True): autograd rebases the view,
+            # and the gradient reaches the base through CopySlices); a hook on the base always fires, with the
+            # gradient of the value before any in-place change.
+            target, shape = output, output.shape
+            base = output._base
+            if (base is not None and base.requires_grad and base.numel() == output.numel()
+                    and base.is_contiguous() and output.is_contiguous()):
+                target = base
+            target.register_hook(
+                lambda g, name=name, call=call, shape=shape: self._grad_hook(
+                    name, call, None if g is None else g.reshape(shape)))
             return None
         return hook
 

@@ -305,3 +305,26 @@ def test_clipping_errors():
     psn = hookstats.PerSampleGradNorms(nn.Linear(2, 2), max_norm=1.0)
     with pytest.raises(RuntimeError, match="no clipped backward"):
         psn.clip_coef()
+
+
+class SeqFirst(nn.Module):
+    """[T, B] token ids -> Embedding -> LayerNorm -> Linear -> in-place ReLU -> Linear: sequence-first inputs, and a
+    Linear output modified in place (the tensor hook sees the gradient of the value before the in-place op)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(9, 6)
+        self.ln = nn.LayerNorm(6)
+        self.fc = nn.Linear(6, 7)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, idx):
+        return self.head(self.act(self.fc(self.ln(self.emb(idx)))))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequence_first_and_inplace(device):
+    idx = torch.randint(0, 9, (5, 4), generator=torch.Generator().manual_seed(7)).to(device)  # [T=5, B=4]
+    check_model(SeqFirst().to(device), idx, batch_dim=1)
