@@ -58,4 +58,11 @@ TORCH_LIBRARY(hookstats, m) {
 
   // Which CPU code path runs: "avx2" or "default" (Note [cpu dispatch]); "" only reads it.
   m.def("_cpu_isa(str mode) -> str", &hookstats::cpu_isa);
+  // Per-channel statistics along dim (csrc/core/channel_ops.h, Note [channel stats]): (values
+  // [5, C] absmax, sum_abs, sum_sq, min, max over the finite values, fp32 (fp64 for fp64 x);
+  // counts [2, C] int64: nonfinite, count).
+  m.def("channel_stats(Tensor x, int dim) -> (Tensor, Tensor)");
+  // The same, combined into a [7, C] float32/float64 buffer: max for absmax/max, min for min,
+  // sums and counts added (calibration over many batches).
+  m.def("channel_stats_into(Tensor x, Tensor(a!) out, int dim) -> ()");
 }

@@ -28,6 +28,8 @@ from .clip import (
     norms,
 )
 from .formats import FORMATS, format_fit
+from .channel import CHANNEL_FIELDS, ChannelCalibrator, ChannelStats, channel_stats, channel_stats_buffer, channel_stats_into
+from .per_sample import PerSampleGradNorms
 from .hooks import clip_value, fused_clip
 from .monitor import MONITOR_KINDS, Monitor, record
 from . import export  # hookstats.export.JSONLWriter, TensorBoardWriter, ...: optional packages load on first use
@@ -67,4 +69,11 @@ __all__ = [
     "stats_buffer",
     "stats_into",
     "stats_multi_into",
+    "CHANNEL_FIELDS",
+    "ChannelCalibrator",
+    "ChannelStats",
+    "channel_stats",
+    "channel_stats_buffer",
+    "channel_stats_into",
+    "PerSampleGradNorms",
 ]

@@ -5,6 +5,8 @@ not speed: each statistic is its own pass, as people write it by hand.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._ops import STATS_FIELDS, Histogram, Stats, check_tensor, exp_layout, result_dtype
@@ -174,3 +176,54 @@ def clip_value_(x: torch.Tensor, lo: float, hi=None) -> torch.Tensor:
     if hi is None:
         lo, hi = -lo, lo
     return clamp_count_([x], lo, hi)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-channel statistics (hookstats/channel.py, Note [channel stats] in csrc/core/channel_ops.h). float64.
+
+
+def channel_stats(x: torch.Tensor, dim: int = -1):
+    """`hookstats.channel_stats(x, dim)` in plain PyTorch: statistics over the finite values of each index of `dim`,
+    NaN/Inf counted in `nonfinite`; float32 values (float64 for float64 x), int64 counts."""
+    from .channel import ChannelStats
+
+    check_tensor(x, "reference.channel_stats")
+    rt = result_dtype(x.dtype)
+    c = x.shape[dim]
+    rows = math.prod(s for i, s in enumerate(x.shape) if i != dim % x.dim())
+    xd = x.detach().to(torch.float64).movedim(dim, -1).reshape(rows, c)
+    fin = torch.isfinite(xd)
+    a = torch.where(fin, xd.abs(), torch.zeros_like(xd))
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=xd.device)
+    if xd.shape[0] == 0:  # the identities: nothing seen
+        absmax = torch.zeros(c, dtype=torch.float64, device=xd.device)
+        mn, mx = absmax + inf, absmax - inf
+    else:
+        absmax = a.amax(0)
+        mn = torch.where(fin, xd, inf).amin(0)
+        mx = torch.where(fin, xd, -inf).amax(0)
+    values = [t.to(rt) for t in (absmax, a.sum(0), (a * a).sum(0), mn, mx)]
+    nonfinite = (~fin).sum(0)
+    count = torch.full((c,), xd.shape[0], dtype=torch.int64, device=xd.device)
+    return ChannelStats(*values, nonfinite, count)
+
+
+def channel_stats_into(x: torch.Tensor, buf: torch.Tensor, dim: int = -1) -> None:
+    """Combines `channel_stats(x, dim)` into a [7, C] buffer as `hookstats.channel_stats_into` does."""
+    from .channel import CHANNEL_FIELDS
+
+    if buf.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"hookstats.channel_stats_into needs a float32 or float64 buffer, got {buf.dtype}")
+    c = x.shape[dim]
+    if buf.dim() != 2 or tuple(buf.shape) != (len(CHANNEL_FIELDS), c):
+        raise ValueError(f"hookstats.channel_stats_into needs a buffer of shape [{len(CHANNEL_FIELDS)}, {c}], got "
+                         f"{tuple(buf.shape)}")
+    if buf.device != x.device:
+        raise ValueError(f"hookstats.channel_stats_into: the buffer is on {buf.device} but the tensor is on {x.device}")
+    s = channel_stats(x.to(torch.float64) if x.dtype != torch.float64 else x, dim)
+    old = buf.to(torch.float64)
+    new = torch.stack([
+        torch.maximum(old[0], s.absmax), old[1] + s.sum_abs, old[2] + s.sum_sq, torch.minimum(old[3], s.min),
+        torch.maximum(old[4], s.max), old[5] + s.nonfinite.to(torch.float64), old[6] + s.count.to(torch.float64),
+    ])
+    buf.copy_(new.to(buf.dtype))

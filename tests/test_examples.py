@@ -19,7 +19,7 @@ import hookstats
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = ["grad_norm_logging", "clip_by_norm", "clip_by_value", "capture_activations", "modify_inputs",
-           "scale_gradient", "grad_cam", "nan_hunting"]
+           "scale_gradient", "grad_cam", "nan_hunting", "calibrate_linear", "find_bad_sample"]
 
 
 @lru_cache(maxsize=None)
@@ -366,6 +366,75 @@ def test_nan_hunting_clean_run(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_calibrate_linear(tmp_path):
+    mod = load("calibrate_linear")
+    steps = 3
+    res = mod.main(["--steps", str(steps), "--out", str(tmp_path)])
+
+    # The plain-PyTorch calibration hook: x.abs().amax over the token dims, torch.maximum into a buffer, and the
+    # mean magnitude AWQ uses, on the same model and batches.
+    model = mod.build_model().eval()
+    amax: dict = {}
+    sums: dict = {}
+
+    def hook(name):
+        def pre(m, args):
+            x = args[0].detach().double()
+            amax[name] = torch.maximum(amax.get(name, torch.zeros(x.shape[-1], dtype=torch.float64)),
+                                       x.abs().amax(dim=(0, 1)))
+            sums[name] = sums.get(name, 0) + x.abs().sum(dim=(0, 1))
+        return pre
+
+    for name in ("fc1", "fc2", "head"):
+        model.get_submodule(name).register_forward_pre_hook(hook(name))
+    with torch.no_grad():
+        for idx in mod.batches(steps):
+            model(idx)
+    layers = res["layers"]
+    assert sorted(layers) == ["fc1", "fc2", "head"]
+    for name in layers:
+        lay = layers[name]
+        assert lay["calls"] == steps and lay["nonfinite"] == 0
+        assert lay["absmax"] == amax[name].tolist(), name
+        n = lay["values_per_channel"]
+        assert n == steps * 8 * 24
+        assert close(lay["mean_abs"], (sums[name] / n).tolist(), rel=2e-6)  # float32 pieces, summed in float64
+        want = mod.smoothquant_scales(amax[name], model.get_submodule(name).weight)
+        assert close(lay["smoothquant_scales"], want.tolist(), rel=1e-12)
+    assert layers["fc1"]["top_channels"] == list(mod.OUTLIERS) == layers["head"]["top_channels"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_find_bad_sample(tmp_path):
+    mod = load("find_bad_sample")
+    res = mod.main(["--steps", "4", "--bad-step", "1", "--out", str(tmp_path)])
+    steps = res["steps"]
+    assert steps[1]["top_samples"][0][0] == mod.BAD_SAMPLE
+    assert steps[1]["top_samples"][0][1] > 100 * steps[1]["median_sample_norm"]
+    assert steps[0]["first_nonfinite"] is None and steps[1]["first_nonfinite"] is None
+    bad = steps[2]["first_nonfinite"]
+    assert bad["sample"] == mod.NAN_SAMPLE and bad["layers"] == ["fc1", "fc2", "head"]
+    assert int(torch.isfinite(res["totals"][2]).sum()) == 31  # only the NaN sample's norm is non-finite
+    assert math.isfinite(steps[3]["loss"])  # the NaN step was skipped (clip_grad_norm_(nonfinite="zero"))
+
+    # Step 0 against per-sample gradients materialised by torch.func, on the same model and batch.
+    from torch.func import functional_call, grad, vmap
+
+    model = mod.build_model()
+    x, y = next(iter(mod.batches(1, bad_step=1)))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p, xb, yb):  # sample b's share of the batch's mean-squared error
+        return (functional_call(model, p, (xb.unsqueeze(0),)) - yb).square().sum() / x.shape[0]
+
+    g = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    want = torch.stack([v.reshape(v.shape[0], -1).square().sum(1) for v in g.values()]).sum(0).sqrt()
+    torch.testing.assert_close(res["totals"][0], want.double(), rtol=1e-5, atol=1e-8)
+    assert steps[0]["top_samples"][0][0] == int(want.argmax())
+
+
 @pytest.fixture(scope="module", autouse=True)
 def script_runs(request, tmp_path_factory):
     """Runs the selected scripts as subprocesses, two at a time, from the module's first test on, beside the

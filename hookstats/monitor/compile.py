@@ -25,6 +25,7 @@ import itertools
 
 import torch
 
+from .._ops import HAVE_EXTENSION
 from ..hooks import _flatten
 
 _IDS = itertools.count()
@@ -39,13 +40,7 @@ def register(buffers) -> int:
     return i
 
 
-@torch.library.register_fake("hookstats::_monitor_record")
-def _record_op_fake(xs, monitor, hook, index=-1) -> None:
-    return None
-
-
-def _register_ordered_effect() -> bool:
-    op = torch.ops.hookstats._monitor_record.default
+def _register_ordered_effect(op) -> bool:
     try:
         from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
@@ -55,8 +50,16 @@ def _register_ordered_effect() -> bool:
         return False
 
 
-_record_op = torch.ops.hookstats._monitor_record.default
-_record_op_traced = _record_op if _register_ordered_effect() else torch.compiler.disable(_record_op)
+if HAVE_EXTENSION:
+
+    @torch.library.register_fake("hookstats::_monitor_record")
+    def _record_op_fake(xs, monitor, hook, index=-1) -> None:
+        return None
+
+    _record_op = torch.ops.hookstats._monitor_record.default
+    _record_op_traced = _record_op if _register_ordered_effect(_record_op) else torch.compiler.disable(_record_op)
+else:  # no compiled extension: Monitor and record refuse to start (buffers.py says why), nothing is traced
+    _record_op = _record_op_traced = None
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 # The eager check a hook makes on every call: dynamo folds it to True where it traces the hook; eagerly it is one
 # call that returns False (torch.compiler.is_compiling costs twice as much).

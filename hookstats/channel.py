@@ -1,0 +1,270 @@
+"""Per-channel statistics along one dimension, in one read: `channel_stats`, `channel_stats_into` (accumulating
+over calls into a device buffer) and `ChannelCalibrator` (forward hooks on chosen modules, the calibration use case
+of SmoothQuant / AWQ-style quantization). Semantics: csrc/core/channel_ops.h, Note [channel stats]."""
+from __future__ import annotations
+
+import fnmatch
+from typing import Dict, NamedTuple, Optional, Sequence
+
+import torch
+
+from ._ops import HAVE_EXTENSION, check_device, check_tensor, result_dtype, uses_kernels
+
+# Note [channel stats] (csrc/core/channel_ops.h): the rows of a channel_stats_into buffer.
+CHANNEL_FIELDS = ("absmax", "sum_abs", "sum_sq", "min", "max", "nonfinite", "count")
+
+
+class ChannelStats(NamedTuple):
+    """Per-channel statistics, each a `[C]` tensor on the input's device (no host copy).
+
+    absmax, sum_abs, sum_sq, min and max are over the *finite* values of each channel; NaN and +-inf are skipped and
+    counted in `nonfinite`; `count` is the number of values per channel. A channel without finite values has absmax
+    and sums 0, min +inf and max -inf. From `channel_stats`: float32 values (float64 for float64 inputs) and int64
+    counts; read from a buffer (`from_buffer`): everything in the buffer's dtype.
+    """
+
+    absmax: torch.Tensor
+    sum_abs: torch.Tensor
+    sum_sq: torch.Tensor
+    min: torch.Tensor
+    max: torch.Tensor
+    nonfinite: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def from_buffer(cls, buf: torch.Tensor) -> "ChannelStats":
+        """Views of the rows of a `channel_stats_buffer` (no copy)."""
+        if buf.dim() != 2 or buf.shape[0] != len(CHANNEL_FIELDS):
+            raise ValueError(f"hookstats.ChannelStats.from_buffer needs a [{len(CHANNEL_FIELDS)}, C] buffer, got "
+                             f"shape {tuple(buf.shape)}")
+        return cls(*buf.unbind(0))
+
+    def finite_count(self) -> torch.Tensor:
+        return self.count - self.nonfinite
+
+    def mean_abs(self) -> torch.Tensor:
+        """sum_abs / the number of finite values (NaN for a channel without any), in float64 if the sums are."""
+        return self.sum_abs / self.finite_count().to(self.sum_abs.dtype)
+
+    def rms(self) -> torch.Tensor:
+        """sqrt(sum_sq / the number of finite values)."""
+        return torch.sqrt(self.sum_sq / self.finite_count().to(self.sum_sq.dtype))
+
+    def to_dict(self) -> dict:
+        """Python lists, one host copy (do it when you read results, not in a hook)."""
+        packed = torch.stack([t.to(torch.float64) for t in self]).cpu()
+        return {f: packed[i].tolist() for i, f in enumerate(CHANNEL_FIELDS)}
+
+
+def _stats_from_parts(values: torch.Tensor, counts: torch.Tensor) -> ChannelStats:
+    v = values.unbind(0)
+    c = counts.unbind(0)
+    return ChannelStats(v[0], v[1], v[2], v[3], v[4], c[0], c[1])
+
+
+def _check_dim(x: torch.Tensor, dim, op: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"hookstats.{op}: dim must be an int, got {type(dim).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"hookstats.{op} needs a tensor with at least one dimension, got a 0-d tensor")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"hookstats.{op}: dim {dim} is out of range for a tensor of {x.dim()} dimensions")
+    return dim % x.dim()
+
+
+def channel_stats(x: torch.Tensor, dim: int = -1) -> ChannelStats:
+    """Per-channel statistics of `x` along `dim` (the kept dimension; every other one is reduced), in one read, on
+    `x.device`, with no host sync. Any layout (contiguous, transposed, channels_last, expanded, sliced, empty);
+    float32/float64/float16/bfloat16 inputs, accumulated in float32 pieces whose sums are added in float64 (CUDA:
+    float64 throughout), so the float32 results are the float64 sums rounded once. See `ChannelStats` for the NaN
+    rules."""
+    check_tensor(x, "channel_stats")
+    dim = _check_dim(x, dim, "channel_stats")
+    if not uses_kernels(x):
+        from . import reference
+
+        return reference.channel_stats(x, dim)
+    check_device(x, "channel_stats")
+    values, counts = torch.ops.hookstats.channel_stats.default(x.detach(), dim)
+    return _stats_from_parts(values, counts)
+
+
+def channel_stats_buffer(channels: int, device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A `[7, channels]` buffer for `channel_stats_into`, holding the identities of each row's combination (absmax,
+    sums and counts 0, min +inf, max -inf). float64 (the default) keeps sums over many batches at float64 accuracy
+    and counts exact to 2^53; float32 rounds at every call and keeps counts exact to 2^24."""
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"hookstats.channel_stats_buffer dtype must be torch.float32 or torch.float64, got {dtype}")
+    if isinstance(channels, bool) or not isinstance(channels, int) or channels < 0:
+        raise ValueError(f"hookstats.channel_stats_buffer needs channels >= 0, got {channels!r}")
+    buf = torch.zeros((len(CHANNEL_FIELDS), channels), dtype=dtype, device=device)
+    buf[3].fill_(float("inf"))
+    buf[4].fill_(float("-inf"))
+    return buf
+
+
+def channel_stats_into(x: torch.Tensor, buf: torch.Tensor, dim: int = -1) -> None:
+    """Combines the per-channel statistics of `x` along `dim` into `buf` (see `channel_stats_buffer`), on the
+    device, no host sync: absmax and max by max, min by min, sums and counts added. Call it on every batch (e.g. in
+    a forward hook) and read `ChannelStats.from_buffer(buf)` once at the end."""
+    check_tensor(x, "channel_stats_into")
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"hookstats.channel_stats_into needs a buffer tensor, got {type(buf).__name__}")
+    dim = _check_dim(x, dim, "channel_stats_into")
+    if not uses_kernels(x):
+        from . import reference
+
+        reference.channel_stats_into(x, buf, dim)
+        return
+    check_device(x, "channel_stats_into")
+    # The op checks the buffer (dtype: TypeError; shape, device: ValueError), see csrc/core/channel_bindings.h.
+    torch.ops.hookstats.channel_stats_into.default(x.detach(), buf, dim)
+
+
+if HAVE_EXTENSION:
+
+    def _fake_channels(x, dim, op):
+        if x.dim() == 0:
+            raise ValueError(f"hookstats.{op} needs a tensor with at least one dimension")
+        return x.shape[dim]
+
+    @torch.library.register_fake("hookstats::channel_stats")
+    def _channel_stats_fake(x, dim):
+        c = _fake_channels(x, dim, "channel_stats")
+        return x.new_empty((5, c), dtype=result_dtype(x.dtype)), x.new_empty((2, c), dtype=torch.int64)
+
+    @torch.library.register_fake("hookstats::channel_stats_into")
+    def _channel_stats_into_fake(x, out, dim):
+        _fake_channels(x, dim, "channel_stats_into")
+        if out.device != x.device:
+            raise ValueError(f"hookstats.channel_stats_into: the buffer is on {out.device} but the tensor is on "
+                             f"{x.device}")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def _first_float_tensor(obj) -> Optional[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.is_floating_point() else None
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            t = _first_float_tensor(o)
+            if t is not None:
+                return t
+    if isinstance(obj, dict):
+        for o in obj.values():
+            t = _first_float_tensor(o)
+            if t is not None:
+                return t
+    return None
+
+
+def _globs(p) -> list:
+    return [p] if isinstance(p, str) else list(p)
+
+
+class ChannelCalibrator:
+    """Per-channel statistics of chosen modules' inputs (or outputs) accumulated over calibration batches.
+
+    `ChannelCalibrator(model, include="*Linear*", dim=-1, on="inputs")` registers a forward pre-hook (inputs: the
+    first positional floating tensor) or a forward hook (outputs: the output, or its first floating tensor) on every
+    module whose qualified name or class name matches a glob of `include` and none of `exclude`. Each call is one
+    `channel_stats_into` kernel call into that module's device buffer (allocated on the first call, `[7, C]`,
+    `dtype`, default float64): nothing is copied to the host until you read. A module called several times per
+    batch accumulates every call. Non-floating inputs (token ids) are skipped.
+
+    `stats()` gives `ChannelStats` views of the device buffers; `results()` copies every buffer to the host in one
+    copy per device; `reset()` restarts the accumulation; `remove()` (or leaving a `with` block) removes the hooks.
+    SmoothQuant's activation scales are `results()[name].absmax`; AWQ's mean magnitudes `results()[name].mean_abs()`.
+    """
+
+    def __init__(self, model: torch.nn.Module, include: Sequence[str] | str = "*Linear*",
+                 exclude: Sequence[str] | str = (), dim: int = -1, on: str = "inputs",
+                 dtype: torch.dtype = torch.float64):
+        if on not in ("inputs", "outputs"):
+            raise ValueError(f"hookstats.ChannelCalibrator: on must be 'inputs' or 'outputs', got {on!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"hookstats.ChannelCalibrator: dtype must be torch.float32 or torch.float64, got {dtype}")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"hookstats.ChannelCalibrator: dim must be an int, got {type(dim).__name__}")
+        inc, exc = _globs(include), _globs(exclude)
+
+        def wanted(name: str, mod: torch.nn.Module) -> bool:
+            keys = (name, type(mod).__name__)
+            return any(fnmatch.fnmatchcase(k, p) for p in inc for k in keys) and \
+                not any(fnmatch.fnmatchcase(k, p) for p in exc for k in keys)
+
+        self.dim, self.on, self.dtype = dim, on, dtype
+        self.buffers: Dict[str, torch.Tensor] = {}
+        self.calls: Dict[str, int] = {}
+        self._handles = []
+        self.modules = []
+        for name, mod in model.named_modules():
+            if not wanted(name, mod):
+                continue
+            self.modules.append(name)
+            if on == "inputs":
+                h = mod.register_forward_pre_hook(self._pre_hook(name))
+            else:
+                h = mod.register_forward_hook(self._post_hook(name))
+            self._handles.append(h)
+        if not self.modules:
+            raise ValueError(f"hookstats.ChannelCalibrator: no module matches include={include!r}, "
+                             f"exclude={exclude!r}")
+
+    def _record(self, name: str, t: Optional[torch.Tensor]) -> None:
+        if t is None:
+            return
+        buf = self.buffers.get(name)
+        c = t.shape[self.dim] if t.dim() else 0
+        if buf is None:
+            buf = self.buffers[name] = channel_stats_buffer(c, device=t.device, dtype=self.dtype)
+        elif buf.shape[1] != c or buf.device != t.device:
+            raise ValueError(f"hookstats.ChannelCalibrator: module {name!r} got {c} channels on {t.device}, but its "
+                             f"buffer holds {buf.shape[1]} on {buf.device}; reset() between models")
+        channel_stats_into(t, buf, self.dim)
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _pre_hook(self, name: str):
+        def hook(module, args):
+            self._record(name, _first_float_tensor(args))
+        return hook
+
+    def _post_hook(self, name: str):
+        def hook(module, args, output):
+            self._record(name, _first_float_tensor(output))
+        return hook
+
+    def stats(self) -> Dict[str, ChannelStats]:
+        """`ChannelStats` views of the device buffers, per module that was called (no copy, no sync)."""
+        return {n: ChannelStats.from_buffer(b) for n, b in self.buffers.items()}
+
+    def results(self) -> Dict[str, ChannelStats]:
+        """The statistics on the host: one copy per device of every buffer together."""
+        out: Dict[str, ChannelStats] = {}
+        by_dev: Dict[torch.device, list] = {}
+        for n, b in self.buffers.items():
+            by_dev.setdefault(b.device, []).append(n)
+        for names in by_dev.values():
+            flat = torch.cat([self.buffers[n].reshape(-1) for n in names]).cpu()
+            off = 0
+            for n in names:
+                k = self.buffers[n].numel()
+                out[n] = ChannelStats.from_buffer(flat[off:off + k].view(self.buffers[n].shape))
+                off += k
+        return out
+
+    def reset(self) -> None:
+        self.buffers.clear()
+        self.calls.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> "ChannelCalibrator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
