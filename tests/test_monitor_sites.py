@@ -418,3 +418,45 @@ def test_model_output_dicts_and_namedtuples_are_flattened_in_cpp():
     assert [r["index"] for r in recs] == [0, 1, 3]  # None keeps index 2; the int64 tensor (index 4) is skipped
     assert mon.skipped == 1
     assert math.isclose(recs[2]["stats"]["sum"], float(x.sum()), rel_tol=1e-6)
+
+
+def test_channel_stats_option_calibrates_linear_inputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    mon = hookstats.Monitor(model, kinds="forward", channel_stats={"inputs": -1}, include="*Linear*")
+    xs = [torch.randn(5, 6) * torch.arange(1.0, 7.0) for _ in range(3)]
+    for x in xs:
+        model(x)
+        mon.step()
+    assert {r["module"] for r in mon.records()} == {"0", "2"}  # class-name globs select the Linears
+    res = mon.channel_results()["inputs"]
+    assert set(res) == {"0", "2"}
+    want = torch.cat(xs).abs().amax(0)
+    assert torch.allclose(res["0"].absmax.double(), want.double())
+    h = torch.relu(model[0](torch.cat(xs)))
+    assert torch.allclose(res["2"].absmax.double(), h.abs().amax(0).double(), rtol=1e-6)
+    mon.detach()
+    model(xs[0])  # the calibrator's hooks are gone too
+    assert torch.allclose(mon.channel_results()["inputs"]["0"].absmax.double(), want.double())
+
+
+def test_per_sample_option_names_the_bad_sample():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    mon = hookstats.Monitor(model, kinds="forward", per_sample=True)
+    for s in range(3):
+        x = torch.randn(6, 4)
+        if s == 1:
+            x[4] *= 100.0  # a wild sample
+        if s == 2:
+            x[2, 0] = float("nan")
+        model(x).pow(2).sum().backward()
+        model.zero_grad()
+        mon.step()
+    top = mon.top_samples(2)
+    assert (top[0]["step"], top[0]["sample"]) == (2, 2) and top[0]["norm"] != top[0]["norm"]  # NaN ranks first
+    assert (top[1]["step"], top[1]["sample"]) == (1, 4)
+    bad = mon.first_nonfinite_sample()
+    assert (bad["step"], bad["sample"]) == (2, 2) and bad["layers"] == ["0", "2"]
+    steps = [s for s, _, _ in mon.sample_norms()]
+    assert steps == [0, 1, 2] and mon.sample_norms()[0][2].shape == (2, 6)

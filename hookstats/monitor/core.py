@@ -49,7 +49,14 @@ class Monitor:
     "backward_pre" (grad_output, alias "grad_output"), "backward" (grad_input, alias "grad_input"), "grad" (each
     parameter's .grad: after each accumulation, or, with `optimizer=`, once per step in one call per device at the
     optimizer's step; `record_grads()` records them on demand).
-    include / exclude: globs on qualified module names ("" is the model itself; "grad" uses parameter names).
+    include / exclude: globs on qualified module names or class names ("" is the model itself, "*Linear*" every
+    nn.Linear; "grad" uses parameter names).
+    channel_stats={"inputs": -1} (and/or "outputs"): per-channel absmax, sum |x|, sum x^2, min, max and non-finite
+    counts of the matching modules' inputs (outputs) along that dim, accumulated over every call (calibration: see
+    hookstats.ChannelCalibrator; the globs also match class names there, e.g. include="*Linear*");
+    `channel_results()` reads them. per_sample=True: each sample's gradient norm per Linear/Conv/Embedding/LayerNorm
+    layer, every recorded step (hookstats.PerSampleGradNorms); `top_samples(k)`, `first_nonfinite_sample()`,
+    `sample_norms()` read them.
     histogram: a histogram spec recorded with every tensor ((bins, (lo, hi)), Histogram.range(...), "exp");
     histogram_every=M: statistics every recorded step, the histogram every M-th of them.
     Each hook call is one C++ call: the stats kernel runs once per tensor into the tensor's row of a device buffer
@@ -71,7 +78,8 @@ class Monitor:
                  kinds: Sequence[str] = ("forward", "backward_pre"), histogram=None, every: int = 1,
                  slots: Optional[int] = None, exporters: Sequence[Any] = (), flush_every: Optional[int] = None,
                  keep_records: bool = True, process_group=None, export_rank: int = 0,
-                 histogram_every: int = 1, optimizer: Optional[torch.optim.Optimizer] = None):
+                 histogram_every: int = 1, optimizer: Optional[torch.optim.Optimizer] = None,
+                 channel_stats: Optional[dict] = None, per_sample: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"hookstats.Monitor needs a torch.nn.Module, got {type(model).__name__}")
         self.every = _positive("every", every)
@@ -110,13 +118,18 @@ class Monitor:
         self._model = model
         self._optimizer = optimizer
 
-        def wanted(name: str) -> bool:
-            return any(fnmatch.fnmatchcase(name, p) for p in include) and \
-                not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+        def wanted(name: str, mod: Optional[torch.nn.Module] = None) -> bool:
+            keys = (name,) if mod is None else (name, type(mod).__name__)
+            return any(fnmatch.fnmatchcase(k, p) for p in include for k in keys) and \
+                not any(fnmatch.fnmatchcase(k, p) for p in exclude for k in keys)
 
         self._wanted = wanted
-        self.modules = [name for name, _ in model.named_modules() if wanted(name)]
+        self.modules = [name for name, mod in model.named_modules() if wanted(name, mod)]
+        self._calibrators: dict = {}
+        self._per_sample = None
+        self._sample_rows: list = []  # (step, layer names, [layers, samples] device tensor) per recorded step
         self._attach(model)
+        self._attach_where(model, include, exclude, channel_stats, per_sample)
         self._begin_step()
         info = self.run_info()
         try:
@@ -132,7 +145,7 @@ class Monitor:
     def _attach(self, model: torch.nn.Module) -> None:
         b, rec, mid, kinds = self._buf, self._buf.rec, self._buf.id, self.kinds
         for name, mod in model.named_modules():
-            if not self._wanted(name):
+            if not self._wanted(name, mod):
                 continue
             if "forward_pre" in kinds:
                 self._handles.append(mod.register_forward_pre_hook(
@@ -154,6 +167,64 @@ class Monitor:
                         self._handles.append(p.register_post_accumulate_grad_hook(_hooks.grad_hook(rec, mid, hid)))
             if self._optimizer is not None:
                 self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_hook()))
+
+    def _attach_where(self, model, include, exclude, channel_stats, per_sample) -> None:
+        """The "where in the tensor" options: per-channel statistics and per-sample gradient norms."""
+        if channel_stats is not None:
+            if not isinstance(channel_stats, dict) or not channel_stats:
+                raise TypeError("hookstats.Monitor: channel_stats must be a dict such as {'inputs': -1} (on: dim), got "
+                                f"{channel_stats!r}")
+            from ..channel import ChannelCalibrator
+
+            for on, dim in channel_stats.items():
+                on = {"forward_pre": "inputs", "forward": "outputs"}.get(on, on)
+                self._calibrators[on] = ChannelCalibrator(model, include=include, exclude=exclude, dim=dim, on=on)
+        if per_sample:
+            from ..per_sample import PerSampleGradNorms
+
+            self._per_sample = PerSampleGradNorms(model, include=include, exclude=exclude)
+
+    def channel_results(self) -> dict:
+        """{"inputs" / "outputs": {module: ChannelStats}}: the per-channel statistics accumulated since the Monitor
+        was attached (Monitor(channel_stats={"inputs": -1})), one host copy per device."""
+        return {on: cal.results() for on, cal in self._calibrators.items()}
+
+    def _keep_sample_norms(self) -> None:
+        psn = self._per_sample
+        if psn is None:
+            return
+        layers = psn.per_layer()
+        if layers and self._buf.rec.active:
+            names = list(layers)
+            self._sample_rows.append((self._step, names, torch.stack([layers[n] for n in names])))
+        psn.step()
+
+    def sample_norms(self) -> list[tuple]:
+        """(step, layer names, [layers, samples] float64 host tensor) of every recorded step with per_sample=True:
+        each sample's gradient norm per layer (hookstats.PerSampleGradNorms), one host copy per step when read."""
+        return [(s, names, t.cpu()) for s, names, t in self._sample_rows]
+
+    def top_samples(self, k: int = 1) -> list[dict]:
+        """The k (step, sample) pairs with the largest total gradient norm over the recorded steps (per_sample=True),
+        largest first, non-finite first: dicts with step, sample, norm."""
+        out = []
+        for s, _, t in self.sample_norms():
+            total = t.square().sum(0).sqrt()
+            out += [{"step": s, "sample": i, "norm": v} for i, v in enumerate(total.tolist())]
+        nan_first = lambda r: (r["norm"] != r["norm"], 0.0 if r["norm"] != r["norm"] else r["norm"])  # noqa: E731
+        return sorted(out, key=nan_first, reverse=True)[:k]
+
+    def first_nonfinite_sample(self) -> Optional[dict]:
+        """The first (step, sample) whose gradient norm is NaN or Inf, with the layers where it is: {"step",
+        "sample", "norm", "layers"}, or None."""
+        for s, names, t in self.sample_norms():
+            bad = ~torch.isfinite(t)
+            hit = bad.any(0).nonzero()
+            if hit.numel():
+                i = int(hit[0, 0])
+                return {"step": s, "sample": i, "norm": float(t[:, i].square().sum().sqrt()),
+                        "layers": [names[j] for j in bad[:, i].nonzero()[:, 0].tolist()]}
+        return None
 
     def _optimizer_hook(self):
         import weakref
@@ -207,6 +278,7 @@ class Monitor:
     def step(self) -> None:
         """Ends a step: the next hooks record under step + 1 (and only every `every` steps). With flush_every=N,
         every N-th call flushes."""
+        self._keep_sample_norms()
         self._step += 1
         self._begin_step()
         if self.flush_every is not None and self._step % self.flush_every == 0:
@@ -297,6 +369,10 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for cal in self._calibrators.values():
+            cal.remove()
+        if self._per_sample is not None:
+            self._per_sample.remove()
         # A graph built before detach() still calls the hooks it captured (PyTorch snapshots a module's backward
         # hooks at forward time, and tensor hooks live in the graph): they must record nothing from now on.
         self._buf.release()
