@@ -1,0 +1,118 @@
+"""GPU check of issue #13's targets for scripts/gpu_check.sh: the Monitor on a GPT-style model whose step takes
+>= 50 ms (target <= 1.05x the step without hooks), no host sync between flushes, a 1,001-module MLP.
+
+Each case is timed over whole flush periods (flush every FLUSH_EVERY steps inside the timed loop), the cases
+interleaved, wall clock around a final synchronize: a host-bound Monitor shows up as a longer step.
+`python scripts/gpu_large_models.py --out large.md [--quick]`
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import hookstats
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from test_bench_large_models import GPT  # noqa: E402  (the benchmark's nanoGPT layout)
+
+FLUSH_EVERY = 10
+
+
+def make(name: str, dev, quick: bool):
+    torch.manual_seed(0)
+    if name == "gpt":
+        layers, d = (4, 512) if quick else (12, 1024)
+        model = GPT(layers=layers, d=d, heads=16, vocab=32768, block=1024).to(dev)
+        idx = torch.randint(0, 32768, (8, 1024), device=dev)
+        tgt = torch.randint(0, 32768, (8, 1024), device=dev)
+        return model, idx, lambda out: torch.nn.functional.cross_entropy(out.view(-1, out.shape[-1]), tgt.view(-1))
+    model = torch.nn.Sequential(*[m for _ in range(500) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())])
+    model = model.to(dev)
+    x, y = torch.rand(64, 256, device=dev), torch.randn(64, 256, device=dev)
+    return model, x, lambda out: torch.nn.functional.mse_loss(out, y)
+
+
+class Case:
+    def __init__(self, name: str, case: str, dev, quick: bool):
+        self.model, self.x, self.loss = make(name, dev, quick)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-5)
+        self.mon = None
+        if case != "none":
+            kinds = ("forward", "backward_pre") + (("grad",) if case == "monitor_grads" else ())
+            self.mon = hookstats.Monitor(self.model, kinds=kinds, flush_every=FLUSH_EVERY,
+                                         optimizer=self.opt if case == "monitor_grads" else None)
+
+    def step(self):
+        self.loss(self.model(self.x)).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.mon is not None:
+            self.mon.step()
+
+    def period(self) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(FLUSH_EVERY):
+            self.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / FLUSH_EVERY
+
+
+def no_sync_between_flushes(c: Case) -> str:
+    """Steps 1..FLUSH_EVERY-1 of a period under set_sync_debug_mode('error'): any host sync raises."""
+    while c.mon.current_step % FLUSH_EVERY != 0:
+        c.step()
+    c.step()  # the flush step itself syncs (it copies to the host)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(FLUSH_EVERY - 2):
+            c.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return f"no host sync in {FLUSH_EVERY - 2} monitored steps between flushes (set_sync_debug_mode('error'))"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="large_models.md")
+    ap.add_argument("--quick", action="store_true", help="a smaller GPT (a smoke run)")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    lines = [f"## Monitor on large models ({torch.cuda.get_device_name(dev)})", ""]
+    for name in ("gpt", "mlp1000"):
+        cases = {c: Case(name, c, dev, args.quick) for c in ("none", "monitor", "monitor_grads")}
+        for c in cases.values():
+            c.period()  # warm
+        times = {c: [] for c in cases}
+        for _ in range(args.rounds):
+            for c, obj in cases.items():
+                times[c].append(obj.period())
+        med = {c: statistics.median(v) for c, v in times.items()}
+        recs = cases["monitor_grads"].mon.records()
+        per_step = sum(1 for r in recs if r["step"] == recs[-1]["step"]) if recs else 0
+        lines += [f"### {name}: {len(list(cases['none'].model.modules()))} modules", "",
+                  "| case | step ms | vs no hooks |", "|---|---:|---:|"]
+        for c, t in med.items():
+            lines.append(f"| {c} | {t * 1e3:.2f} | {t / med['none']:.3f}x |")
+        lines += ["", f"records a step (with grads): {per_step}; "
+                  + no_sync_between_flushes(cases["monitor"]), ""]
+        for c in cases.values():
+            if c.mon is not None:
+                c.mon.detach()
+        del cases
+        torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    with open(args.out, "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
