@@ -10,11 +10,14 @@
 #   4. bench     scripts/gpu_bench.py: bandwidth against a device copy, fused vs two-launch clip_norm_ per size,
 #                clip_grad_norm_ vs foreach, Monitor step overhead, no-sync and memory checks
 #                                                                            -> bench.log, bench.md (capped)
-# The stages share a budget of BUDGET_S seconds (default 330: well under 6 minutes, so that a second run fits in
+# The stages share a budget of BUDGET_S seconds (default 320: well under 6 minutes, so that a second run fits in
 # a 15-minute lease); each gets at most its cap and what is left. $OUT receives at most 7 files, all at its top.
-# Without a GPU (or on a CPU-only torch) it builds, says why the GPU stages are skipped, and exits 0.
+# Without a GPU (or on a CPU-only torch) it builds in place (installing nothing), says why the GPU stages are
+# skipped, and exits 0.
 #   OUT=/some/dir bash scripts/gpu_check.sh        (the device tool sets OUT)
-#   GPU_CHECK_BUILD=inplace   build with `setup.py build_ext --inplace` instead of pip (no install into python)
+#   PYTHON=...                the interpreter (default python3; it must have torch)
+#   GPU_CHECK_BUILD=inplace   build with `setup.py build_ext --inplace` instead of pip (the default without a GPU)
+#   BUDGET_S, BUILD_CAP_S     the whole budget (320 s) and the build's cap (240 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -27,7 +30,8 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$ROOT:$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-330}
+BUDGET_S=${BUDGET_S:-320}
+BUILD_CAP_S=${BUILD_CAP_S:-240}
 T0=$(date +%s)
 STATUS=()
 
@@ -51,16 +55,24 @@ say "- $($PY -c 'import sys, torch; print(f"python {sys.version.split()[0]}, tor
 say "- nvcc: $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'not found')"
 say "- TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS BUDGET_S=$BUDGET_S"
 
+if ! "$PY" -c "import torch" > /dev/null 2>&1; then
+  say ""
+  say "$PY cannot import torch: set PYTHON to an interpreter that has it. Nothing was built."
+  STATUS+=("no torch")
+  finish 1
+fi
+gpu=$($PY -c "import torch; print(torch.cuda.is_available())" 2>&1 | tail -1)
+
 # 1. build ---------------------------------------------------------------------------------------------------------
 say ""
 say "## 1. Build"
-if [[ ${GPU_CHECK_BUILD:-pip} == inplace ]]; then
+if [[ ${GPU_CHECK_BUILD:-$([[ $gpu == True ]] && echo pip || echo inplace)} == inplace ]]; then
   build=("$PY" setup.py build_ext --inplace)
 else
   build=("$PY" -m pip install --no-build-isolation --no-deps -e .)
 fi
 t=$(date +%s)
-c=$(cap 240)
+c=$(cap "$BUILD_CAP_S")
 timeout "$c" "${build[@]}" > "$OUT/build.log" 2>&1
 rc=$?
 say "- \`${build[*]}\`: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log: build.log)"
@@ -70,7 +82,6 @@ if (( rc != 0 )); then
   finish 1
 fi
 kernels=$($PY -c "import hookstats; print(hookstats.cuda_kernels_built(), hookstats.__file__)" 2>&1 | tail -1)
-gpu=$($PY -c "import torch; print(torch.cuda.is_available())" 2>&1 | tail -1)
 say "- hookstats.cuda_kernels_built(), imported from: $kernels; torch.cuda.is_available(): $gpu"
 STATUS+=("build ok")
 if [[ $gpu != True ]]; then
