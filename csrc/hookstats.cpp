@@ -41,9 +41,10 @@ TORCH_LIBRARY(hookstats, m) {
   // elements as a 0-d int64 tensor on the tensors' device.
   m.def("clamp_count_(Tensor(a!)[] xs, float lo, float hi) -> Tensor");
   // norms([x], p) then scale_by_norm_([x], ...) in one call; returns the norm before clipping
-  // (float64, 0-d). On CUDA a tensor that fits on chip is clipped by one cooperative launch that
-  // reads and writes it once (cuda/clip_cuda.cu, Note [fused clip_norm_]); path 1 forces the
-  // two-launch path, path 2 the fused one (for tests and benchmarks).
+  // (float64, 0-d). On CUDA a flat tensor in the fused size window is clipped by one cooperative
+  // launch that reads and writes it once (cuda/clip_cuda.cu, Note [fused clip_norm_]); path 1
+  // forces the two-launch path, 2 requires the fused one, 3 prefers it (core/tensor_list.h,
+  // Note [clip_norm_ paths]).
   m.def("clip_norm_(Tensor(a!) x, float p, float max_norm, float eps, int policy, int path=0) -> Tensor");
   // The traced body of a Monitor hook (hookstats/monitor/compile.py, Note [monitor under torch.compile]):
   // records xs as one call of `hook` of the recorder registered as `monitor` (csrc/monitor/), or,

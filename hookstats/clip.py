@@ -317,11 +317,25 @@ def get_total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_no
     return out
 
 
+def _total_on(total64: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """The 0-d float64 total on `dev`, without waiting for any device. A CPU total headed for an accelerator is read
+    on the host (a CPU read, no device sync) and written on `dev` by a fill kernel: `total64.to(dev)` would be a
+    pageable host-to-device copy, which waits for the stream. Between accelerators it is a device-to-device copy; only
+    a device total headed for CPU tensors must wait (the CPU kernel reads it at once)."""
+    if total64.device == dev:
+        return total64
+    if dev.type == "cpu":
+        return total64.to(dev)
+    if total64.device.type == "cpu":
+        return torch.full((), float(total64), dtype=torch.float64, device=dev)
+    return total64.to(dev, non_blocking=True)
+
+
 def _scale_all(by_device: dict[torch.device, list[torch.Tensor]], total64: torch.Tensor, max_norm: float,
                policy: str, foreach: Optional[bool]) -> None:
     for dev, group in by_device.items():
         _check_foreach(foreach, dev)
-        scale_by_norm_op(group, total64.to(dev), max_norm, CLIP_EPS, _POLICY_CODE[policy], "clip_grad_norm_")
+        scale_by_norm_op(group, _total_on(total64, dev), max_norm, CLIP_EPS, _POLICY_CODE[policy], "clip_grad_norm_")
 
 
 @torch.no_grad()
@@ -329,6 +343,8 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
                           foreach: Optional[bool] = None, *, nonfinite: str = "propagate") -> None:
     """Drop-in for `torch.nn.utils.clip_grads_with_norm_`: scales every `p.grad` in place by
     min(1, max_norm / (total_norm + 1e-6)); `None` grads are skipped. The coefficient is computed on the device.
+    total_norm may be a tensor on any device or a number; a CPU total (or a number) for GPU grads is written on the
+    GPU without waiting for it (PyTorch's `.to(device)` of it waits for the stream).
     nonfinite="zero" zeroes the grads when total_norm is NaN or inf; "error" raises PyTorch's error instead."""
     params = _as_list(parameters)
     m = _max_norm(max_norm, "clip_grads_with_norm_")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -90,12 +91,17 @@ def main() -> None:
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     lines.append(f"Peak extra memory of stats_into on a 256 MB tensor: {extra} bytes (baseline {base}).")
+    save(args.out, lines)  # each section is saved as it finishes: a run cut short keeps what it measured
     lines += clip_section(dev)
+    save(args.out, lines)
     lines += monitor_section(dev)
-    text = "\n".join(lines)
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    save(args.out, lines)
+    print("\n".join(lines))
+
+
+def save(path: str, lines: list[str]) -> None:
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def monitor_section(dev) -> list[str]:
@@ -150,19 +156,47 @@ def param_grads(n: int, dev, dtype=torch.float32) -> list[torch.nn.Parameter]:
     return ps
 
 
+def host_us(fn, reps: int) -> float:
+    """Microseconds a call of fn(i), host time included, over reps calls synchronized once at the end."""
+    fn(0)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(reps):
+        fn(i)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+def shrinking(start: float, factor: float = 0.9):
+    """max_norm for successive calls: factor x the previous one, from factor x start. Every call then really
+    scales: with a fixed max_norm only the first call would, the later ones finding norm == max_norm, a coefficient
+    that rounds to 1 in float, and writing nothing (Note [coefficient one]). 21 calls end at 0.11 x the norm."""
+    state = {"m": start}
+
+    def next_max_norm() -> float:
+        state["m"] *= factor
+        return state["m"]
+
+    return next_max_norm
+
+
 def clip_section(dev) -> list[str]:
-    """clip_norm_ beside one read + one write (a copy), and clip_grad_norm_ beside PyTorch's foreach path."""
+    """clip_norm_ beside one read + one write (a copy) and beside vector_norm + mul_, its fused path beside its
+    two-launch path per size (the data for Note [clip_norm_ paths]'s size window), and clip_grad_norm_ beside
+    PyTorch's foreach path."""
     lines = ["", "## Clipping", "",
              "| case | MB | hookstats ms | reference ms | reference | ratio |", "|---|---|---|---|---|---|"]
+    op = torch.ops.hookstats.clip_norm_.default
     for mb in (1, 16, 64, 256):
         x = torch.randn(mb * 2**18, device=dev)
         y = torch.empty_like(x)
         norm = torch.linalg.vector_norm(x).item()
         t_copy = cuda_time(lambda: y.copy_(x))
-        # Every call clips: max_norm below the current norm, so x is scaled by ~0.99 each time.
-        t_clip = cuda_time(lambda: hookstats.clip_norm_(x, 0.99 * norm))
+        m = shrinking(norm)  # both sides follow the same schedule, so both really scale on every call
+        t_clip = cuda_time(lambda: hookstats.clip_norm_(x, m()))
         x.normal_()
-        t_torch = cuda_time(lambda: x.mul_(torch.clamp(0.99 * norm / (torch.linalg.vector_norm(x) + 1e-6), max=1.0)))
+        m = shrinking(norm)
+        t_torch = cuda_time(lambda: x.mul_(torch.clamp(m() / (torch.linalg.vector_norm(x) + 1e-6), max=1.0)))
         lines.append(f"| clip_norm_ fp32 vs copy (read+write) | {mb} | {t_clip:.3f} | {t_copy:.3f} | copy | "
                      f"{t_copy / t_clip:.0%} of copy bandwidth |")
         lines.append(f"| clip_norm_ fp32 vs vector_norm + mul_ | {mb} | {t_clip:.3f} | {t_torch:.3f} | torch | "
@@ -173,24 +207,35 @@ def clip_section(dev) -> list[str]:
         assert torch.allclose(n0.double(), torch.linalg.vector_norm(ref.double()), rtol=1e-5)
         assert torch.allclose(got, ref * (1.0 / (torch.linalg.vector_norm(ref.double()) + 1e-6)).float(), rtol=1e-5)
         del x, y
-    # The fused path (one cooperative launch, x read and written once) against the two-launch path on the same tensor.
-    op = torch.ops.hookstats.clip_norm_.default
-    for mb in (1, 4, 16, 28):
+    # The fused path (one cooperative launch, x read and written once) against the two-launch path on the same
+    # tensor, per size: where the fused path wins sets kFusedAutoMinBytes/kFusedAutoMaxBytes (csrc/core/tensor_list.h).
+    lines += ["", "Fused (path 2) vs two-launch (path 1) clip_norm_, same tensor, same schedule (x 0.9 a call):", "",
+              "| dtype | MB | fused ms | two-launch ms | two / fused | fused at copy bandwidth |",
+              "|---|---|---|---|---|---|"]
+    wins = []
+    for mb in (0.0625, 0.25, 1, 2, 4, 8, 16, 28):
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(mb * 2**20 // torch.empty((), dtype=dtype).element_size(), device=dev, dtype=dtype)
+            x = torch.randn(int(mb * 2**20) // torch.empty((), dtype=dtype).element_size(), device=dev, dtype=dtype)
             norm = torch.linalg.vector_norm(x.double()).item()
+            m = shrinking(norm)
             try:
-                t_fused = cuda_time(lambda: op(x, 2.0, 0.99 * norm, 1e-6, 0, 2))
+                t_fused = cuda_time(lambda: op(x, 2.0, m(), 1e-6, 0, 2))
             except ValueError as e:
-                lines.append(f"| clip_norm_ fused {str(dtype)[6:]} | {mb} | - | - | - | does not fit: {e} |")
+                lines.append(f"| {str(dtype)[6:]} | {mb:g} | - | - | - | fused path unavailable: {e} |")
                 continue
             x.normal_()
-            t_two = cuda_time(lambda: op(x, 2.0, 0.99 * norm, 1e-6, 0, 1))
+            m = shrinking(norm)
+            t_two = cuda_time(lambda: op(x, 2.0, m(), 1e-6, 0, 1))
             y = torch.empty_like(x)
             t_copy = cuda_time(lambda: y.copy_(x))
-            lines.append(f"| clip_norm_ fused vs two-launch {str(dtype)[6:]} | {mb} | {t_fused:.4f} | {t_two:.4f} | "
-                         f"two-launch | {t_two / t_fused:.2f}x (fused at {t_copy / t_fused:.0%} of copy bandwidth) |")
+            if t_two / t_fused >= 1.05:
+                wins.append(mb)
+            lines.append(f"| {str(dtype)[6:]} | {mb:g} | {t_fused:.4f} | {t_two:.4f} | {t_two / t_fused:.2f}x | "
+                         f"{t_copy / t_fused:.0%} |")
             del x, y
+    lines += ["", f"Fused at least 5% faster at (MB): {sorted(set(wins)) or 'nowhere'}; auto (path 0) now takes the "
+              "fused path from 1 to 16 MiB (kFusedAutoMinBytes, kFusedAutoMaxBytes in csrc/core/tensor_list.h).", "",
+              "| case | MB | hookstats ms | reference ms | reference | ratio |", "|---|---|---|---|---|---|"]
     for n in (10, 100, 1000, 10000):
         ps = param_grads(n, dev)
         mb = sum(p.numel() for p in ps) * 4 / 2**20
@@ -202,12 +247,28 @@ def clip_section(dev) -> list[str]:
         total_ref = torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
         assert torch.allclose(total, total_ref, rtol=1e-5), (total, total_ref)
         assert all(torch.allclose(a, p.grad, rtol=1e-5, atol=1e-12) for a, p in zip(got, ps))
-        # Alternate max_norm so that every call really scales, on both sides.
-        t_hs = cuda_time(lambda: hookstats.clip_grad_norm_(ps, 1e-3))
-        t_pt = cuda_time(lambda: torch.nn.utils.clip_grad_norm_(ps, 1e-3, foreach=True))
+        # Both sides start from the same grads and follow the same shrinking schedule: every call really scales.
+        start = float(hookstats.get_total_norm(grads0))
+        for p, g in zip(ps, grads0):
+            p.grad.copy_(g)
+        m = shrinking(start)
+        t_hs = cuda_time(lambda: hookstats.clip_grad_norm_(ps, m()))
+        for p, g in zip(ps, grads0):
+            p.grad.copy_(g)
+        m = shrinking(start)
+        t_pt = cuda_time(lambda: torch.nn.utils.clip_grad_norm_(ps, m(), foreach=True))
         lines.append(f"| clip_grad_norm_ {n} params vs torch foreach | {mb:.0f} | {t_hs:.3f} | {t_pt:.3f} | "
                      f"foreach | {t_pt / t_hs:.2f}x |")
         del ps, grads0, got
+    # The multi-tensor table (Note [capture-safe tables]): cached when the same tensors come back, written by fill
+    # launches (one per ~120 tensors) when they do not (70 lists of other views rotate through the 64-entry cache).
+    grads = [p.grad for p in param_grads(1000, dev)]
+    variants = [[g.view(-1)[k:] for g in grads] for k in range(70)]
+    hit = host_us(lambda i: torch.ops.hookstats.norms(grads, 2.0), 70)
+    miss = host_us(lambda i: torch.ops.hookstats.norms(variants[i % 70], 2.0), 140)
+    lines += ["", f"norms of 1,000 tensors, µs a call (host and device, synchronized at the end): {hit:.1f} with the "
+              f"table cached, {miss:.1f} when it is written (a new list every call)."]
+    del grads, variants
     # No host sync: the clipping path never waits for the GPU.
     ps = param_grads(100, dev)
     x = torch.randn(2**20, device=dev)

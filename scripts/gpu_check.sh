@@ -1,33 +1,168 @@
 #!/usr/bin/env bash
-# The one command a GPU machine runs (under 9 minutes: build ~2 min, tests <= 200 s, benchmark <= 150 s): build hookstats against that
-# machine's torch, run the whole test suite (CUDA tests included), and write a benchmark report.
+# The one command a GPU machine runs: a ladder of stages, each appending its part to $OUT/report.md the moment it
+# finishes, so that a run cut short (a crash, a hang, the lease running out) still reports what it got to.
+#   1. build     pip install -e . against that machine's torch, one arch (TORCH_CUDA_ARCH_LIST=9.0), MAX_JOBS=16;
+#                timed                                                              -> build.log   (~1-2 min)
+#   2. smoke     scripts/gpu_smoke.py: every op on a few shapes and dtypes against the CPU kernels, the Monitor on
+#                a tiny model, a captured clip_grad_norm_, a no-sync check          -> smoke.log   (< 1 min)
+#   3. tests     pytest -m "cuda and not slow": CUDA graphs and clipping first, then the rest; each outcome is
+#                logged as it happens (scripts/pytest_live.py)        -> tests.log, tests_live.log (capped)
+#   4. bench     scripts/gpu_bench.py: bandwidth against a device copy, fused vs two-launch clip_norm_ per size,
+#                clip_grad_norm_ vs foreach, Monitor step overhead, no-sync and memory checks
+#                                                                            -> bench.log, bench.md (capped)
+# The stages share a budget of BUDGET_S seconds (default 320: well under 6 minutes, so that a second run fits in
+# a 15-minute lease); each gets at most its cap and what is left. $OUT receives at most 7 files, all at its top.
+# Without a GPU (or on a CPU-only torch) it builds in place (installing nothing), says why the GPU stages are
+# skipped, and exits 0.
 #   OUT=/some/dir bash scripts/gpu_check.sh        (the device tool sets OUT)
+#   PYTHON=...                the interpreter (default python3; it must have torch)
+#   GPU_CHECK_BUILD=inplace   build with `setup.py build_ext --inplace` instead of pip (the default without a GPU)
+#   BUDGET_S, BUILD_CAP_S     the whole budget (320 s) and the build's cap (240 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT=${OUT:-/tmp/hookstats-gpu-check}
 mkdir -p "$OUT"
+REPORT=$OUT/report.md
+: > "$REPORT"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=$ROOT:$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
-{
-  echo "== $(date -u) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
-  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-} | tee "$OUT/env.txt"
+BUDGET_S=${BUDGET_S:-320}
+BUILD_CAP_S=${BUILD_CAP_S:-240}
+T0=$(date +%s)
+STATUS=()
 
-echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-start=$(date +%s)
-if ! $PY -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+now() { echo $(( $(date +%s) - T0 )); }
+# cap WANT: WANT seconds, or what is left of the budget when that is less (at least 1).
+cap() { local w=$1 l=$(( BUDGET_S - $(now) )); (( l < w )) && w=$l; (( w < 1 )) && w=1; echo "$w"; }
+say() { echo "$*" | tee -a "$REPORT"; }
+finish() {
+  say ""
+  say "## Summary: ${STATUS[*]:-nothing ran}; $(now) s in all"
+  exit "$1"
+}
+# timed RC SECONDS: a stage's outcome in words (124/137: cut by its cap).
+outcome() { case $1 in 0) echo "ok";; 124|137) echo "cut at its ${2} s cap";; *) echo "failed (rc $1)";; esac; }
+
+say "# hookstats GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+say ""
+say "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' + local changes')"
+say "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'none (nvidia-smi not found or no device)')"
+say "- $($PY -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")' 2>&1 | tail -1)"
+say "- nvcc: $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'not found')"
+say "- TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS BUDGET_S=$BUDGET_S"
+
+if ! "$PY" -c "import torch" > /dev/null 2>&1; then
+  say ""
+  say "$PY cannot import torch: set PYTHON to an interpreter that has it. Nothing was built."
+  STATUS+=("no torch")
+  finish 1
 fi
-echo "built in $(( $(date +%s) - start )) s"
-$PY -c "import hookstats, sys; ok = hookstats.cuda_kernels_built(); print('CUDA kernels built:', ok); sys.exit(0 if ok else 1)" || exit 1
+gpu=$($PY -c "import torch; print(torch.cuda.is_available())" 2>&1 | tail -1)
 
-echo "== CUDA tests (the CPU ones run in CI; tests/test_cuda_graphs.py captures a monitored training step in a CUDA graph)"
-timeout 200 $PY -m pytest tests -q -m "cuda and not slow" -p no:cacheprovider -ra 2>&1 | tail -40 | tee "$OUT/tests.log"
-test_rc=${PIPESTATUS[0]}
+# 1. build ---------------------------------------------------------------------------------------------------------
+say ""
+say "## 1. Build"
+if [[ ${GPU_CHECK_BUILD:-$([[ $gpu == True ]] && echo pip || echo inplace)} == inplace ]]; then
+  build=("$PY" setup.py build_ext --inplace)
+else
+  build=("$PY" -m pip install --no-build-isolation --no-deps -e .)
+fi
+t=$(date +%s)
+c=$(cap "$BUILD_CAP_S")
+timeout "$c" "${build[@]}" > "$OUT/build.log" 2>&1
+rc=$?
+say "- \`${build[*]}\`: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log: build.log)"
+if (( rc != 0 )); then
+  { echo '```'; grep -iE "error|fatal" "$OUT/build.log" | head -20; tail -25 "$OUT/build.log"; echo '```'; } >> "$REPORT"
+  STATUS+=("build $(outcome $rc "$c")")
+  finish 1
+fi
+kernels=$($PY -c "import hookstats; print(hookstats.cuda_kernels_built(), hookstats.__file__)" 2>&1 | tail -1)
+say "- hookstats.cuda_kernels_built(), imported from: $kernels; torch.cuda.is_available(): $gpu"
+STATUS+=("build ok")
+if [[ $gpu != True ]]; then
+  say ""
+  say "No GPU here (torch.cuda.is_available() is $gpu): the smoke, CUDA test and benchmark stages are skipped."
+  STATUS+=("no GPU: GPU stages skipped")
+  finish 0
+fi
+if [[ $kernels != True* ]]; then
+  say ""
+  say "A GPU but no CUDA kernels in this build (is nvcc on PATH, CUDA_HOME set?): GPU stages skipped."
+  STATUS+=("no CUDA kernels")
+  finish 1
+fi
 
-echo "== benchmark"
-timeout 150 $PY scripts/gpu_bench.py --out "$OUT/gpu_bench.md" 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}
-echo "tests rc=$test_rc bench rc=$bench_rc"
-exit $(( test_rc != 0 || bench_rc != 0 ))
+# 2. smoke ---------------------------------------------------------------------------------------------------------
+say ""
+say "## 2. Smoke (scripts/gpu_smoke.py: CUDA against the CPU kernels)"
+t=$(date +%s)
+c=$(cap 90)
+timeout "$c" "$PY" scripts/gpu_smoke.py --report "$REPORT" > "$OUT/smoke.log" 2>&1
+rc=$?
+say "- smoke: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log: smoke.log)"
+STATUS+=("smoke $(outcome $rc "$c")")
+
+# 3. CUDA tests ----------------------------------------------------------------------------------------------------
+say ""
+say "## 3. CUDA tests (pytest -m \"cuda and not slow\")"
+export HOOKSTATS_LIVE_LOG=$OUT/tests_live.log
+: > "$HOOKSTATS_LIVE_LOG"
+: > "$OUT/tests.log"
+xdist=()
+if $PY -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
+BENCH_RESERVE=75
+run_tests() {  # NAME CAP ARGS...: one pytest run, its counts into the report
+  local name=$1 want=$2; shift 2
+  local l=$(( BUDGET_S - $(now) - BENCH_RESERVE ))
+  (( l < want )) && want=$l
+  if (( want < 10 )); then
+    say "- $name: not run (budget spent)"
+    STATUS+=("tests $name not run")
+    return
+  fi
+  local before t rc
+  before=$(wc -l < "$HOOKSTATS_LIVE_LOG")
+  t=$(date +%s)
+  echo "== $name: pytest $*" >> "$OUT/tests.log"
+  timeout "$want" "$PY" -m pytest -q -m "cuda and not slow" -p pytest_live -p no:cacheprovider "${xdist[@]}" "$@" \
+    >> "$OUT/tests.log" 2>&1
+  rc=$?
+  local part counts
+  part=$(tail -n +$(( before + 1 )) "$HOOKSTATS_LIVE_LOG")
+  counts="$(grep -c '^PASSED' <<< "$part") passed, $(grep -c '^FAILED' <<< "$part") failed, $(grep -c '^ERROR' <<< "$part") errors, $(grep -c '^SKIPPED' <<< "$part") skipped"
+  case $rc in 0|5) rc_text="ok";; 1) rc_text="failures";; *) rc_text=$(outcome $rc "$want");; esac
+  say "- $name: $counts in $(( $(date +%s) - t )) s ($rc_text)"
+  if grep -q '^\(FAILED\|ERROR\)' <<< "$part"; then
+    { echo '```'; grep -A6 '^\(FAILED\|ERROR\)' <<< "$part" | grep -v '^--$' | head -60; echo '```'; } >> "$REPORT"
+  fi
+  STATUS+=("tests $name $rc_text")
+}
+run_tests "graphs+clip" 90 tests/test_cuda_graphs.py tests/test_clip.py
+run_tests "the rest" 150 tests --ignore=tests/test_cuda_graphs.py --ignore=tests/test_clip.py
+say "- per-test outcomes: tests_live.log; pytest output: tests.log"
+
+# 4. benchmarks ----------------------------------------------------------------------------------------------------
+say ""
+say "## 4. Benchmarks (scripts/gpu_bench.py)"
+t=$(date +%s)
+c=$(cap 120)
+if (( c < 15 )); then
+  say "- not run (budget spent)"
+  STATUS+=("bench not run")
+else
+  rm -f "$OUT/bench.md"
+  timeout "$c" "$PY" scripts/gpu_bench.py --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1
+  rc=$?
+  say "- gpu_bench: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log: bench.log; tables: bench.md)"
+  if (( rc != 0 )); then { echo '```'; tail -15 "$OUT/bench.log"; echo '```'; } >> "$REPORT"; fi
+  [[ -s $OUT/bench.md ]] && { echo; cat "$OUT/bench.md"; } >> "$REPORT"
+  STATUS+=("bench $(outcome $rc "$c")")
+fi
+failed=0
+for s in "${STATUS[@]}"; do [[ $s == *" ok" || $s == "build ok" ]] || failed=1; done
+finish $failed

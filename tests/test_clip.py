@@ -1621,6 +1621,267 @@ def test_cpu_raw_ops_allocate_only_their_outputs(layout):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A coefficient that rounds to 1 writes nothing (csrc/core/tensor_list.h, Note [coefficient one])
+# ---------------------------------------------------------------------------------------------------------
+
+# Runs in a child process: tensors live in memory that nobody may write (mprotect on the CPU; on CUDA the same
+# pages registered read-only for the device), so a kernel that rewrites them, even with the bits they already hold,
+# crashes the child. "control" writes on purpose and must crash, which proves that the detection works.
+_NO_WRITE_CHILD = r"""
+import ctypes, mmap, sys
+import torch, hookstats
+
+device, mode, dtype_name = sys.argv[1], sys.argv[2], sys.argv[3]
+dtype = getattr(torch, dtype_name)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+KEEP = []
+
+
+def protected(x0):
+    nbytes = x0.numel() * x0.element_size()
+    size = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    mm = mmap.mmap(-1, size)
+    host = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(x0.dtype)
+    host.copy_(x0.cpu())
+    KEEP.append((mm, host))
+    if libc.mprotect(host.data_ptr(), size, mmap.PROT_READ) != 0:
+        sys.exit(3)
+    if device == "cpu":
+        return host
+    try:
+        if int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 2 | 8)) != 0:  # mapped | read-only
+            sys.exit(3)
+
+        class Wrap:
+            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (host.data_ptr(), False),
+                                        "version": 2}
+
+        return torch.as_tensor(Wrap(), device="cuda").view(x0.dtype)
+    except Exception as e:  # this platform cannot map read-only host memory for the device
+        print("setup failed:", e)
+        sys.exit(3)
+
+
+def near_one(norm):  # a max_norm whose coefficient is 1 - 2^-27: 1 in float, not in double
+    return (1.0 - 2.0**-27) * (float(norm) + 1e-6)
+
+
+torch.manual_seed(0)
+x0 = torch.randn(16384).to(dtype).to(device)
+x = protected(x0)
+print("setup-ok", flush=True)
+if mode == "control":
+    x.mul_(1.0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    sys.exit(0)
+op = torch.ops.hookstats.clip_norm_.default
+paths = (1, 2) if device == "cuda" else (1,)
+for path in paths:  # the norm each path computes, from a writable copy (coefficient 1: nothing written)
+    n = op(x0.clone(), 2.0, 1e30, 1e-6, 0, path)
+    op(x, 2.0, near_one(n), 1e-6, 0, path)
+hookstats.clip_norm_(x, near_one(hookstats.norm(x0)))
+# A list: the protected tensor is not written, a float64 one (the coefficient is not 1 in double) is.
+y = torch.randn(100, dtype=torch.float64, device=device)
+y0 = y.clone()
+total = torch.tensor(float(hookstats.norms([x0]).total), dtype=torch.float64, device=device)
+torch.ops.hookstats.scale_by_norm_([x, y], total, near_one(total), 1e-6, 0)
+assert not torch.equal(y, y0), "a float64 tensor must be scaled by 1 - 2^-27"
+# clip_grad_norm_ of two parameters whose grads are protected.
+ps = [torch.nn.Parameter(torch.empty_like(x)), torch.nn.Parameter(torch.empty(1000, dtype=dtype, device=device))]
+ps[0].grad = x
+ps[1].grad = protected(torch.randn(1000).to(dtype).to(device))
+t = hookstats.norms([p.grad for p in ps]).total
+hookstats.clip_grad_norm_(ps, near_one(t))
+if device == "cuda":
+    torch.cuda.synchronize()
+assert torch.equal(x.cpu(), x0.cpu())
+print("ok")
+"""
+
+
+def _run_no_write_child(device: str, mode: str, dtype: torch.dtype):
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ)
+    return subprocess.run([sys.executable, "-c", _NO_WRITE_CHILD, device, mode, str(dtype)[6:]], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_coefficient_that_rounds_to_one_writes_nothing(device, dtype):
+    control = _run_no_write_child(device, "control", dtype)
+    if control.returncode == 3:
+        pytest.skip(f"cannot make memory read-only for the device here: {control.stdout[-300:]}")
+    assert "setup-ok" in control.stdout, f"the child failed before its write: {control.stderr[-2000:]}"
+    if control.returncode == 0 and device == "cuda":
+        pytest.skip("device writes to read-only registered host memory are not trapped here")
+    assert control.returncode != 0, "the control wrote to protected memory and survived: the check would prove nothing"
+    r = _run_no_write_child(device, "ops", dtype)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), \
+        f"a kernel wrote to a tensor whose coefficient rounds to 1 (rc {r.returncode}): {r.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_coefficient_that_rounds_to_one_per_dtype(device, dtype):
+    """1 - 2^-27 is 1 in float (fp16/bf16/fp32 scale in float: bits kept), not in double (fp64 is scaled)."""
+    x0 = torch.randn(5000, generator=seeded("near1")).to(dtype).to(device)
+    x = x0.clone()
+    n = as_float(torch.ops.hookstats.norms([x0], 2.0)[1])
+    total = hookstats.clip_norm_(x, (1.0 - 2.0**-27) * (n + 1e-6))
+    assert as_float(total) == pytest.approx(n, rel=1e-12 if dtype == torch.float64 else 1e-7)
+    if dtype == torch.float64:
+        assert_tensor_close(x, x0 * ((1.0 - 2.0**-27) * (n + 1e-6) / (n + 1e-6)), 1e-15)
+        assert not torch.equal(x, x0)
+    else:
+        assert_bits_equal(x, x0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# clip_norm_'s paths (csrc/core/tensor_list.h, Note [clip_norm_ paths])
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("numel", [1000, 2**18, 2**18 + 5])  # 2^18 fp32 = 1 MiB: inside auto's fused window
+def test_cpu_clip_norm_paths_fall_back_to_two_passes(numel):
+    x0 = torch.randn(numel, generator=seeded("paths", numel))
+    op = torch.ops.hookstats.clip_norm_.default
+    results = []
+    for path in (0, 1, 3):  # 3 prefers the fused path and falls back where there is none
+        x = x0.clone()
+        results.append((op(x, 2.0, 1.0, 1e-6, 0, path), x))
+    for total, x in results[1:]:
+        assert_bits_equal(total, results[0][0])
+        assert_bits_equal(x, results[0][1])
+    x = x0.clone()
+    with pytest.raises(ValueError, match=r"fused path \(path 2\) is unavailable: the CPU has only the two-pass path"):
+        op(x, 2.0, 1.0, 1e-6, 0, 2)
+    assert_bits_equal(x, x0)  # refused before anything was written
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="path must be 0"):
+            op(x, 2.0, 1.0, 1e-6, 0, bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA GPU and hookstats built with CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_refused_cooperative_launch_falls_back(monkeypatch, dtype):
+    x0 = torch.randn(2**21 // torch.empty((), dtype=dtype).element_size(), generator=seeded("refuse")).to(dtype).cuda()
+    op = torch.ops.hookstats.clip_norm_.default
+    want = x0.clone()
+    want_total = op(want, 2.0, 1.0, 1e-6, 0, 1)
+    monkeypatch.setenv("HOOKSTATS_TEST_OVERSUBSCRIBE_FUSED", "1")  # the driver now refuses every fused launch
+    for path in (0, 3):
+        x = x0.clone()
+        total = op(x, 2.0, 1.0, 1e-6, 0, path)
+        assert_bits_equal(total, want_total, f"path {path}")  # the two-launch path ran
+        assert_bits_equal(x, want, f"path {path}")
+    x = x0.clone()
+    with pytest.raises(ValueError, match="refused the cooperative launch"):
+        op(x, 2.0, 1.0, 1e-6, 0, 2)
+    assert_bits_equal(x, x0)
+    monkeypatch.delenv("HOOKSTATS_TEST_OVERSUBSCRIBE_FUSED")
+    torch.cuda.synchronize()  # no error left behind
+    x = x0.clone()
+    assert_bits_equal(op(x, 2.0, 1.0, 1e-6, 0, 2), op(x0.clone(), 2.0, 1.0, 1e-6, 0, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Multi-tensor tables on CUDA (csrc/cuda/clip_cuda.cu, Note [capture-safe tables])
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA GPU and hookstats built with CUDA kernels")
+def test_cuda_cached_tables_follow_the_tensors():
+    """A table is cached by the tensors' pointers, sizes, strides and dtypes: calls on other tensors of the same
+    shapes, on views of the same storage, in several streams and over many lists must never see a stale table."""
+    g = seeded("tables")
+    shapes = [(300,), (17, 5), (2**17 + 1,), (64, 33)]
+    lists = [[torch.randn(s, generator=g).cuda() for s in shapes] for _ in range(3)]
+    lists.append([t.t() if t.dim() == 2 else t[1:] for t in lists[0]])  # same storage, other layouts
+    lists.append([t.to(dt) for t, dt in zip(lists[1], (torch.float16, torch.float64, torch.bfloat16,
+                                                         torch.float32))])
+    side = torch.cuda.Stream()
+    for rep in range(3):
+        for i, xs in enumerate(lists):
+            stream = side if (rep + i) % 2 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                per, total = torch.ops.hookstats.norms(xs, 2.0)
+            torch.cuda.current_stream().wait_stream(stream)
+            assert_value_close(as_float(total), exact_total(xs, 2.0), 1e-5, f"list {i} rep {rep}")
+            for t, v in zip(xs, per.tolist()):
+                assert_value_close(v, exact_norm(t, 2.0), 1e-5, f"list {i} rep {rep}")
+    for k in range(100):  # more distinct lists than the cache holds
+        xs = [torch.full((k + 1,), 1.0, device="cuda"), torch.full((3, k + 2), 2.0, device="cuda").t()]
+        assert_value_close(as_float(torch.ops.hookstats.norms(xs, 1.0)[1]), (k + 1) + 2.0 * 3 * (k + 2), 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# clip_grads_with_norm_ with a CPU total: no host wait
+# ---------------------------------------------------------------------------------------------------------
+
+def test_cpu_total_reaches_the_grads_device_without_a_blocking_copy():
+    """Checked on the meta device (no GPU here): the CPU total is read on the host and written on the grads' device;
+    it is never copied to that device by a blocking copy and no device value is read on the host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            self.calls.append((func, args, kwargs))
+            return func(*args, **kwargs)
+
+    ps = [torch.nn.Parameter(torch.empty(10, device="meta")) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.empty(10, device="meta")
+    for total in (torch.tensor(3.0), torch.tensor(3.0, dtype=torch.bfloat16), 3.0):
+        with Record() as rec:
+            hookstats.clip_grads_with_norm_(ps, 1.0, total)
+        assert any(func._schema.name == "hookstats::scale_by_norm_" for func, _, _ in rec.calls)
+        for func, args, kwargs in rec.calls:
+            name = func._schema.name
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if name == "aten::_local_scalar_dense":
+                assert tensors[0].device.type == "cpu", "a device value was read on the host"
+            if name in ("aten::_to_copy", "aten::copy_"):
+                src = tensors[-1] if name == "aten::copy_" else tensors[0]
+                dst = tensors[0].device if name == "aten::copy_" else kwargs.get("device", src.device)
+                if src.device.type == "cpu" and torch.device(dst).type != "cpu":
+                    assert kwargs.get("non_blocking", False), f"blocking host-to-device copy: {func}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_ready(), reason="needs a CUDA GPU and hookstats built with CUDA kernels")
+def test_cuda_clip_grads_with_norm_cpu_total_does_not_sync():
+    g = seeded("cputotal")
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).cuda()) for s in ((100,), (30, 7), (5,))]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).cuda()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    for q, p in zip(twins, ps):
+        q.grad = p.grad.clone()
+    hookstats.clip_grads_with_norm_(twins, 1.0, torch.tensor(7.0, dtype=torch.float64, device="cuda"))
+    want = [q.grad for q in twins]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hookstats.clip_grads_with_norm_(ps, 1.0, torch.tensor(7.0))
+        hookstats.clip_grads_with_norm_(ps, 1e30, 1e9)  # a number: coefficient 1, nothing written
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for p, w in zip(ps, want):
+        assert_bits_equal(p.grad, w)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Big inputs (slow)
 # ---------------------------------------------------------------------------------------------------------
 

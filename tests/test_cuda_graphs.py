@@ -1,6 +1,8 @@
 """The Monitor's hook path under CUDA graph capture: no allocation and no host sync inside a hook, so a training
 step with a Monitor attached can be captured, and each replay rewrites the captured records' rows with the new
 statistics. Runs on the GPU machine (scripts/gpu_check.sh); skipped without CUDA."""
+import copy
+
 import pytest
 import torch
 
@@ -90,3 +92,98 @@ def test_monitor_hooks_do_not_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert len(mon.records()) > 0
+
+
+# Multi-tensor ops (norms, scale_by_norm_, clamp_count_) under capture: the tensor table is written by fill kernels
+# captured into the graph, so replays never read a stale or freed table (csrc/cuda/clip_cuda.cu,
+# Note [capture-safe tables]).
+
+def _eager_clip(m, x, max_norm):
+    """Grads of the step on x, clipped by torch.nn.utils (the oracle), and its total norm."""
+    twin = copy.deepcopy(m)
+    twin.zero_grad(set_to_none=True)
+    twin(x).square().sum().backward()
+    total = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm, foreach=True)
+    return [p.grad for p in twin.parameters()], total
+
+
+def _check_replays(graph, m, static_x, outs, max_norm):
+    for scale in (1.0, 3.0, 0.01):  # 0.01: a total under max_norm, so nothing is scaled
+        new_x = torch.randn(static_x.shape, device="cuda") * scale
+        static_x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_grads, want_total = _eager_clip(m, new_x, max_norm)
+        assert float(outs["total"]) == pytest.approx(float(want_total), rel=1e-5), scale
+        for p, w in zip(m.parameters(), want_grads):
+            torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-7)
+        per = outs["per"].tolist()
+        for p, v in zip(m.parameters(), per):  # norms of the clipped grads, captured after the clip
+            assert v == pytest.approx(float(torch.linalg.vector_norm(p.grad.double())), rel=1e-5)
+        # Eager calls on the same grads after the replays see the right tables too.
+        eager_per, _ = hookstats.norms([p.grad for p in m.parameters()])
+        assert eager_per.tolist() == pytest.approx(per, rel=1e-12)
+
+
+def test_clip_grad_norm_capture_replays_after_a_warm_up_step():
+    m = _model()
+    static_x = torch.randn(16, 32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # the usual eager warm-up, hookstats ops included (their tables get cached)
+        for _ in range(2):
+            m.zero_grad(set_to_none=False)
+            m(static_x).square().sum().backward()
+            hookstats.clip_grad_norm_(m.parameters(), 0.5)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    outs = {}
+    with torch.cuda.graph(graph):
+        m.zero_grad(set_to_none=False)
+        m(static_x).square().sum().backward()
+        outs["total"] = hookstats.clip_grad_norm_(m.parameters(), 0.5)
+        outs["per"] = hookstats.norms([p.grad for p in m.parameters()]).per_tensor
+    _check_replays(graph, m, static_x, outs, 0.5)
+
+
+def test_multi_tensor_ops_capture_on_grads_allocated_in_the_graph():
+    """No hookstats call before capture, and grads set to None: they are allocated inside the graph, so no table for
+    them exists before capture. clip_grad_value_ (clamp_count_) is captured too."""
+    m = _model()
+    static_x = torch.randn(16, 32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m(static_x).square().sum().backward()  # warms up the model's kernels only
+    torch.cuda.current_stream().wait_stream(s)
+    m.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    outs = {}
+    with torch.cuda.graph(graph):
+        m(static_x).square().sum().backward()
+        outs["count"] = hookstats.clip_grad_value_(m.parameters(), 1e30)  # counts nothing, writes nothing
+        outs["total"] = hookstats.clip_grad_norm_(m.parameters(), 0.5)
+        outs["per"] = hookstats.norms([p.grad for p in m.parameters()]).per_tensor
+    _check_replays(graph, m, static_x, outs, 0.5)
+    assert int(outs["count"]) == 0
+
+
+def test_clip_norm_captures_the_two_launch_path():
+    """Inside auto's fused size window, a captured clip_norm_ takes the two launches; requiring the fused path
+    (path 2) during capture is a clear error, raised before anything is captured."""
+    x = torch.randn(2**20, device="cuda")  # 4 MiB
+    op = torch.ops.hookstats.clip_norm_.default
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        total = op(x, 2.0, 1.0, 1e-6, 0, 0)
+    for scale in (2.0, 1e-9):
+        x0 = torch.randn(2**20, device="cuda") * scale
+        x.copy_(x0)
+        graph.replay()
+        torch.cuda.synchronize()
+        norm = float(torch.linalg.vector_norm(x0.double()))
+        assert float(total) == pytest.approx(norm, rel=1e-5)
+        torch.testing.assert_close(x, (x0.double() * min(1.0, 1.0 / (norm + 1e-6))).float(), rtol=2e-6, atol=0)
+    with pytest.raises(ValueError, match="not under CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            op(x, 2.0, 1.0, 1e-6, 0, 2)

@@ -7,8 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -111,6 +112,48 @@ inline void check_clip_args(double max_norm, double eps, int64_t policy) {
   TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "hookstats: eps must be finite and >= 0, got ", eps);
   TORCH_CHECK_VALUE(policy == 0 || policy == 1, "hookstats: nonfinite policy must be 0 (propagate) or 1 (zero), got ",
                     policy);
+}
+
+// Note [coefficient one]
+// The scale pass multiplies in acc_t (float for fp16/bf16/fp32 tensors, double for fp64), so a
+// float64 coefficient such as 1 - 1e-9 is exactly 1 once rounded to float, and multiplying by it
+// would rewrite every element with the bits it already has. Every scale kernel (CPU, CUDA
+// two-launch, CUDA fused) asks this, per tensor dtype, after reading the coefficient (on the
+// device, so no host sync), and writes nothing when it says so; the README promises it.
+template <typename acc_t>
+HS_HD bool scale_is_identity(double coef, bool zero) {
+  return !zero && static_cast<acc_t>(coef) == acc_t(1);
+}
+
+// Note [clip_norm_ paths]
+// clip_norm_'s `path` argument: 0 (auto) takes the fused one-launch path on CUDA (Note [fused
+// clip_norm_]) for tensors of kFusedAutoMinBytes..kFusedAutoMaxBytes that qualify, else the
+// two-launch (CPU: two-pass) path; 1 forces the two launches; 2 requires the fused path and
+// raises when it is unavailable (does not qualify, refused by the driver, CPU, graph capture);
+// 3 prefers it at any size and falls back like auto. A refused cooperative launch (MPS, a
+// partitioned device, cudaErrorCooperativeLaunchTooLarge) is never an error under 0 and 3.
+// The size window is provisional: the fused path saves one read of x but needs every SM at
+// once (it waits behind resident kernels such as NCCL's), and scripts/gpu_bench.py prints
+// "fused vs two-launch" per size so that a GPU run can set these two constants.
+enum ClipPath : int64_t { kPathAuto = 0, kPathTwoLaunch = 1, kPathFused = 2, kPathPreferFused = 3 };
+constexpr int64_t kFusedAutoMinBytes = int64_t(1) << 20;   // 1 MiB
+constexpr int64_t kFusedAutoMaxBytes = int64_t(16) << 20;  // 16 MiB
+
+inline void check_clip_path(int64_t path) {
+  TORCH_CHECK_VALUE(path >= kPathAuto && path <= kPathPreferFused, "hookstats.clip_norm_: path must be 0 (auto), "
+                    "1 (two launches), 2 (fused, required) or 3 (fused where possible), got ", path);
+}
+
+// Whether clip_norm_ should try the fused path for a tensor of `bytes` bytes.
+inline bool wants_fused(int64_t path, int64_t bytes) {
+  if (path == kPathFused || path == kPathPreferFused) return true;
+  return path == kPathAuto && bytes >= kFusedAutoMinBytes && bytes <= kFusedAutoMaxBytes;
+}
+
+// The fused path is unavailable (why): an error when it was required (path 2), else the caller
+// falls back to the two-launch path.
+inline void fused_unavailable(int64_t path, const std::string& why) {
+  TORCH_CHECK_VALUE(path != kPathFused, "hookstats.clip_norm_: the fused path (path 2) is unavailable: ", why);
 }
 
 inline void check_bounds(double lo, double hi) {

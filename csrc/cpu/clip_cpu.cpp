@@ -276,6 +276,7 @@ HS_TARGET_AVX2 void scale_chunk_avx2(scalar_t* p, int64_t n, acc_of<scalar_t> co
 template <typename scalar_t>
 void scale_piece(const TensorDesc& d, const ListPlan& pl, int64_t begin, int64_t len, double coef, bool zero) {
   using acc_t = acc_of<scalar_t>;
+  if (scale_is_identity<acc_t>(coef, zero)) return;  // Note [coefficient one]
   scalar_t* base = static_cast<scalar_t*>(d.data);
   const acc_t c = static_cast<acc_t>(coef);
   if (d.layout < 0) {
@@ -401,8 +402,10 @@ at::Tensor clip_norm_cpu(const at::Tensor& x, double p, double max_norm, double 
   check_tensor_list(xs, "clip_norm_", true);
   check_norm_type(p, "clip_norm_");
   check_clip_args(max_norm, eps, policy);
-  TORCH_CHECK_VALUE(path == 0 || path == 1, "hookstats.clip_norm_: the CPU has only path 0 (auto) and 1 (two passes), "
-                    "got ", path);
+  check_clip_path(path);  // Note [clip_norm_ paths]
+  if (wants_fused(path, x.numel() * static_cast<int64_t>(x.element_size()))) {
+    fused_unavailable(path, "the CPU has only the two-pass path (0 auto, 1 two passes, 3 falls back to it)");
+  }
   auto [per, total] = norms_cpu(xs, p);
   scale_by_norm_cpu(xs, total, max_norm, eps, policy);
   return total;

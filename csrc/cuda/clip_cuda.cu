@@ -6,22 +6,44 @@
 // that a list has at most about 4 chunks per SM beyond one per tensor); one block of 256
 // threads handles one chunk, so one launch covers every tensor, whatever their number, sizes
 // and dtypes (the block switches on its tensor's dtype). A list of more than one tensor is
-// described in device memory (TensorDesc, StridedLayout and each tensor's first chunk), copied
-// in one non-blocking copy from pinned memory; a block finds its tensor by binary search. A
-// single flat tensor travels in the kernel arguments instead, and needs no copy.
+// described in device memory (TensorDesc, StridedLayout and each tensor's first chunk: the
+// list's table, Note [capture-safe tables]); a block finds its tensor by binary search. A
+// single flat tensor travels in the kernel arguments instead, and needs no table.
 //   norms: each thread reduces its share of a chunk (at most kMaxFastPiece values) on the fast
 //     path of core/norm_ops.h, re-reads it on the careful path when needed, the block merges
 //     in a fixed order into a per-chunk partial, and the last block to finish (atomic ticket)
-//     merges every tensor's chunks in order, then all tensors: per-tensor norms and the total,
-//     in the same launch. No float atomics: results are bitwise reproducible.
+//     merges every tensor's chunks, then all tensors: per-tensor norms and the total, in the
+//     same launch (Note [last-block merge]). No float atomics: results are bitwise reproducible.
 //   scale_by_norm_: reads the total norm on the device; blocks exit at once when the
-//     coefficient is 1. clamp_count_: counts with integer atomics, one per block.
+//     coefficient, rounded to their tensor's acc_t, is 1 (Note [coefficient one]).
+//   clamp_count_: counts with integer atomics, one per block.
+//
+// Note [capture-safe tables]
+// A table is built on the host and written into device memory by fill_table_kernel, whose
+// arguments carry the table's bytes (kSliceWords 16-byte words a launch, under the 4 KB
+// kernel-argument limit of every CUDA version): no pinned host buffer, no host copy, no event.
+// Eagerly, tables are cached (TableCache: up to kCacheEntries tables, kCacheBytes in all, least
+// recently used evicted), keyed by the device, the stream and the table's bytes, which hold the
+// tensors' data pointers, sizes, strides, dtypes and the chunking: calling an op again on the
+// same tensors (the gradients of every training step) launches no fill at all. An entry is
+// only read by kernels on the stream it was written on, so it needs no event, and its memory
+// returns to the caching allocator in stream order when it is evicted.
+// During CUDA graph capture the cache is neither read nor written: the table is allocated from
+// the graph's pool (at::empty under capture) and the fill launches are captured with their
+// arguments, so every replay rewrites the table from the graph itself before the kernel reads
+// it. That is safe on every torch this package supports (it does not depend on the pinned-memory
+// support of recent torch's graph pools), with or without a warm-up step, and a replay costs one
+// extra tiny kernel per ~120 tensors of the list. Reusing an eagerly cached table inside a graph
+// was rejected: the graph would have to pin it forever, and nothing could prove that its upload
+// on another stream had finished before a replay without querying an event, which is illegal
+// during capture. The fused clip_norm_ path is not used under capture (Note [clip_norm_ paths]).
 // Flat 16-byte-aligned chunks use 16-byte loads and stores; other layouts go element by element
 // (Note [layouts]).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
@@ -31,7 +53,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -49,6 +74,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kMinChunk = 65536;
 constexpr int64_t kMaxChunk = int64_t(kThreads) * kMaxFastPiece;  // a thread's share stays a fast piece
+constexpr int64_t kThreadMerge = 16;  // Note [last-block merge]
 
 template <typename scalar_t> struct AccOf { using type = float; };
 template <> struct AccOf<double> { using type = double; };
@@ -215,15 +241,57 @@ norms_kernel(ListArgs a, NormSpec ns, NormPartial* __restrict__ partials, unsign
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  // The last block: thread t merges the chunks of tensors t, t + kThreads, ... in order.
+  // Note [last-block merge]
+  // The last block merges every tensor's chunk partials, tile by tile of kThreads tensors. A
+  // tensor of at most kThreadMerge chunks is merged by its own thread, in chunk order; the
+  // larger ones (one big tensor has up to ~4 chunks per SM: 528 on an H200) are listed in tensor
+  // order and shared out to the warps (the k-th to warp k % kWarps), whose lane l merges chunks
+  // l, l + 32, ... in order before warp_merge's fixed shuffle tree. Each thread's tensors then
+  // merge into its total, and block_merge merges the threads. Which thread or warp merges what
+  // depends only on the chunk counts, never on timing: results are bitwise reproducible, and no
+  // thread merges more than ~kThreadMerge + a few partials serially.
+  __shared__ int64_t big[kThreads];
+  __shared__ int warp_big[kWarps];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   NormPartial acc = empty_norm();
-  for (int64_t t = threadIdx.x; t < a.ntensors; t += kThreads) {
-    const int64_t c0 = a.single ? 0 : a.chunk_start[t];
-    const int64_t c1 = a.single ? gridDim.x : a.chunk_start[t + 1];
-    NormPartial q = empty_norm();
-    for (int64_t c = c0; c < c1; ++c) norm_merge(q, load_partial(partials + c), ns);
-    per[t] = norm_finalize(q, ns);
-    norm_merge(acc, q, ns);
+  for (int64_t base = 0; base < a.ntensors; base += kThreads) {
+    const int64_t t = base + threadIdx.x;
+    int64_t c0 = 0, c1 = 0;
+    if (t < a.ntensors) {
+      c0 = a.single ? 0 : a.chunk_start[t];
+      c1 = a.single ? gridDim.x : a.chunk_start[t + 1];
+    }
+    const bool is_big = c1 - c0 > kThreadMerge;
+    if (t < a.ntensors && !is_big) {
+      NormPartial q = empty_norm();
+      for (int64_t c = c0; c < c1; ++c) norm_merge(q, load_partial(partials + c), ns);
+      per[t] = norm_finalize(q, ns);
+      norm_merge(acc, q, ns);
+    }
+    const unsigned int mask = __ballot_sync(0xffffffffu, is_big);
+    if (lane == 0) warp_big[warp] = __popc(mask);
+    __syncthreads();
+    int first = 0, nbig = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < warp) first += warp_big[w];
+      nbig += warp_big[w];
+    }
+    if (is_big) big[first + __popc(mask & ((1u << lane) - 1u))] = t;
+    __syncthreads();
+    for (int k = warp; k < nbig; k += kWarps) {
+      const int64_t tb = big[k];
+      const int64_t b0 = a.single ? 0 : a.chunk_start[tb];
+      const int64_t b1 = a.single ? gridDim.x : a.chunk_start[tb + 1];
+      NormPartial q = empty_norm();
+      for (int64_t c = b0 + lane; c < b1; c += 32) norm_merge(q, load_partial(partials + c), ns);
+      q = warp_merge(q, ns);
+      if (lane == 0) {
+        per[tb] = norm_finalize(q, ns);
+        norm_merge(acc, q, ns);
+      }
+    }
+    __syncthreads();  // big and warp_big are rewritten by the next tile
   }
   acc = block_merge(acc, ns, smem);
   if (threadIdx.x == 0) {
@@ -237,6 +305,7 @@ norms_kernel(ListArgs a, NormSpec ns, NormPartial* __restrict__ partials, unsign
 template <typename scalar_t>
 __device__ __forceinline__ void scale_piece(const Piece& p, double coef, bool zero) {
   using acc_t = typename AccOf<scalar_t>::type;
+  if (scale_is_identity<acc_t>(coef, zero)) return;  // Note [coefficient one]
   const acc_t c = static_cast<acc_t>(coef);
   update<scalar_t>(p, [&](scalar_t& v) {
     v = static_cast<scalar_t>(scale_value<acc_t>(static_cast<acc_t>(v), c, zero));
@@ -282,7 +351,8 @@ __device__ __forceinline__ unsigned long long clamp_piece(const Piece& p, const 
   return n;
 }
 
-__global__ void __launch_bounds__(kThreads) clamp_kernel(ListArgs a, Bounds b, unsigned long long* __restrict__ count) {
+__global__ void __launch_bounds__(kThreads)
+clamp_kernel(ListArgs a, const __grid_constant__ Bounds b, unsigned long long* __restrict__ count) {
   __shared__ unsigned long long smem[kWarps];
   const Piece piece = locate(a, blockIdx.x);
   unsigned long long n = 0;
@@ -310,7 +380,9 @@ __global__ void __launch_bounds__(kThreads) clamp_kernel(ListArgs a, Bounds b, u
 // reduces it there (the careful path re-reads shared memory, not x); the blocks' partials meet
 // at a grid-wide barrier; every block merges them in block order (the same order in every
 // block, so all compute the same coefficient, bit for bit); each block scales its slice from
-// shared memory into x. Other tensors take the two-launch path (norms_kernel, scale_kernel).
+// shared memory into x. Other tensors take the two-launch path (norms_kernel, scale_kernel);
+// which tensors take which path, and the fall-back when the driver refuses the cooperative
+// launch, are Note [clip_norm_ paths] (core/tensor_list.h).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 fused_clip_kernel(scalar_t* __restrict__ x, int64_t n, int64_t per_block, NormSpec ns, double max_norm, double eps,
@@ -326,7 +398,8 @@ fused_clip_kernel(scalar_t* __restrict__ x, int64_t n, int64_t per_block, NormSp
   const int64_t full = len / kVec;  // whole 16-byte packs; only the last block can have a tail
   uint4* src = reinterpret_cast<uint4*>(x + b0);
   scalar_t* el = reinterpret_cast<scalar_t*>(tile);
-  for (int64_t k = threadIdx.x; k < full; k += kThreads) tile[k] = src[k];
+#pragma unroll 4
+  for (int64_t k = threadIdx.x; k < full; k += kThreads) tile[k] = src[k];  // several loads in flight
   for (int64_t i = full * kVec + threadIdx.x; i < len; i += kThreads) el[i] = x[b0 + i];
   __syncthreads();
   auto visit_tile = [&](auto&& f) {
@@ -341,18 +414,21 @@ fused_clip_kernel(scalar_t* __restrict__ x, int64_t n, int64_t per_block, NormSp
   NormPartial p = block_merge(thread_norm<scalar_t>(visit_tile, ns), ns, smem);
   if (threadIdx.x == 0) partials[blockIdx.x] = p;
   cooperative_groups::this_grid().sync();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {  // warp 0 of every block: lane l merges partials l, l + 32, ..., then a fixed tree
     NormPartial acc = empty_norm();
-    for (unsigned int b = 0; b < gridDim.x; ++b) norm_merge(acc, load_partial(partials + b), ns);
-    const double total = norm_finalize(acc, ns);
-    coef_s = clip_coef(total, max_norm, eps, policy);
-    zero_s = policy == kZero && !(total - total == 0.0);
-    if (blockIdx.x == 0) *total_out = total;
+    for (unsigned int b = threadIdx.x; b < gridDim.x; b += 32) norm_merge(acc, load_partial(partials + b), ns);
+    acc = warp_merge(acc, ns);
+    if (threadIdx.x == 0) {
+      const double total = norm_finalize(acc, ns);
+      coef_s = clip_coef(total, max_norm, eps, policy);
+      zero_s = policy == kZero && !(total - total == 0.0);
+      if (blockIdx.x == 0) *total_out = total;
+    }
   }
   __syncthreads();
   const double coef = coef_s;
-  if (coef_is_identity(coef)) return;
   const bool zero = zero_s;
+  if (scale_is_identity<acc_t>(coef, zero)) return;  // Note [coefficient one]
   const acc_t c = static_cast<acc_t>(coef);
   for (int64_t k = threadIdx.x; k < full; k += kThreads) {
     uint4 r = tile[k];
@@ -367,16 +443,114 @@ fused_clip_kernel(scalar_t* __restrict__ x, int64_t n, int64_t per_block, NormSp
 }
 
 // ---------------------------------------------------------------------------------------
+// Tables (Note [capture-safe tables]).
+constexpr int kSliceWords = 240;  // 3,840 bytes of table per fill launch
+struct TableSlice {
+  uint4 words[kSliceWords];
+  int64_t first;  // the slice's first word in the table
+  int32_t count;
+};
+
+__global__ void __launch_bounds__(kSliceWords)
+fill_table_kernel(uint4* __restrict__ dst, const __grid_constant__ TableSlice s) {
+  if (static_cast<int32_t>(threadIdx.x) < s.count) dst[s.first + threadIdx.x] = s.words[threadIdx.x];
+}
+
+// A device copy of words[0, n), written on the current stream by fill launches.
+at::Tensor upload_table(const uint4* words, int64_t n, c10::Device device, cudaStream_t stream) {
+  at::Tensor t = at::empty({n * 16}, at::TensorOptions().dtype(at::kByte).device(device));
+  uint4* dst = reinterpret_cast<uint4*>(t.data_ptr());
+  TableSlice slice;
+  for (int64_t first = 0; first < n; first += kSliceWords) {
+    const int32_t count = static_cast<int32_t>(std::min<int64_t>(kSliceWords, n - first));
+    std::memcpy(slice.words, words + first, static_cast<size_t>(count) * sizeof(uint4));
+    slice.first = first;
+    slice.count = count;
+    fill_table_kernel<<<1, kSliceWords, 0, stream>>>(dst, slice);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return t;
+}
+
+uint64_t table_hash(const uint4* words, int64_t n) {
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(words);
+  uint64_t h[2] = {0x9e3779b97f4a7c15ull, 0xc2b2ae3d27d4eb4full};
+  for (int64_t i = 0; i < 2 * n; ++i) {
+    uint64_t& x = h[i & 1];
+    x = (x ^ w[i]) * 0xff51afd7ed558ccdull;
+    x ^= x >> 32;
+  }
+  return h[0] ^ (h[1] * 0x94d049bb133111ebull) ^ static_cast<uint64_t>(n);
+}
+
+constexpr size_t kCacheEntries = 64;
+constexpr int64_t kCacheBytes = int64_t(16) << 20;  // host and device bytes of the cached tables, each
+
+struct TableEntry {
+  int device;
+  cudaStream_t stream;
+  uint64_t hash;
+  std::vector<uint4> words;
+  at::Tensor table;
+  uint64_t last_use;
+};
+
+struct TableCache {
+  std::mutex mu;
+  std::vector<TableEntry> entries;
+  int64_t bytes = 0;
+  uint64_t clock = 0;
+};
+
+TableCache& table_cache() {
+  static TableCache* cache = new TableCache();  // never destroyed: its tensors must not outlive CUDA at exit
+  return *cache;
+}
+
+// The cached device table with these words on (device, stream), uploading it on a miss.
+at::Tensor cached_table(const uint4* words, int64_t n, c10::Device device, cudaStream_t stream) {
+  const uint64_t h = table_hash(words, n);
+  const int dev = device.index();
+  TableCache& c = table_cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  ++c.clock;
+  for (TableEntry& e : c.entries) {
+    if (e.hash == h && e.device == dev && e.stream == stream && static_cast<int64_t>(e.words.size()) == n &&
+        std::memcmp(e.words.data(), words, static_cast<size_t>(n) * sizeof(uint4)) == 0) {
+      e.last_use = c.clock;
+      return e.table;
+    }
+  }
+  at::Tensor t = upload_table(words, n, device, stream);
+  const int64_t nbytes = n * 16;
+  if (nbytes > kCacheBytes) return t;
+  while (!c.entries.empty() && (c.entries.size() >= kCacheEntries || c.bytes + nbytes > kCacheBytes)) {
+    auto lru = std::min_element(c.entries.begin(), c.entries.end(),
+                                [](const TableEntry& a, const TableEntry& b) { return a.last_use < b.last_use; });
+    c.bytes -= static_cast<int64_t>(lru->words.size()) * 16;
+    c.entries.erase(lru);  // freed in stream order: the entry was only used on its own stream
+  }
+  c.entries.push_back(TableEntry{dev, stream, h, std::vector<uint4>(words, words + n), t, c.clock});
+  c.bytes += nbytes;
+  return t;
+}
+
+bool capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+// ---------------------------------------------------------------------------------------
 // Host side: the chunks of a list (Note [cuda tensor lists]).
 struct DeviceList {
   ListArgs args;
   int64_t nchunks;
-  at::Tensor meta;  // device copy of the descriptions; the caching allocator keeps it until the stream is done
+  at::Tensor meta;  // the device table; cached, or freed by the caching allocator in stream order
 };
 
 DeviceList prepare(at::TensorList xs) {
   static thread_local std::vector<TensorDesc> descs;
   static thread_local std::vector<StridedLayout> layouts;
+  static thread_local std::vector<uint4> words;
   describe(xs, descs, layouts);
   const int64_t n = static_cast<int64_t>(xs.size());
   int64_t total = 0;
@@ -399,17 +573,31 @@ DeviceList prepare(at::TensorList xs) {
     dl.args.one = descs[0];
     return dl;
   }
+  if (dl.nchunks == 0) return dl;  // nothing to launch
   const size_t b_desc = descs.size() * sizeof(TensorDesc);
   const size_t b_lay = layouts.size() * sizeof(StridedLayout);
   const size_t off_lay = (b_desc + 15) / 16 * 16;
   const size_t off_cs = off_lay + (b_lay + 15) / 16 * 16;
   const size_t bytes = off_cs + starts.size() * sizeof(int64_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  char* h = static_cast<char*>(host.data_ptr());
+  const int64_t nwords = static_cast<int64_t>((bytes + 15) / 16);
+  words.assign(static_cast<size_t>(nwords), uint4{0u, 0u, 0u, 0u});  // padding bytes zeroed: they are hashed
+  char* h = reinterpret_cast<char*>(words.data());
   std::memcpy(h, descs.data(), b_desc);
-  if (b_lay) std::memcpy(h + off_lay, layouts.data(), b_lay);
+  for (size_t i = 0; i < layouts.size(); ++i) {  // field by field: padding and unused dims stay zero
+    StridedLayout z;
+    std::memset(&z, 0, sizeof(z));
+    z.ndim = layouts[i].ndim;
+    for (int k = 0; k < z.ndim; ++k) {
+      z.sizes[k] = layouts[i].sizes[k];
+      z.strides[k] = layouts[i].strides[k];
+    }
+    std::memcpy(h + off_lay + i * sizeof(StridedLayout), &z, sizeof(z));
+  }
   std::memcpy(h + off_cs, starts.data(), starts.size() * sizeof(int64_t));
-  dl.meta = host.to(xs[0].device(), at::kByte, /*non_blocking=*/true);
+  const c10::Device device = xs[0].device();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+  dl.meta = capturing() ? upload_table(words.data(), nwords, device, stream)
+                        : cached_table(words.data(), nwords, device, stream);
   char* d = static_cast<char*>(dl.meta.data_ptr());
   dl.args.descs = reinterpret_cast<const TensorDesc*>(d);
   dl.args.layouts = reinterpret_cast<const StridedLayout*>(d + off_lay);
@@ -484,22 +672,39 @@ struct FusedPlan {
   size_t smem;
 };
 
+// Whether x qualifies for the fused path on its device; if not, why.
 template <typename scalar_t>
-bool plan_fused(const at::Tensor& x, FusedPlan& plan) {
+bool plan_fused(const at::Tensor& x, FusedPlan& plan, std::string& why) {
   const int dev = x.device().index();
   int coop = 0, optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (!coop || layout_of(x).ndim != 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) return false;
+  if (!coop) {
+    why = "the device has no cooperative launch";
+    return false;
+  }
+  if (layout_of(x).ndim != 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) {
+    why = "it needs a flat (dense), 16-byte-aligned tensor";
+    return false;
+  }
   const int64_t sms = sm_count(dev);
   const int64_t elem = sizeof(scalar_t);
   const int64_t max_tile = (static_cast<int64_t>(optin) - 1024) / 16 * 16;  // room for the static shared memory
   const int64_t bytes = x.numel() * elem;
-  if (max_tile <= 0 || bytes > sms * max_tile) return false;
+  if (max_tile <= 0 || bytes > sms * max_tile) {
+    why = "the tensor (" + std::to_string(bytes) + " bytes) does not fit in the shared memory of one grid (" +
+          std::to_string(max_tile > 0 ? sms * max_tile : 0) + " bytes on this device)";
+    return false;
+  }
   static bool attr_set[64] = {false};
   if (dev >= 0 && dev < 64 && !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(fused_clip_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(max_tile)));
+    const cudaError_t err = cudaFuncSetAttribute(fused_clip_kernel<scalar_t>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_tile));
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // clear it: the two-launch path must not see it
+      why = std::string("cudaFuncSetAttribute failed (") + cudaGetErrorString(err) + ")";
+      return false;
+    }
     attr_set[dev] = true;
   }
   // Small tensors use fewer blocks (at least 4 KB each): fewer partials to merge.
@@ -508,49 +713,76 @@ bool plan_fused(const at::Tensor& x, FusedPlan& plan) {
   int64_t per_block = (x.numel() + grid - 1) / grid;
   per_block = (per_block + vec - 1) / vec * vec;
   const size_t smem = static_cast<size_t>(per_block * elem);
-  if (static_cast<int64_t>(smem) > max_tile) return false;
   int resident = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fused_clip_kernel<scalar_t>, kThreads, smem));
-  if (resident < 1 || grid > resident * sms) return false;
+  const cudaError_t err =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fused_clip_kernel<scalar_t>, kThreads, smem);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  if (static_cast<int64_t>(smem) > max_tile || err != cudaSuccess || resident < 1 || grid > resident * sms) {
+    why = "one block per multiprocessor does not fit its slice in shared memory";
+    return false;
+  }
   plan = FusedPlan{static_cast<int>(grid), per_block, smem};
+  // Tests only: one block more than can be co-resident, so that the driver refuses the launch
+  // (cudaErrorCooperativeLaunchTooLarge) and the fall-back runs (tests/test_clip.py).
+  const char* over = std::getenv("HOOKSTATS_TEST_OVERSUBSCRIBE_FUSED");
+  if (over != nullptr && over[0] == '1') plan.grid = static_cast<int>(resident * sms + 1);
   return true;
 }
 
-// path: 0 chooses (fused when x qualifies), 1 forces the two-launch path, 2 the fused one.
+// One cooperative launch of the fused path, if x qualifies and the driver accepts it; else
+// false with the reason, and no CUDA error left behind.
+template <typename scalar_t>
+bool try_fused(const at::Tensor& x, double p, double max_norm, double eps, int64_t policy, const at::Tensor& total,
+               cudaStream_t stream, std::string& why) {
+  FusedPlan plan;
+  if (!plan_fused<scalar_t>(x, plan, why)) return false;
+  at::Tensor ws = at::empty({static_cast<int64_t>(plan.grid) * static_cast<int64_t>(sizeof(NormPartial))},
+                            x.options().dtype(at::kByte));
+  scalar_t* xp = static_cast<scalar_t*>(x.data_ptr());
+  int64_t n = x.numel();
+  int64_t per_block = plan.per_block;
+  NormSpec ns = make_norm_spec(p);
+  int pol = static_cast<int>(policy);
+  NormPartial* partials = reinterpret_cast<NormPartial*>(ws.data_ptr());
+  double* out = total.data_ptr<double>();
+  void* args[] = {&xp, &n, &per_block, &ns, &max_norm, &eps, &pol, &partials, &out};
+  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&fused_clip_kernel<scalar_t>),
+                                                      dim3(plan.grid), dim3(kThreads), args, plan.smem, stream);
+  if (err != cudaSuccess) {
+    // Refused (cudaErrorCooperativeLaunchTooLarge under MPS or on a partitioned device, ...):
+    // nothing ran. Clear the error state so the two-launch path starts clean.
+    (void)cudaGetLastError();
+    why = std::string("the driver refused the cooperative launch (") + cudaGetErrorName(err) + ": " +
+          cudaGetErrorString(err) + ")";
+    return false;
+  }
+  return true;
+}
+
+// path: Note [clip_norm_ paths] (core/tensor_list.h).
 at::Tensor clip_norm_cuda(const at::Tensor& x, double p, double max_norm, double eps, int64_t policy, int64_t path) {
   const at::Tensor xs[1] = {x};
   check_tensor_list(xs, "clip_norm_", true);
   check_norm_type(p, "clip_norm_");
   check_clip_args(max_norm, eps, policy);
-  TORCH_CHECK_VALUE(path >= 0 && path <= 2, "hookstats.clip_norm_: path must be 0 (auto), 1 (two launches) or 2 "
-                    "(fused), got ", path);
+  check_clip_path(path);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   if (x.numel() == 0) return at::zeros({}, x.options().dtype(at::kDouble));
-  bool launched = false;
-  at::Tensor total = at::empty({}, x.options().dtype(at::kDouble));
-  if (path != 1) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hookstats_clip_norm_cuda", [&] {
-      FusedPlan plan;
-      if (!plan_fused<scalar_t>(x, plan)) return;
-      at::Tensor ws = at::empty({static_cast<int64_t>(plan.grid) * static_cast<int64_t>(sizeof(NormPartial))},
-                                x.options().dtype(at::kByte));
-      scalar_t* xp = static_cast<scalar_t*>(x.data_ptr());
-      int64_t n = x.numel();
-      int64_t per_block = plan.per_block;
-      NormSpec ns = make_norm_spec(p);
-      int pol = static_cast<int>(policy);
-      NormPartial* partials = reinterpret_cast<NormPartial*>(ws.data_ptr());
-      double* out = total.data_ptr<double>();
-      void* args[] = {&xp, &n, &per_block, &ns, &max_norm, &eps, &pol, &partials, &out};
-      C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&fused_clip_kernel<scalar_t>),
-                                                 dim3(plan.grid), dim3(kThreads), args, plan.smem, stream));
-      launched = true;
-    });
+  if (wants_fused(path, x.numel() * static_cast<int64_t>(x.element_size()))) {
+    if (capturing()) {
+      fused_unavailable(path, "not under CUDA graph capture (path 0 captures the two launches)");
+    } else {
+      at::Tensor total = at::empty({}, x.options().dtype(at::kDouble));
+      bool launched = false;
+      std::string why;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hookstats_clip_norm_cuda", [&] {
+        launched = try_fused<scalar_t>(x, p, max_norm, eps, policy, total, stream, why);
+      });
+      if (launched) return total;
+      fused_unavailable(path, why);
+    }
   }
-  TORCH_CHECK_VALUE(launched || path != 2, "hookstats.clip_norm_: the fused path needs a flat, 16-byte-aligned tensor "
-                    "that fits in the shared memory of one grid on a device with cooperative launch");
-  if (launched) return total;
   auto [per, t] = norms_cuda(xs, p);
   scale_by_norm_cuda(xs, t, max_norm, eps, policy);
   return t;
