@@ -10,6 +10,8 @@
 #   4. bench     scripts/gpu_bench.py: bandwidth against a device copy, fused vs two-launch clip_norm_ per size,
 #                clip_grad_norm_ vs foreach, Monitor step overhead, no-sync and memory checks
 #                                                                            -> bench.log, bench.md (capped)
+#   5. large     scripts/gpu_large_models.py: issue #13's Monitor targets (a GPT step >= 50 ms, a 1,001-module
+#                MLP, no host sync between flushes), when >= 20 s of the budget are left  -> report.md (capped)
 # The stages share a budget of BUDGET_S seconds (default 320: well under 6 minutes, so that a second run fits in
 # a 15-minute lease); each gets at most its cap and what is left. $OUT receives at most 7 files, all at its top.
 # Without a GPU (or on a CPU-only torch) it builds in place (installing nothing), says why the GPU stages are
@@ -162,6 +164,22 @@ else
   if (( rc != 0 )); then { echo '```'; tail -15 "$OUT/bench.log"; echo '```'; } >> "$REPORT"; fi
   [[ -s $OUT/bench.md ]] && { echo; cat "$OUT/bench.md"; } >> "$REPORT"
   STATUS+=("bench $(outcome $rc "$c")")
+fi
+# 5. large models (issue #13) -------------------------------------------------------------------------------------
+say ""
+say "## 5. Monitor on large models (scripts/gpu_large_models.py)"
+t=$(date +%s)
+c=$(cap 60)
+if (( c >= 20 )); then
+  timeout "$c" "$PY" scripts/gpu_large_models.py --out "$OUT/large.md" >> "$OUT/bench.log" 2>&1
+  rc=$?
+  say "- gpu_large_models: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log appended to bench.log)"
+  [[ -s $OUT/large.md ]] && { echo; cat "$OUT/large.md"; } >> "$REPORT"
+  rm -f "$OUT/large.md"  # its table is in report.md: $OUT keeps at most 7 files
+  STATUS+=("large $(outcome $rc "$c")")
+else
+  say "- not run (budget spent)"
+  STATUS+=("large not run")
 fi
 failed=0
 for s in "${STATUS[@]}"; do [[ $s == *" ok" || $s == "build ok" ]] || failed=1; done
