@@ -82,7 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="large_models.md")
     ap.add_argument("--quick", action="store_true", help="a smaller GPT (a smoke run)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     dev = torch.device("cuda")
     lines = [f"## Monitor on large models ({torch.cuda.get_device_name(dev)})", ""]
