@@ -90,11 +90,11 @@ class _Recorder:
                 hbuf = self._grow(hbuf, hn, lambda r: torch.zeros((r, key[1]), dtype=torch.int64, device=dev))
                 self._hists[key] = hbuf
             if uses_kernels(x):
-                torch.ops.hookstats.stats_into.default(x, buf, n, hbuf, hn, h.mode, h.bins, h.lo, h.hi)
+                torch.ops.hookstats.stats_into.default(x, buf, n, hbuf, hn, h.mode, h.bins, h.lo, h.hi, True)
             else:
                 from ._ops import stats_into
 
-                stats_into(x, buf, n, hist=hbuf, hist_slot=hn, histogram=h)
+                stats_into(x, buf, n, hist=hbuf, hist_slot=hn, histogram=h, accumulate=True)
             self._hist_used[key] = hn + 1
             self._meta[dev].append((meta, key, hn, t.dtype))
         self._used[dev] = n + 1
