@@ -203,7 +203,7 @@ def _storage_view(x: torch.Tensor) -> torch.Tensor:
 def test_layouts(device, dtype, layout, values, isa):
     build, twin = LAYOUTS[layout]
     x = build(dtype, device, seeded(layout, dtype))
-    if values == "with_inf":  # puts many chunks on the careful path, and adds zeros to count
+    if values == "with_inf":  # puts many chunks on the counting-only path, and adds zeros to count
         storage = _storage_view(x)
         storage[::97] = INF
         storage[5::101] = 0.0
@@ -259,7 +259,7 @@ def test_every_small_size(device, dtype, isa):
 @pytest.mark.parametrize("device", DEVICES)
 def test_special_value_at_every_position(device, dtype, n, isa):
     """A NaN, an inf, a zero, a unique min and a unique max at each position of the first and the last 67
-    elements, and around chunk boundaries: every lane, the tail, and the careful re-read of a chunk."""
+    elements, and around chunk boundaries: every lane, the tail, and the re-reads of a chunk."""
     positions = sorted({*range(67), *range(n - 67, n), *range(4090, min(n, 4102))})
     base = torch.ones(n, dtype=dtype, device=device)
     for i in positions:
@@ -650,7 +650,7 @@ def test_chunks_with_different_means(device, dtype, isa):
 @pytest.mark.parametrize("device", DEVICES)
 def test_task_split_sizes(device, dtype, n, isa):
     """Sizes around the CPU kernel's task split (32768 elements per task, at most 64 tasks; with 521 chunks the
-    last task gets no chunk at all): extremes and an inf in the last chunk, a NaN-free careful chunk."""
+    last task gets no chunk at all): extremes and an inf in the last chunk, a NaN-free scaled chunk."""
     x = make_values("extremes", n, dtype, seeded("tasks", n, dtype))
     check_stats_against_reference(x.to(device))
     x[n - 4097] = INF
@@ -805,7 +805,7 @@ def test_stats_buffer_arguments():
 
 def _determinism_input(dtype):
     x = make_values("randn", 2**20 + 3, dtype, seeded("det", dtype))
-    x[12345] = INF  # one chunk on the careful path
+    x[12345] = INF  # one chunk on the counting-only path
     return x
 
 
