@@ -4,7 +4,9 @@
     python benchmarks/report.py bench.json [--markdown out.md]
 
 Two sets of tables, one table per device and dtype in each: hookstats.stats (`summarize`, `format_table`) and
-the histograms (`summarize_hist`, `format_hist_table`); then, when the file has any, the clipping tables, per
+the histograms (`summarize_hist`, `format_hist_table`); then, when the file has any, the by-distribution tables
+(`summarize_bydata`, `format_bydata_table`: every op on each of issue 14's distributions, slowest / fastest), the
+clipping tables, per
 device (`summarize_clip`, `format_clip_table`), and the hookstats.Monitor tables (`summarize_monitor`,
 `format_monitor_table`: training-step time with no hooks, PyTorch hooks and a Monitor, and the cost of one hook
 call; host clock, ratios to the no-hooks step). Times are medians. GB/s counts one read of the input (the bytes
@@ -887,6 +889,82 @@ def format_large_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Every distribution (benchmarks/test_bench_stats.py test_stats_by_data, test_bench_hist.py test_hist_by_data)
+
+BYDATA_OPS = ("sum", "stats", "norm", "hist", "exp_hist", "stats_hist", "histc", "bincount")
+# op -> the slowest / fastest distribution ratio it should stay under (issue 14)
+BYDATA_SPREAD = {"stats": 1.5, "norm": 1.5, "hist": 1.3, "exp_hist": 1.3}
+
+
+def summarize_bydata(json_path: str) -> dict:
+    """{(device, dtype): {data: {op: seconds}}} of the by-distribution groups, in the run's order of data.
+    The stats file's and the hist file's groups of one distribution are one row (both time `stats` or `sum`:
+    the hist file's time wins, it runs beside the histograms)."""
+    with open(json_path) as f:
+        data = json.load(f)
+    out: dict[tuple, dict] = {}
+    for bench in data.get("benchmarks", []):
+        extra = bench.get("extra_info", {})
+        if extra.get("family") not in ("bydata", "bydata_hist"):
+            continue
+        case = extra.get("case", "")
+        op = "histc" if case.startswith("histc") else case
+        if op not in BYDATA_OPS:
+            continue
+        key = (extra["device"], extra["dtype"])
+        row = out.setdefault(key, {}).setdefault(extra["data"], {})
+        if op in row and extra["family"] == "bydata":
+            continue
+        row[op] = _case_seconds(bench)[0]
+    return out
+
+
+def format_bydata_table(table: dict) -> str:
+    """Markdown: per (device, dtype), µs of each op on each distribution, the slowest / fastest ratio per op, and
+    the issue's targets: hist >= 4x faster than histc everywhere, stats_hist within 1.5x of stats + bincount."""
+    out: list[str] = []
+    for (device, dtype), rows in table.items():
+        ops = [op for op in BYDATA_OPS if any(op in r for r in rows.values())]
+        out.append(f"### By distribution, {device}, {dtype}, µs (median)\n")
+        out.append("| data | " + " | ".join(f"`{op}`" for op in ops) + " |")
+        out.append("|---|" + "---:|" * len(ops))
+        for name, r in rows.items():
+            out.append(f"| {name} | " + " | ".join(_fmt_us(r.get(op)) for op in ops) + " |")
+        spread = []
+        for op in ops:
+            ts = [r[op] for r in rows.values() if r.get(op)]
+            spread.append(f"{max(ts) / min(ts):.2f}x" if ts else "–")
+        out.append("| **slowest / fastest** | " + " | ".join(spread) + " |")
+        if "randn" in rows:  # NaN-laden data is cheaper than randn (counted only): the slow side, against randn
+            vs_randn = []
+            for op in ops:
+                ts = [r[op] for r in rows.values() if r.get(op)]
+                base = rows["randn"].get(op)
+                vs_randn.append(f"{max(ts) / base:.2f}x" if ts and base else "–")
+            out.append("| **slowest / randn** | " + " | ".join(vs_randn) + " |")
+        out.append("")
+        lines = ["Targets (reported, not asserted):"]
+        for op, limit in BYDATA_SPREAD.items():
+            ts = {n: r[op] for n, r in rows.items() if r.get(op)}
+            if ts:
+                ratio = max(ts.values()) / min(ts.values())
+                slow, fast = max(ts, key=ts.get), min(ts, key=ts.get)
+                lines.append(f"- `{op}` slowest / fastest <= {limit}x: {ratio:.2f}x ({slow} / {fast}, "
+                             f"{'met' if ratio <= limit else 'NOT met'})")
+        vs = [r["histc"] / r["hist"] for r in rows.values() if r.get("histc") and r.get("hist")]
+        if vs:
+            lines.append(f"- `hist` >= 4x faster than `torch.histc` on every distribution: at least {min(vs):.1f}x "
+                         f"({'met' if min(vs) >= 4 else 'NOT met'})")
+        sh = [r["stats_hist"] / (r["stats"] + r["bincount"]) for r in rows.values()
+              if r.get("stats_hist") and r.get("stats") and r.get("bincount")]
+        if sh:
+            lines.append(f"- `stats_hist` <= 1.5x (`stats` + `bincount`): at most {max(sh):.2f}x "
+                         f"({'met' if max(sh) <= 1.5 else 'NOT met'})")
+        out.append("\n".join(lines) + "\n")
+    return "\n".join(out)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", help="pytest-benchmark JSON (--benchmark-json=PATH)")
@@ -902,6 +980,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     compile_rows = summarize_compile(args.json_path)
     if compile_rows:
         text += "\n" + format_compile_table(compile_rows)
+    bydata = summarize_bydata(args.json_path)
+    if bydata:  # files without the by-distribution groups print exactly what they did before
+        text += "\n" + format_bydata_table(bydata)
     dist_rows = summarize_dist(args.json_path)
     if dist_rows:
         text += format_dist_table(dist_rows)

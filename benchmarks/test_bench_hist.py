@@ -164,3 +164,75 @@ def test_hist(benchmark, measure, hookstats, device, dtype_name, size_log2, x, b
         torch_threads=torch.get_num_threads(),
     )
     measure(op, name, device, kind=KIND.get(case, "hist"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every distribution at the fast path's speed (issue 14). Group `bydata-hist-{device}-{dtype}-2^20-{data}`, 64 bins
+# over [-4, 4] (0 and every multiple of 1/8 is an edge), on each of test_bench_stats.DATA:
+#   hist        hookstats.histogram(x, 64, range=(-4, 4))
+#   exp_hist    hookstats.exp_histogram(x)
+#   stats       hookstats.stats(x)
+#   stats_hist  hookstats.stats(x, histogram=Histogram.range(64, -4, 4)): statistics + histogram, one read
+#   histc       torch.histc(x, 64, -4, 4) (bf16: of x.float(), for exact counts)
+#   bincount    torch.bincount(idx, minlength=67) on the value's slots, precomputed as uint8: the bare increment
+#               loop, one counter increment per element with nothing else (torch's CPU loop is
+#               `counts[idx[i]] += 1`, after a min/max scan of the 1-byte indices), so data in one bin is its
+#               dependent chain; stats + bincount is what a histogram costs on top of the statistics at best
+#   sum         x.sum(): the one-read roof
+# Targets (benchmarks/report.py): slowest / fastest distribution <= 1.3x for hist and exp_hist, hist >= 4x faster
+# than histc on every distribution, stats_hist <= 1.5x (stats + bincount).
+# ---------------------------------------------------------------------------------------------------------
+
+from test_bench_stats import DATA, DATA_HI, DATA_LO, DATA_SIZE_LOG2, make_data  # noqa: E402
+
+DATA_BINS = 64
+DATA_CASES = ("hist", "exp_hist", "stats", "stats_hist", "histc", "bincount", "sum")
+
+
+@pytest.mark.parametrize("case", DATA_CASES)
+@pytest.mark.parametrize("data", DATA)
+def test_hist_by_data(benchmark, measure, hookstats, device, dtype_name, data, case):
+    from hookstats import reference
+
+    x = make_data(data, DATA_SIZE_LOG2, dtype_name, device)
+    spec = hookstats.Histogram.range(DATA_BINS, DATA_LO, DATA_HI)
+    name = case
+    if case in ("hist", "stats_hist", "bincount"):
+        want = reference.histogram_of(x.cpu(), spec)
+    if case == "hist":
+        assert torch.equal(hookstats.histogram(x, DATA_BINS, range=(DATA_LO, DATA_HI)).cpu(), want)
+        op = lambda: hookstats.histogram(x, DATA_BINS, range=(DATA_LO, DATA_HI))  # noqa: E731
+    elif case == "exp_hist":
+        assert torch.equal(hookstats.exp_histogram(x).cpu(), reference.histogram_of(x.cpu(), hookstats.Histogram.exponent()))
+        op = lambda: hookstats.exp_histogram(x)  # noqa: E731
+    elif case == "stats":
+        op = lambda: hookstats.stats(x)  # noqa: E731
+    elif case == "stats_hist":
+        assert torch.equal(hookstats.stats(x, histogram=spec)[1].cpu(), want)
+        op = lambda: hookstats.stats(x, histogram=spec)  # noqa: E731
+    elif case == "histc":
+        upcast = x.dtype in (torch.float16, torch.bfloat16)
+        name = "histc_f32" if upcast else "histc"
+        cvt = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
+        op = lambda: torch.histc(cvt(x), DATA_BINS, DATA_LO, DATA_HI)  # noqa: E731
+    elif case == "bincount":
+        idx = torch.bucketize(x.double().cpu(), spec.edges(), right=True)  # any slot map: the loop is timed
+        idx = torch.where(torch.isnan(x.cpu()), DATA_BINS + 2, idx).to(torch.uint8).to(device)
+        assert int(torch.bincount(idx, minlength=DATA_BINS + 3).sum()) == x.numel()
+        op = lambda: torch.bincount(idx, minlength=DATA_BINS + 3)  # noqa: E731
+    else:
+        op = lambda: x.sum()  # noqa: E731
+    benchmark.group = f"bydata-hist-{device}-{dtype_name}-2^{DATA_SIZE_LOG2}-{data}"
+    benchmark.extra_info.update(
+        family="bydata_hist",
+        device=device,
+        dtype=dtype_name,
+        data=data,
+        numel=x.numel(),
+        size_log2=DATA_SIZE_LOG2,
+        bytes=x.numel() * x.element_size(),
+        bins=DATA_BINS,
+        range=[DATA_LO, DATA_HI],
+        torch_threads=torch.get_num_threads(),
+    )
+    measure(op, name, device, kind="baseline" if case == "histc" else "hist")

@@ -10,8 +10,12 @@ kernel cannot post a fast time.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+
+from conftest import DTYPES, SEED
 
 CASES = ("fused", "composite", "roof")
 
@@ -78,3 +82,94 @@ def test_stats(benchmark, measure, hookstats, device, dtype_name, size_log2, x, 
         torch_threads=torch.get_num_threads(),
     )
     measure(op, case, device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every distribution at the fast path's speed (issue 14). Group `bydata-stats-{device}-{dtype}-2^20-{data}`:
+#   stats   hookstats.stats(x)
+#   norm    hookstats.norms([x], 2.0): the per-tensor L2 norm kernel of clip_grad_norm_
+#   sum     x.sum(): the one-read roof
+# on each of DATA, 2^20 elements. benchmarks/report.py prints one table per device and dtype with every
+# distribution's times and the slowest / fastest ratio per op (targets: <= 1.5x for stats and norm).
+# ---------------------------------------------------------------------------------------------------------
+
+DATA = (
+    "randn", "relu", "randn_1e-5", "zeros", "randn_1e-20", "randn_1e20", "mixed_1e30_1e-30", "half_nan", "all_nan",
+    "uniform", "on_edge",
+)
+DATA_SIZE_LOG2 = 20
+DATA_LO, DATA_HI = -4.0, 4.0  # the histogram range of test_bench_hist.py's distribution groups
+DATA_CASES = ("stats", "norm", "sum")
+
+
+@functools.lru_cache(maxsize=4)
+def make_data(name: str, size_log2: int, dtype_name: str, device: str) -> torch.Tensor:
+    """The distributions of issue 14's tables, seeded. mixed_1e30_1e-30 and half_nan pick each element's side at
+    random (every 4096-element piece holds both); uniform covers [DATA_LO, DATA_HI]; on_edge is 0.5, a bin edge
+    of the 64-bin range."""
+    n = 2**size_log2
+    g = torch.Generator().manual_seed(SEED + size_log2 + DATA.index(name))
+    r = torch.randn(n, generator=g)
+    half = torch.rand(n, generator=g) < 0.5
+    x = {
+        "randn": lambda: r,
+        "relu": lambda: r.clamp_min(0),
+        "randn_1e-5": lambda: r * 1e-5,
+        "zeros": lambda: torch.zeros(n),
+        "randn_1e-20": lambda: r * 1e-20,
+        "randn_1e20": lambda: r * 1e20,
+        "mixed_1e30_1e-30": lambda: torch.where(half, r * 1e30, r * 1e-30),
+        "half_nan": lambda: torch.where(half, r, torch.full_like(r, float("nan"))),
+        "all_nan": lambda: torch.full((n,), float("nan")),
+        "uniform": lambda: torch.rand(n, generator=g) * (DATA_HI - DATA_LO) + DATA_LO,
+        "on_edge": lambda: torch.full((n,), 0.5),
+    }[name]()
+    return x.to(device=device, dtype=DTYPES[dtype_name])
+
+
+def check_against_reference(hookstats, s, x: torch.Tensor) -> None:
+    """hookstats.stats on any distribution against hookstats.reference (float64): counts, min and max exact, sums
+    and norms to 1e-5 (NaN and inf where the reference has them)."""
+    from hookstats import reference
+
+    ref = reference.stats(x.cpu())
+    for f in hookstats.STATS_FIELDS:
+        got, want = float(getattr(s, f)), float(getattr(ref, f))
+        if want != want:
+            assert got != got, (f, got, want)
+        elif f in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "linf") or abs(want) == float("inf"):
+            assert got == want, (f, got, want)
+        else:
+            tol = 1e-5 * (float(ref.l1) if f in ("sum", "mean") else abs(want))
+            if f == "mean":
+                tol /= max(x.numel(), 1)
+            assert abs(got - want) <= tol + 1e-300, (f, got, want)
+
+
+@pytest.mark.parametrize("case", DATA_CASES)
+@pytest.mark.parametrize("data", DATA)
+def test_stats_by_data(benchmark, measure, hookstats, device, dtype_name, data, case):
+    x = make_data(data, DATA_SIZE_LOG2, dtype_name, device)
+    if case == "stats":
+        check_against_reference(hookstats, hookstats.stats(x), x)
+        op = lambda: hookstats.stats(x)  # noqa: E731
+    elif case == "norm":
+        from hookstats import reference
+
+        got, want = float(hookstats.norms([x], 2.0)[0][0]), float(reference.norms([x.cpu()], 2.0)[0][0])
+        assert (got != got and want != want) or abs(got - want) <= 1e-5 * want, (got, want)
+        op = lambda: hookstats.norms([x], 2.0)  # noqa: E731
+    else:
+        op = lambda: x.sum()  # noqa: E731
+    benchmark.group = f"bydata-stats-{device}-{dtype_name}-2^{DATA_SIZE_LOG2}-{data}"
+    benchmark.extra_info.update(
+        family="bydata",
+        device=device,
+        dtype=dtype_name,
+        data=data,
+        numel=x.numel(),
+        size_log2=DATA_SIZE_LOG2,
+        bytes=x.numel() * x.element_size(),
+        torch_threads=torch.get_num_threads(),
+    )
+    measure(op, case, device, kind="hist")

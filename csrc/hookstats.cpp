@@ -22,14 +22,15 @@ TORCH_LIBRARY(hookstats, m) {
   // histogram of x's dtype. Returns (values, counts, histogram counts as int64).
   m.def("stats_hist(Tensor x, int hist_mode, int bins, float lo, float hi) -> (Tensor, Tensor, Tensor)");
   // The statistics written into row `slot` of out ([slots, 13], fp32 or fp64) and, when hist
-  // is given, the histogram added to row `hist_slot` of hist (int64).
+  // is given, the histogram written into row `hist_slot` of hist (int64), or added to it when
+  // hist_accumulate (Note [histogram rows] in csrc/core/bindings.h).
   m.def("stats_into(Tensor x, Tensor(a!) out, int slot, Tensor(b!)? hist=None, int hist_slot=0, int hist_mode=0, "
-        "int bins=0, float lo=0., float hi=0.) -> ()");
+        "int bins=0, float lo=0., float hi=0., bool hist_accumulate=False) -> ()");
   // stats_into for many tensors of one device in one call: xs[i] into row rows[i] of out, and,
-  // when hist is given, its histogram added to row hist_rows[i] of hist (one histogram length:
+  // when hist is given, its histogram written into (or, with hist_accumulate, added to) row hist_rows[i] of hist (one histogram length:
   // group the tensors by dtype for exponent histograms). csrc/core/multi_bindings.h.
   m.def("stats_multi_into(Tensor[] xs, Tensor(a!) out, int[] rows, Tensor(b!)? hist=None, int[] hist_rows=[], "
-        "int hist_mode=0, int bins=0, float lo=0., float hi=0.) -> ()");
+        "int hist_mode=0, int bins=0, float lo=0., float hi=0., bool hist_accumulate=False) -> ()");
   // Norms of a list of tensors on one device (any float dtypes and layouts), one kernel call:
   // (per-tensor norms [n], the total norm of their concatenation), both float64, overflow-safe
   // (csrc/core/norm_ops.h, Note [norm partials]). p is inf or a finite p > 0.

@@ -113,7 +113,8 @@ if HAVE_EXTENSION:
         return x.new_empty((9,), dtype=rt), x.new_empty((4,), dtype=torch.int64)
 
     @torch.library.register_fake("hookstats::stats_into")
-    def _stats_into_fake(x, out, slot, hist=None, hist_slot=0, hist_mode=0, bins=0, lo=0.0, hi=0.0):
+    def _stats_into_fake(x, out, slot, hist=None, hist_slot=0, hist_mode=0, bins=0, lo=0.0, hi=0.0,
+                         hist_accumulate=False):
         if out.device != x.device or (hist is not None and hist.device != x.device):
             raise ValueError(
                 f"hookstats.stats_into: the buffers must be on the tensor's device {x.device}, got {out.device}"
@@ -422,11 +423,13 @@ def stats_buffer(slots: int, device=None, dtype: torch.dtype = torch.float64) ->
 
 
 def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[torch.Tensor] = None,
-               hist_slot: Optional[int] = None, histogram=None) -> None:
+               hist_slot: Optional[int] = None, histogram=None, *, accumulate: bool = False) -> None:
     """Writes the statistics of `x` into row `slot` of `out` (see `stats_buffer`), on the device, no host sync.
 
     With `hist` (an int64 buffer from `histogram_buffer`) and `histogram`, the histogram of `x` from the same read
-    is *added* to row `hist_slot` (default: `slot`) of `hist`, so histograms accumulate across calls and steps.
+    is *written* to row `hist_slot` (default: `slot`) of `hist`, replacing what the row held, as the stats row is:
+    a CUDA graph that replays the call leaves the same rows after every replay. With `accumulate=True` the counts
+    are *added* to the row instead, so histograms sum over calls and steps (zero the row yourself to restart).
     Many hooks can fill one preallocated buffer; read it back once with `out.cpu()`.
     """
     check_tensor(x, "stats_into")
@@ -445,20 +448,22 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
 
         reference.stats_into(x, out, slot)
         if hist is not None:
-            hist[hist_slot] += reference.histogram_of(x, h).to(hist.device)
+            reference.hist_into(x, h, hist, hist_slot, accumulate)
         return
     check_device(x, "stats_into")
     # The op checks the buffers (dtype: TypeError; shape, device, slot: ValueError), see csrc/core/checks.h.
     if hist is None:
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot)
     else:
-        torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, hist_slot, mode, bins, lo, hi)
+        torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, hist_slot, mode, bins, lo, hi,
+                                               bool(accumulate))
 
 
 if HAVE_EXTENSION:
 
     @torch.library.register_fake("hookstats::stats_multi_into")
-    def _stats_multi_into_fake(xs, out, rows, hist=None, hist_rows=(), hist_mode=0, bins=0, lo=0.0, hi=0.0):
+    def _stats_multi_into_fake(xs, out, rows, hist=None, hist_rows=(), hist_mode=0, bins=0, lo=0.0, hi=0.0,
+                               hist_accumulate=False):
         if any(x.device != out.device for x in xs) or (hist is not None and hist.device != out.device):
             raise ValueError(f"hookstats.stats_multi_into: the tensors and buffers must be on one device, got "
                              f"{sorted({str(x.device) for x in xs} | {str(out.device)})}")
@@ -466,11 +471,12 @@ if HAVE_EXTENSION:
 
 
 def stats_multi_into(xs, out: torch.Tensor, rows, hist: Optional[torch.Tensor] = None, hist_rows=None,
-                     histogram=None) -> None:
+                     histogram=None, *, accumulate: bool = False) -> None:
     """`stats_into(xs[i], out, rows[i])` for every tensor of `xs` (one device), in one call: on the CPU the small
     tensors are spread over the threads (each reduced by one thread, big ones by all), on CUDA the kernels are
-    launched from C++ without Python per tensor. With `hist` and `histogram`, each histogram is added to row
-    `hist_rows[i]` (default: `rows`) of `hist`; exponent histograms need tensors of one dtype group (one length).
+    launched from C++ without Python per tensor. With `hist` and `histogram`, each histogram is written into (with
+    accumulate=True: added to) row `hist_rows[i]` (default: `rows`) of `hist`; exponent histograms need tensors of
+    one dtype group (one length).
     Every row equals what `stats_into` writes."""
     xs = list(xs)
     for x in xs:
@@ -485,11 +491,13 @@ def stats_multi_into(xs, out: torch.Tensor, rows, hist: Optional[torch.Tensor] =
         hist_rows = rows if hist_rows is None else [int(r) for r in hist_rows]
     if not HAVE_EXTENSION or not uses_kernels(xs[0]):
         for i, x in enumerate(xs):
-            stats_into(x, out, rows[i], hist, None if hist is None else hist_rows[i], histogram)
+            stats_into(x, out, rows[i], hist, None if hist is None else hist_rows[i], histogram,
+                       accumulate=accumulate)
         return
     check_device(xs[0], "stats_multi_into")
     xs = [x.detach() for x in xs]
     if hist is None:
         torch.ops.hookstats.stats_multi_into.default(xs, out, rows)
     else:
-        torch.ops.hookstats.stats_multi_into.default(xs, out, rows, hist, hist_rows, h.mode, h.bins, h.lo, h.hi)
+        torch.ops.hookstats.stats_multi_into.default(xs, out, rows, hist, hist_rows, h.mode, h.bins, h.lo, h.hi,
+                                                     bool(accumulate))

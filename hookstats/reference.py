@@ -80,6 +80,16 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int) -> None:
     out[slot] = torch.stack([getattr(s, f).to(out.dtype) for f in STATS_FIELDS])
 
 
+def hist_into(x: torch.Tensor, h: Histogram, hist: torch.Tensor, hist_slot: int, accumulate: bool = False) -> None:
+    """Row `hist_slot` of `hist` gets histogram_of(x, h) (written, or added to it with `accumulate`), as
+    `hookstats.stats_into(..., hist=...)` does (Note [histogram rows] in csrc/core/bindings.h)."""
+    counts = histogram_of(x, h).to(hist.device)
+    if accumulate:
+        hist[hist_slot] += counts
+    else:
+        hist[hist_slot] = counts
+
+
 def histogram_of(x: torch.Tensor, h: Histogram) -> torch.Tensor:
     """The histogram `hookstats.stats(x, histogram=h)` returns, in plain PyTorch (Note [histogram layouts])."""
     xd = x.detach().reshape(-1).to(torch.float64)

@@ -26,6 +26,79 @@ def cuda_time(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+# Issue 14's distributions (benchmarks/test_bench_stats.py make_data builds the same ones on the CPU).
+DISTRIBUTIONS = ("randn", "relu", "randn_1e-5", "zeros", "randn_1e-20", "randn_1e20", "mixed_1e30_1e-30", "half_nan",
+                 "all_nan", "uniform", "on_edge")
+
+
+def make_distribution(name: str, n: int, dev, dtype) -> torch.Tensor:
+    g = torch.Generator(device=dev).manual_seed(20240601 + DISTRIBUTIONS.index(name))
+    r = torch.randn(n, device=dev, generator=g)
+    half = torch.rand(n, device=dev, generator=g) < 0.5
+    x = {
+        "randn": lambda: r,
+        "relu": lambda: r.clamp_min(0),
+        "randn_1e-5": lambda: r * 1e-5,
+        "zeros": lambda: torch.zeros_like(r),
+        "randn_1e-20": lambda: r * 1e-20,
+        "randn_1e20": lambda: r * 1e20,
+        "mixed_1e30_1e-30": lambda: torch.where(half, r * 1e30, r * 1e-30),
+        "half_nan": lambda: torch.where(half, r, torch.full_like(r, float("nan"))),
+        "all_nan": lambda: torch.full_like(r, float("nan")),
+        "uniform": lambda: torch.rand(n, device=dev, generator=g) * 8 - 4,
+        "on_edge": lambda: torch.full_like(r, 0.5),
+    }[name]()
+    return x.to(dtype)
+
+
+def distribution_section(dev) -> list[str]:
+    """stats, stats + 64-bin / exponent histogram and norm on every distribution at 256 MB, beside a copy: the
+    targets are uniform vs all-in-one-bin (zeros, on_edge) within 1.3x, and stats + 64-bin histogram at >= 75% of
+    copy bandwidth. Each histogram is checked against the float64 reference first."""
+    from hookstats import reference
+
+    lines = ["", "## By distribution, 256 MB, ms (CUDA events, medians); in parentheses: op / copy bandwidth", ""]
+    h64 = hookstats.Histogram.range(64, -4.0, 4.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 256 * 2**20 // torch.empty((), dtype=dtype).element_size()
+        lines += [f"### {str(dtype)[6:]}", "",
+                  "| data | copy | stats | stats+hist64 | stats+exp_hist | norm | torch.histc 64 |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        times: dict[str, dict[str, float]] = {}
+        for name in DISTRIBUTIONS:
+            x = make_distribution(name, n, dev, dtype)
+            y = torch.empty_like(x)
+            buf = hookstats.stats_buffer(1, device=dev)
+            hb = hookstats.histogram_buffer(1, h64, dtype=dtype, device=dev)
+            he = hookstats.histogram_buffer(1, "exp", dtype=dtype, device=dev)
+            small = x[: 2**20]  # the reference check, on a slice (float64 on the host)
+            assert torch.equal(hookstats.histogram(small, 64, range=(-4.0, 4.0)).cpu(),
+                               reference.histogram_of(small.cpu(), h64)), f"{name}: GPU histogram differs"
+            cases = {
+                "copy": lambda: y.copy_(x),
+                "stats": lambda: hookstats.stats_into(x, buf, 0),
+                "stats+hist64": lambda: hookstats.stats_into(x, buf, 0, hist=hb, histogram=h64),
+                "stats+exp_hist": lambda: hookstats.stats_into(x, buf, 0, hist=he, histogram="exp"),
+                "norm": lambda: hookstats.norms([x], 2.0),
+                "torch.histc 64": lambda: torch.histc(x.float() if dtype == torch.bfloat16 else x, 64, -4.0, 4.0),
+            }
+            t = {k: cuda_time(fn, reps=10) for k, fn in cases.items()}
+            times[name] = t
+            copy_bw = 2 * x.numel() * x.element_size() / t["copy"]
+            cells = [f"{t['copy']:.3f}"] + [
+                f"{t[k]:.3f} ({x.numel() * x.element_size() / t[k] / copy_bw:.0%})" for k in list(cases)[1:]]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            del x, y
+        for op in ("stats", "stats+hist64", "stats+exp_hist", "norm"):
+            ts = [times[d][op] for d in DISTRIBUTIONS]
+            lines.append(f"- {op}: slowest / fastest distribution {max(ts) / min(ts):.2f}x")
+        one_bin = max(times["zeros"]["stats+hist64"], times["on_edge"]["stats+hist64"])
+        lines.append(f"- stats+hist64, all in one bin / uniform: {one_bin / times['uniform']['stats+hist64']:.2f}x "
+                     "(target <= 1.3x)")
+        lines.append("")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_bench.md")
@@ -92,6 +165,7 @@ def main() -> None:
     extra = torch.cuda.max_memory_allocated() - before
     lines.append(f"Peak extra memory of stats_into on a 256 MB tensor: {extra} bytes (baseline {base}).")
     save(args.out, lines)  # each section is saved as it finishes: a run cut short keeps what it measured
+    lines += distribution_section(dev)
     lines += clip_section(dev)
     save(args.out, lines)
     lines += monitor_section(dev)

@@ -187,3 +187,40 @@ def test_clip_norm_captures_the_two_launch_path():
     with pytest.raises(ValueError, match="not under CUDA graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             op(x, 2.0, 1.0, 1e-6, 0, 2)
+@pytest.mark.parametrize("histogram", ["exp", (16, (-2.0, 2.0))])
+def test_stats_into_hist_row_is_written_on_every_replay(histogram):
+    """Note [histogram rows] (csrc/core/bindings.h): a captured stats_into leaves, after each replay, the histogram
+    of that replay's input in its row, as it does the statistics; with accumulate=True the replays' counts add up."""
+    h = hookstats._ops.as_histogram(histogram)
+    x = torch.randn(4097, device="cuda")
+    out = hookstats.stats_buffer(2, device="cuda")
+    written = hookstats.histogram_buffer(1, h, device="cuda")
+    summed = hookstats.histogram_buffer(1, h, device="cuda")
+
+    def step():
+        hookstats.stats_into(x, out, 0, hist=written, histogram=h)
+        hookstats.stats_into(x, out, 1, hist=summed, histogram=h, accumulate=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    summed.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    total = torch.zeros(h.length(torch.float32), dtype=torch.int64)
+    for k in (1, 2, 3):
+        x.copy_(torch.randn(4097, device="cuda") * k)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.histogram_of(x.cpu(), h)
+        total += want
+        assert torch.equal(written[0].cpu(), want), f"replay {k}: the written row is not this replay's histogram"
+        assert torch.equal(summed[0].cpu(), total), f"replay {k}: the accumulated row is not the replays' sum"
+        ref = hookstats.stats_buffer(1)
+        hookstats.stats_into(x.cpu(), ref, 0)
+        torch.testing.assert_close(out[0].cpu(), ref[0], rtol=1e-5, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(out[1].cpu(), ref[0], rtol=1e-5, atol=1e-6, equal_nan=True)

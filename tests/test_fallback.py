@@ -27,8 +27,10 @@ def test_import_without_extension_warns_and_falls_back():
         buf = hookstats.stats_buffer(2)
         hb = hookstats.histogram_buffer(2, (4, (-2.0, 2.0)))
         hookstats.stats_into(x, buf, 1, hist=hb, histogram=(4, (-2.0, 2.0)))
-        hookstats.stats_into(x, buf, 1, hist=hb, histogram=(4, (-2.0, 2.0)))
-        assert int(buf[1, 0]) == 5 and hb[1].tolist() == [2, 0, 2, 2, 0, 2, 2], hb[1].tolist()
+        hookstats.stats_into(x, buf, 1, hist=hb, histogram=(4, (-2.0, 2.0)))  # written, not added
+        assert int(buf[1, 0]) == 5 and hb[1].tolist() == [1, 0, 1, 1, 0, 1, 1], hb[1].tolist()
+        hookstats.stats_into(x, buf, 1, hist=hb, histogram=(4, (-2.0, 2.0)), accumulate=True)
+        assert hb[1].tolist() == [2, 0, 2, 2, 0, 2, 2], hb[1].tolist()
         print("ok")
         """
     )

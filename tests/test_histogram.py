@@ -526,8 +526,48 @@ def test_same_pass_stats_bitwise(device, dtype, kind, isa):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# stats_into: histograms are added to a row of an int64 buffer
+# stats_into: a histogram row is written, like a stats row, or added to with accumulate=True
+# (Note [histogram rows] in csrc/core/bindings.h)
 # ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("buf_dtype", [pytest.param(torch.float32, id="buf32"), pytest.param(torch.float64, id="buf64")])
+@pytest.mark.parametrize("hname", ["7_odd", "exp"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_stats_into_writes_hist_rows(device, dtype, hname, buf_dtype, isa):
+    h = HISTS[hname]
+    gen = seeded("write", dtype, hname)
+    x = sweep_values(70001, dtype, gen).to(device)
+    y = sweep_values(5003, dtype, gen).to(device)[::2]
+    hx, hy = hist_of(x, h)[1], hist_of(y, h)[1]
+    L = h.length(dtype)
+    out = hookstats.stats_buffer(4, device=device, dtype=buf_dtype)
+    hb = torch.full((4, L), 2**40 + 3, dtype=torch.int64, device=device)  # rows that already hold counts
+    keep = hb[0].clone()
+
+    hookstats.stats_into(x, out, 1, hist=hb, histogram=h)
+    assert torch.equal(hb[1], hx)
+    for r in (0, 2, 3):
+        assert torch.equal(hb[r], keep), f"row {r} was touched"
+    hookstats.stats_into(x, out, 1, hist=hb, histogram=h)
+    assert torch.equal(hb[1], hx), "a second call must leave the same row (written, not added)"
+    hookstats.stats_into(y, out, 0, hist=hb, hist_slot=1, histogram=h)
+    assert torch.equal(hb[1], hy)
+    # the raw op's default writes too, and so does hist_accumulate=False
+    torch.ops.hookstats.stats_into.default(x, out, 2, hb, 3, h.mode, h.bins, h.lo, h.hi)
+    assert torch.equal(hb[3], hx)
+    torch.ops.hookstats.stats_into.default(x, out, 2, hb, 3, h.mode, h.bins, h.lo, h.hi, False)
+    assert torch.equal(hb[3], hx)
+    # an empty tensor writes a row of zeros
+    hookstats.stats_into(x[:0], out, 0, hist=hb, hist_slot=2, histogram=h)
+    assert not hb[2].any()
+    # the fallback (hookstats.reference) follows the same rule
+    fb = torch.full((2, L), 7, dtype=torch.int64, device=device)
+    reference.hist_into(x, h, fb, 1)
+    assert torch.equal(fb[1], hx) and (fb[0] == 7).all()
+    reference.hist_into(x, h, fb, 1, accumulate=True)
+    assert torch.equal(fb[1], 2 * hx)
+
 
 @pytest.mark.parametrize("buf_dtype", [pytest.param(torch.float32, id="buf32"), pytest.param(torch.float64, id="buf64")])
 @pytest.mark.parametrize("hname", ["7_odd", "exp"])
@@ -545,18 +585,18 @@ def test_stats_into_accumulates(device, dtype, hname, buf_dtype, isa):
     assert hb.shape == (4, L) and hb.dtype == torch.int64 and hb.device == x.device and not hb.any()
     zero = torch.zeros(L, dtype=torch.int64, device=device)
 
-    hookstats.stats_into(x, out, 1, hist=hb, histogram=h)
+    hookstats.stats_into(x, out, 1, hist=hb, histogram=h, accumulate=True)
     assert torch.equal(hb[1], hx)
     for r in (0, 2, 3):
         assert torch.equal(hb[r], zero), f"row {r} was touched"
-    hookstats.stats_into(x, out, 1, hist=hb, histogram=h)
+    hookstats.stats_into(x, out, 1, hist=hb, histogram=h, accumulate=True)
     assert torch.equal(hb[1], 2 * hx)
     # another hist_slot than slot: the stats go to row 0, the histogram to row 3
-    hookstats.stats_into(y, out, 0, hist=hb, hist_slot=3, histogram=h)
+    hookstats.stats_into(y, out, 0, hist=hb, hist_slot=3, histogram=h, accumulate=True)
     assert torch.equal(hb[3], hy) and torch.equal(hb[1], 2 * hx) and torch.equal(hb[0], zero)
     assert torch.isnan(out[2:]).all(), "stats rows 2 and 3 were written"
-    # the raw op adds too
-    torch.ops.hookstats.stats_into.default(y, out, 2, hb, 1, h.mode, h.bins, h.lo, h.hi)
+    # the raw op adds with hist_accumulate=True
+    torch.ops.hookstats.stats_into.default(y, out, 2, hb, 1, h.mode, h.bins, h.lo, h.hi, True)
     assert torch.equal(hb[1], 2 * hx + hy)
     # the stats rows are stats_into without a histogram
     ref = hookstats.stats_buffer(4, device=device, dtype=buf_dtype)
@@ -566,10 +606,10 @@ def test_stats_into_accumulates(device, dtype, hname, buf_dtype, isa):
     assert torch.equal(bits(out[:3]), bits(ref[:3]))
     # added, not written: a buffer that already holds counts
     pre = torch.full((2, L), 2**40 + 3, dtype=torch.int64, device=device)
-    hookstats.stats_into(x, out, 0, hist=pre, hist_slot=1, histogram=h)
+    hookstats.stats_into(x, out, 0, hist=pre, hist_slot=1, histogram=h, accumulate=True)
     assert torch.equal(pre[1], hx + (2**40 + 3)) and (pre[0] == 2**40 + 3).all()
     # an empty tensor adds nothing
-    hookstats.stats_into(x[:0], out, 0, hist=pre, hist_slot=1, histogram=h)
+    hookstats.stats_into(x[:0], out, 0, hist=pre, hist_slot=1, histogram=h, accumulate=True)
     assert torch.equal(pre[1], hx + (2**40 + 3))
 
 
@@ -585,6 +625,10 @@ def test_histogram_buffer_with_padded_rows_and_offset(device, isa):
     view = big[1:4, :L]
     hookstats.stats_into(x, hookstats.stats_buffer(1, device=device), 0, hist=view, hist_slot=1, histogram=h)
     expect = torch.full((5, L + 5), -1, dtype=torch.int64, device=device)
+    expect[2, :L] = hx
+    assert torch.equal(big, expect)
+    hookstats.stats_into(x, hookstats.stats_buffer(1, device=device), 0, hist=view, hist_slot=1, histogram=h,
+                         accumulate=True)
     expect[2, :L] += hx
     assert torch.equal(big, expect)
 
@@ -848,7 +892,7 @@ def test_more_than_2_31_elements_expanded(device):
     h = H.range(64, -3.0, 3.0)  # 0.5 is bin 37, away from an edge
     out = hookstats.stats_buffer(1, device=device, dtype=torch.float64)
     hb = torch.full((1, h.length(torch.float32)), 2**33, dtype=torch.int64, device=device)
-    hookstats.stats_into(x, out, 0, hist=hb, histogram=h)
+    hookstats.stats_into(x, out, 0, hist=hb, histogram=h, accumulate=True)
     want = torch.full((h.length(torch.float32),), 2**33, dtype=torch.int64)
     want[37] += n
     assert torch.equal(hb[0].cpu(), want)
@@ -910,6 +954,7 @@ def test_opcheck_stats_into_with_hist(device, inp, hname):
     buf = hookstats.stats_buffer(5, device=device)
     hb = hookstats.histogram_buffer(3, h, dtype=x.dtype, device=device)
     torch.library.opcheck(torch.ops.hookstats.stats_into.default, (x, buf, 3, hb, 1, mode, bins, lo, hi))
+    torch.library.opcheck(torch.ops.hookstats.stats_into.default, (x, buf, 3, hb, 1, mode, bins, lo, hi, True))
 
 
 def _into_hist_fn(x, buf, hb):
@@ -1153,3 +1198,68 @@ def test_range_whose_scale_overflows_float32(device, dtype, rng, isa):
     vals = torch.tensor([0.0, -0.0, h.lo, h.hi, (h.lo + h.hi) / 2, h.lo + (h.hi - h.lo) / 3, 1.0, -1.0],
                         dtype=torch.float64).to(dtype).repeat(5).to(device)
     assert_counts_equal(hist_of(vals, h)[1], expected_range(as_floats(vals), h), h, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every distribution on the SIMD path (Note [exact bin thresholds] in csrc/core/hist_ops.h): data on and near
+# edges (0 is an edge of symmetric ranges), concentrated in one bin, NaN-laden, out of range
+# ---------------------------------------------------------------------------------------------------------
+
+def _distribution(name: str, n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    r = torch.randn(n, generator=gen, dtype=torch.float64)
+    half = torch.rand(n, generator=gen) < 0.5
+    x = {
+        "randn": lambda: r,
+        "relu": lambda: r.clamp_min(0),
+        "grad_1e-5": lambda: r * 1e-5,
+        "zeros": lambda: torch.where(half, torch.zeros_like(r), -torch.zeros_like(r)),
+        "vanishing_1e-20": lambda: r * 1e-20,
+        "huge_1e20": lambda: r * 1e20,
+        "mixed_1e30_1e-30": lambda: torch.where(half, r * 1e30, r * 1e-30),
+        "half_nan": lambda: torch.where(half, r, torch.full_like(r, NAN)),
+        "all_nan": lambda: torch.full((n,), NAN, dtype=torch.float64),
+        "uniform": lambda: torch.rand(n, generator=gen, dtype=torch.float64) * 8 - 4,
+        "on_edge": lambda: torch.full((n,), 0.5, dtype=torch.float64),
+        "edge_grid": lambda: torch.round(r * 8) / 8,  # every value on an edge of (64, -4, 4)
+    }[name]()
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("hname", ["64_pm4", "64_shifted", "7_odd", "exp"])
+@pytest.mark.parametrize("name", ["randn", "relu", "grad_1e-5", "zeros", "vanishing_1e-20", "huge_1e20",
+                                  "mixed_1e30_1e-30", "half_nan", "all_nan", "uniform", "on_edge", "edge_grid"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_distributions(device, dtype, name, hname, isa):
+    h = H.range(64, -4.1, 3.9) if hname == "64_shifted" else HISTS[hname]
+    x = _distribution(name, 3 * 4096 + 13, dtype, seeded("dist", name, dtype)).to(device)
+    s, c = hist_of(x, h)
+    assert_counts_equal(c, reference.histogram_of(x.cpu(), h), h, dtype, name)
+    # the same pass's statistics are those of stats(x) alone
+    assert torch.equal(bits(torch.stack([t.double() for t in s])),
+                       bits(torch.stack([t.double() for t in hookstats.stats(x)])))
+
+
+@pytest.mark.parametrize("rng", [(64, -4.0, 4.0), (64, -1.0, 1.0), (7, -0.5, 3.1), (10, 0.1, 0.7), (3, 0.0, 1.0),
+                                 (256, -3.0, 5.0), (5, -1e-30, 1e-30), (8192, -1.0, 1.0)])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+def test_every_float_next_to_each_threshold(dtype, rng, isa):
+    """Around every bin edge, the float64 rule decides far from the edge itself for some ranges (with lo = -4,
+    every x > -2^-51 has x - lo == 4 in float64): 64 floats on either side of where the rule changes, found by
+    bisection on the reference rule, land where expected_range puts them."""
+    h = H.range(*rng)
+    edges = h.edges().tolist()
+    vals = []
+    for e in edges:
+        t = torch.tensor([e], dtype=torch.float32)
+        lo_v, hi_v = t.clone(), t.clone()
+        for _ in range(64):
+            lo_v = torch.nextafter(lo_v, torch.tensor([-INF]))
+            hi_v = torch.nextafter(hi_v, torch.tensor([INF]))
+            vals += [float(lo_v), float(hi_v)]
+        vals.append(float(t))
+    # and the float just below the value where the rule moves 0's neighbours into the upper bin
+    vals += [-4.4e-16, -2.3e-16, -1.1e-16, -1e-30, -1e-45, 1e-45, 0.0, -0.0]
+    x = torch.tensor(vals, dtype=torch.float64).to(dtype)
+    _, c = hist_of(x, h)
+    assert_counts_equal(c, expected_range(as_floats(x), h), h, dtype, str(rng))

@@ -203,7 +203,7 @@ def _storage_view(x: torch.Tensor) -> torch.Tensor:
 def test_layouts(device, dtype, layout, values, isa):
     build, twin = LAYOUTS[layout]
     x = build(dtype, device, seeded(layout, dtype))
-    if values == "with_inf":  # puts many chunks on the careful path, and adds zeros to count
+    if values == "with_inf":  # puts many chunks on the counting-only path, and adds zeros to count
         storage = _storage_view(x)
         storage[::97] = INF
         storage[5::101] = 0.0
@@ -259,7 +259,7 @@ def test_every_small_size(device, dtype, isa):
 @pytest.mark.parametrize("device", DEVICES)
 def test_special_value_at_every_position(device, dtype, n, isa):
     """A NaN, an inf, a zero, a unique min and a unique max at each position of the first and the last 67
-    elements, and around chunk boundaries: every lane, the tail, and the careful re-read of a chunk."""
+    elements, and around chunk boundaries: every lane, the tail, and the re-reads of a chunk."""
     positions = sorted({*range(67), *range(n - 67, n), *range(4090, min(n, 4102))})
     base = torch.ones(n, dtype=dtype, device=device)
     for i in positions:
@@ -292,6 +292,153 @@ def test_every_half_bit_pattern(device, dtype, isa):
     for r in range(allbits.shape[0]):
         got, ref = check_stats_against_reference(allbits[r])
         assert as_float(got.l1) == as_float(ref.l1) or math.isnan(as_float(ref.l1)), f"row {r}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every distribution on the SIMD path (Note [stats scaling], Note [stats nonfinite] in csrc/core/stats_ops.h):
+# scaled pieces, counted-only pieces, and the state a CPU task carries from chunk to chunk
+# ---------------------------------------------------------------------------------------------------------
+
+CHUNK = 4096  # the CPU kernel's piece (csrc/cpu/stats_cpu.cpp kChunk)
+
+
+def distribution(name: str, n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """The distributions of issue 14's tables (and a few harder ones), built in float64 and cast."""
+    r = torch.randn(n, generator=gen, dtype=torch.float64)
+    half = torch.rand(n, generator=gen) < 0.5
+    fi = torch.finfo(dtype)
+    if name == "randn":
+        x = r
+    elif name == "relu":
+        x = r.clamp_min(0)
+    elif name == "grad_1e-5":
+        x = r * 1e-5
+    elif name == "zeros":
+        x = torch.zeros(n, dtype=torch.float64)
+    elif name == "vanishing_1e-20":
+        x = r * 1e-20
+    elif name == "huge_1e20":
+        x = r * 1e20
+    elif name == "mixed_1e30_1e-30":  # interleaved: every piece spans 60 decades
+        x = torch.where(half, r * 1e30, r * 1e-30)
+    elif name == "halves_1e30_1e-30":  # first half huge, second half tiny: the scale changes mid-tensor
+        x = torch.cat([r[: n // 2] * 1e30, r[n // 2:] * 1e-30])
+    elif name == "half_nan":
+        x = torch.where(half, r, torch.full_like(r, NAN))
+    elif name == "nan_tail":  # what follows the first NaN
+        x = r.clone()
+        x[n // 3:] = NAN
+    elif name == "all_nan":
+        x = torch.full((n,), NAN, dtype=torch.float64)
+    elif name == "inf_tail":
+        x = r.clone()
+        x[n // 3:: 7] = INF
+    elif name == "uniform":
+        x = torch.rand(n, generator=gen, dtype=torch.float64) * 8 - 4
+    elif name == "on_edge":
+        x = torch.full((n,), 0.5, dtype=torch.float64)
+    elif name == "near_max":  # l1 of a piece overflows the accumulation type
+        # (fp64: below 2^1023, the reference's own limit, see make_values' "huge")
+        top = 0.4 if dtype == torch.float64 else 0.9
+        x = (torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1) * (top * fi.max)
+    elif name == "subnormal_then_big":  # a tiny scale carried into a chunk of large values
+        x = r * fi.tiny / 8
+        x[n // 2:] = r[n // 2:] * 1e4
+    else:
+        raise ValueError(name)
+    if dtype == torch.float16:  # fp16 cannot hold 1e+-20: keep the shape of the distribution, not its scale
+        x = torch.where(torch.isfinite(x) & (x.abs() > fi.max), torch.sign(x) * fi.max, x)
+    return x.to(dtype)
+
+
+DISTRIBUTIONS = [
+    "randn", "relu", "grad_1e-5", "zeros", "vanishing_1e-20", "huge_1e20", "mixed_1e30_1e-30", "halves_1e30_1e-30",
+    "half_nan", "nan_tail", "all_nan", "inf_tail", "uniform", "on_edge", "near_max", "subnormal_then_big",
+]
+
+
+@pytest.mark.parametrize("n", [3 * CHUNK + 17, 2**18 + 5], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_distributions(device, dtype, name, n, isa):
+    """Statistics and norms of every distribution against the float64 reference; 2^18 + 5 elements make 8
+    CPU tasks, so scales and NaN states start afresh per task."""
+    x = distribution(name, n, dtype, seeded(name, n, dtype)).to(device)
+    check_stats_against_reference(x)
+    for p in (1.0, 2.0, INF):
+        got, _ = hookstats.norms([x], p)
+        want, _ = reference.norms([x], p)
+        g, w = as_float(got[0]), as_float(want[0])
+        if math.isnan(w) or math.isinf(w):
+            assert g == w or (math.isnan(g) and math.isnan(w)), (p, g, w)
+        else:
+            assert g == approx(w, rel=tol_for(dtype).norm_rtol), (p, g, w)
+
+
+PIECE_EDGES = [0, 1, CHUNK - 1, CHUNK, 2 * CHUNK - 1, 2 * CHUNK, 3 * CHUNK - 1]
+
+
+@pytest.mark.parametrize("special", ["nan", "inf", "ninf", "huge", "tiny_piece"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_special_on_piece_edges(device, dtype, special, isa):
+    """A NaN, an inf, a huge value or a piece of tiny values at the first / last element of a 4096-chunk, in
+    otherwise healthy data: the value is seen whichever lane and pass reads it, and the chunks after it are
+    read with the right state (counted only after a NaN/Inf, rescaled after a huge or tiny piece)."""
+    n = 3 * CHUNK
+    big = {torch.float16: 6e4, torch.bfloat16: 1e35, torch.float32: 1e35, torch.float64: 1e300}[dtype]
+    tiny = {torch.float16: 1e-7, torch.bfloat16: 1e-35, torch.float32: 1e-35, torch.float64: 1e-300}[dtype]
+    for pos in PIECE_EDGES:
+        x = torch.randn(n, generator=seeded(special, pos, dtype), dtype=torch.float64)
+        if special == "nan":
+            x[pos] = NAN
+        elif special == "inf":
+            x[pos] = INF
+        elif special == "ninf":
+            x[pos] = -INF
+        elif special == "huge":
+            x[pos] = big
+        else:  # the piece holding pos is tiny, the others healthy
+            c = pos // CHUNK
+            x[c * CHUNK:(c + 1) * CHUNK] *= tiny
+        x = x.to(dtype).to(device)
+        check_stats_against_reference(x)
+        for p in (1.0, 2.0, INF):
+            g, w = as_float(hookstats.norms([x], p)[0][0]), as_float(reference.norms([x], p)[0][0])
+            if math.isfinite(w):
+                assert g == approx(w, rel=tol_for(dtype).norm_rtol), (pos, p, g, w)
+            elif math.isnan(w):
+                assert math.isnan(g), (pos, p, g)
+            else:
+                assert g == w, (pos, p, g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_pieces(device, dtype, isa):
+    """Chunks of very different magnitudes in a row, so each one starts with the previous one's scale: tiny after
+    huge, huge after tiny (the scaled values overflow the first pass), healthy after both, then an Inf, and
+    finite chunks after it (counted only)."""
+    fi = torch.finfo(dtype)
+    scales = {
+        torch.float16: [1e-7, 5e3, 1.0, 1e-3, 1e4],
+        torch.bfloat16: [1e-30, 1e30, 1.0, 1e-38, 1e36],
+        torch.float32: [1e-30, 1e30, 1.0, 1e-38, 1e36],
+        torch.float64: [1e-300, 1e300, 1.0, 1e-308, 1e306],
+    }[dtype]
+    g = seeded("mixed", dtype)
+    parts = [torch.randn(CHUNK, generator=g, dtype=torch.float64) * s for s in scales]
+    x = torch.cat(parts + parts[::-1]).to(dtype).to(device)
+    assert torch.isfinite(x).all() and fi.max > 0
+    check_stats_against_reference(x)
+    for p in (1.0, 2.0):
+        g_, w = as_float(hookstats.norms([x], p)[0][0]), as_float(reference.norms([x], p)[0][0])
+        assert g_ == approx(w, rel=tol_for(dtype).norm_rtol), (p, g_, w)
+    y = x.clone()
+    y[CHUNK + 5] = INF
+    got, _ = check_stats_against_reference(y)
+    assert int(got.inf_count) == 1 and as_float(got.min) == as_float(x.min())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -503,7 +650,7 @@ def test_chunks_with_different_means(device, dtype, isa):
 @pytest.mark.parametrize("device", DEVICES)
 def test_task_split_sizes(device, dtype, n, isa):
     """Sizes around the CPU kernel's task split (32768 elements per task, at most 64 tasks; with 521 chunks the
-    last task gets no chunk at all): extremes and an inf in the last chunk, a NaN-free careful chunk."""
+    last task gets no chunk at all): extremes and an inf in the last chunk, a NaN-free scaled chunk."""
     x = make_values("extremes", n, dtype, seeded("tasks", n, dtype))
     check_stats_against_reference(x.to(device))
     x[n - 4097] = INF
@@ -658,7 +805,7 @@ def test_stats_buffer_arguments():
 
 def _determinism_input(dtype):
     x = make_values("randn", 2**20 + 3, dtype, seeded("det", dtype))
-    x[12345] = INF  # one chunk on the careful path
+    x[12345] = INF  # one chunk on the counting-only path
     return x
 
 

@@ -40,9 +40,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_hist_op(const at::Tensor& x
   return {values, counts, hist};
 }
 
+// Note [histogram rows]
+// stats_into writes its histogram row, as it writes its stats row: the row holds the counts of
+// this call's x alone, whatever it held before, so a CUDA graph that replays the call leaves the
+// same row after every replay. With hist_accumulate the counts are added to the row instead
+// (histograms summed over calls or steps); the caller then owns zeroing the row. hookstats.Monitor
+// gives every record its own row.
 template <StatsRunner run>
 void stats_into_op(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
-                   int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi) {
+                   int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi, bool hist_accumulate) {
   check_float_input(x, "stats_into");
   check_stats_buffer(x, out, slot);
   HistSpec spec = make_hist_spec(kHistNone, 0, 0.0, 0.0);
@@ -55,7 +61,7 @@ void stats_into_op(const at::Tensor& x, const at::Tensor& out, int64_t slot, con
     hrow = hist->data_ptr<int64_t>() + hist_slot * hist->stride(0);
   }
   char* row = static_cast<char*>(out.data_ptr()) + slot * out.stride(0) * out.element_size();
-  run(x, StatsOut{row, nullptr, out.scalar_type() == at::kDouble}, spec, hrow, hlen, true);
+  run(x, StatsOut{row, nullptr, out.scalar_type() == at::kDouble}, spec, hrow, hlen, hist_accumulate);
 }
 
 }  // namespace hookstats

@@ -17,7 +17,9 @@
 // float32/bfloat16: 514 counts, float16: 66, float64: 4098. hookstats/_ops.py mirrors this.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "stats_ops.h"  // HS_HD
 
@@ -89,6 +91,73 @@ HS_HD int32_t fixed_slot(acc_t x, const HistSpec& h) {
     return static_cast<int32_t>(fl);
   }
   return fixed_slot_exact(static_cast<double>(x), h);
+}
+
+// Note [exact bin thresholds]
+// A value's place among the range histogram's slots, in order: its ordinal is 0 for underflow,
+// 1 + bin for [lo, hi], bins + 1 for overflow (NaN has none). fixed_slot_exact is monotone in x,
+// so for each m in [0, bins] there is a smallest float T[m] with ordinal(x) > m exactly when
+// x >= T[m] (T[0] is the first float >= lo, T[bins] the first float > hi). The CPU kernel
+// computes the float transform t = x * scale + shift, takes the nearest integer r of t clamped to
+// [0, bins], and gets ordinal = r + (x >= T[r]): right for every float x, on an edge or not, as
+// long as t is within 1/2 of the exact float64 value (band_max < 1/4, checked when the table is
+// built), since the true ordinal is then r or r + 1. One gather and one compare per value replace
+// the per-value float64 fallback near edges.
+HS_HD int32_t ordinal_of_slot(int32_t slot, int32_t bins) {
+  return slot == bins ? 0 : (slot < bins ? slot + 1 : slot);
+}
+HS_HD int32_t slot_of_ordinal(int32_t o, int32_t bins) { return o == 0 ? bins : (o <= bins ? o - 1 : o); }
+
+// Floats in order as unsigned keys (-0.0 just below +0.0), and back.
+inline uint32_t float_key(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+inline float key_float(uint32_t k) {
+  const uint32_t b = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// Fills T[0..bins] as Note [exact bin thresholds] defines them, by bisection over the finite floats
+// (T[m] can lie far from the float64 edge: with lo = -4, every x > -2^-51 has x - lo == 4 in float64,
+// so T of the edge at 0 is about -4.4e-16). False when a threshold is not a finite float (then the
+// caller keeps fixed_slot).
+inline bool exact_thresholds_f32(const HistSpec& h, float* T) {
+  const int32_t bins = h.bins;
+  auto ord = [&](uint32_t k) {
+    return ordinal_of_slot(fixed_slot_exact(static_cast<double>(key_float(k)), h), bins);
+  };
+  const uint32_t kmin = float_key(-3.4028234663852886e38f), kmax = float_key(3.4028234663852886e38f);
+  for (int32_t m = 0; m <= bins; ++m) {
+    const double edge = m == bins ? h.hi : h.lo + (h.hi - h.lo) * static_cast<double>(m) / static_cast<double>(bins);
+    const float g = static_cast<float>(edge);
+    if (!(g - g == 0.0f)) return false;
+    // Bracket: ord(lo_k) <= m < ord(hi_k), widening by doubling steps in key space.
+    uint32_t lo_k = float_key(g), hi_k = lo_k;
+    uint64_t step = 1;
+    while (ord(hi_k) <= m) {
+      if (hi_k == kmax) return false;
+      lo_k = hi_k;
+      hi_k = static_cast<uint32_t>(kmax - hi_k > step ? hi_k + step : kmax);
+      step *= 2;
+    }
+    step = 1;
+    while (lo_k == hi_k || ord(lo_k) > m) {
+      if (lo_k == kmin) return false;
+      hi_k = lo_k;
+      lo_k = static_cast<uint32_t>(lo_k - kmin > step ? lo_k - step : kmin);
+      step *= 2;
+    }
+    while (hi_k - lo_k > 1) {  // ord(lo_k) <= m < ord(hi_k)
+      const uint32_t mid = lo_k + (hi_k - lo_k) / 2;
+      if (ord(mid) > m) hi_k = mid; else lo_k = mid;
+    }
+    T[m] = key_float(hi_k);
+  }
+  return true;
 }
 
 // Exponent histogram slot from the raw bits of a value with E exponent and M mantissa bits.

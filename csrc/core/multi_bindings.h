@@ -20,7 +20,7 @@ namespace hookstats {
 template <StatsRunner run, typename ForEach>
 void stats_multi_into_op_impl(at::TensorList xs, const at::Tensor& out, at::IntArrayRef rows,
                               const std::optional<at::Tensor>& hist, at::IntArrayRef hist_rows, int64_t mode,
-                              int64_t bins, double lo, double hi, ForEach for_each) {
+                              int64_t bins, double lo, double hi, bool accumulate, ForEach for_each) {
   TORCH_CHECK_VALUE(rows.size() == xs.size(), "hookstats.stats_multi_into: ", xs.size(), " tensors but ",
                     rows.size(), " rows");
   HistSpec spec = make_hist_spec(kHistNone, 0, 0.0, 0.0);
@@ -45,7 +45,7 @@ void stats_multi_into_op_impl(at::TensorList xs, const at::Tensor& out, at::IntA
   const int64_t hstride = hist.has_value() ? hist->stride(0) : 0;
   for_each(static_cast<int64_t>(xs.size()), [&](int64_t i) {
     run(xs[i], StatsOut{base + rows[i] * row_bytes, nullptr, dbl}, spec,
-        hbase ? hbase + hist_rows[i] * hstride : nullptr, hlen, true);
+        hbase ? hbase + hist_rows[i] * hstride : nullptr, hlen, accumulate);
   });
 }
 

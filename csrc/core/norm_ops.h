@@ -145,6 +145,36 @@ HS_HD NormPartial fast_norm_partial(const FastNorm<acc_t>& f, int kind) {
   return n;
 }
 
+// Note [norm scaling]
+// The CPU kernel never leaves the SIMD fast path for p = 1, 2, inf: a piece whose max |x| lies
+// outside NormLimits is summed again in acc_t after scaling by the power of two 2^-e with
+// 2^e >= max |x| (norm_scale_exponent), which is exact, keeps every term below 1 and loses only
+// terms below 2^-126 of the largest (as Note [stats scaling]); the next chunk starts with that
+// e. A piece whose sum is not finite is checked by a vector compare pass (NaN, Inf flags); one
+// with neither overflowed and is scaled. Once a piece has a NaN the norm is NaN: the CPU kernel
+// stops reading that tensor; after an Inf it only looks for NaN. The careful path below stays
+// for general p (and for the CUDA kernel of clip_cuda.cu).
+template <typename acc_t>
+HS_HD int32_t norm_scale_exponent(double amax) {
+  if (!(amax > 0.0) || amax == static_cast<double>(INFINITY) ||
+      (amax <= static_cast<double>(NormLimits<acc_t>::hi) && amax >= static_cast<double>(NormLimits<acc_t>::lo))) {
+    return 0;
+  }
+  int ex;
+  frexp(amax, &ex);
+  if (ex < FastLimits<acc_t>::emin) ex = FastLimits<acc_t>::emin;  // 2^-e stays a normal acc_t
+  if (ex > FastLimits<acc_t>::emax) ex = FastLimits<acc_t>::emax;
+  return ex;
+}
+
+// Whether a piece with max |x| = amax may be summed with scale exponent e.
+template <typename acc_t>
+HS_HD bool norm_scale_fits(double amax, int32_t e) {
+  if (amax == 0.0) return true;
+  const double a = ldexp(amax, -e);
+  return a <= static_cast<double>(NormLimits<acc_t>::hi) && a >= static_cast<double>(NormLimits<acc_t>::lo);
+}
+
 // ---------------------------------------------------------------------------------------
 // Careful path. Sweep 1 over every value of the piece:
 struct CarefulNorm {

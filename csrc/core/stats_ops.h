@@ -9,12 +9,11 @@
 //     |mean| >> std (no sum-of-squares cancellation);
 //   * the sum of squares and m2 carry a common power-of-two scale exponent `e`
 //     (true value = stored * 4^e), so l2 and std never overflow or underflow when the
-//     true value fits the result dtype; e is non-zero only for fp64 inputs;
+//     true value fits the result dtype; e is non-zero only for pieces of extreme magnitudes;
 //   * NaN never reaches min/max/m2: counts decide NaN propagation in finalize().
-// A piece whose fast result is not trustworthy (a NaN or Inf inside, or magnitudes
-// so large or small that the squares in the accumulation type would overflow or
-// underflow, see needs_careful) is re-read with careful_*: element by element,
-// in double, exact counts, scaled squares. Healthy tensors never take that path.
+// Every piece is read on that SIMD fast path: a piece of vanishing or huge magnitudes is
+// scaled by a power of two first (Note [stats scaling]), a piece that holds NaN/Inf is only
+// counted (Note [stats nonfinite]). No piece is re-read element by element in double.
 #pragma once
 
 #include <cmath>
@@ -102,153 +101,204 @@ HS_HD void merge(StatsPartial& a, const StatsPartial& b) {
 
 // ---------------------------------------------------------------------------------------
 // Fast path: what a piece accumulates in its accumulation type acc_t (see Note [stats partials]).
-// Values are shifted by k, a guess of the piece's mean (the CPU kernel uses the previous
-// chunk's mean): with d = x - k, sum = n*k + sum(d), sum(x^2) = sum(d^2) + 2k*sum(d) + n*k^2
+// Values are first scaled by s = 2^-e (e = 0 for almost every tensor; Note [stats scaling]) and
+// then shifted by k, a guess of the piece's scaled mean (the CPU kernel uses the previous chunk's
+// mean): with y = x * s and d = y - k, sum = n*k + sum(d), sum(y^2) = sum(d^2) + 2k*sum(d) + n*k^2
 // and m2 = sum(d^2) - sum(d)^2/n, all without cancellation when k is near the mean, and with
 // 9 vector operations per element group instead of 12 for separate sum/ssq accumulators.
-template <typename acc_t>
+// min, max and the zero count are always taken from the unscaled x, so they stay exact.
+// sum_t: what the piece's sums are kept in. The CUDA kernel keeps acc_t; the CPU kernel sums short runs
+// in acc_t lanes and those runs in double (so that one value that dominates a piece is not rounded at
+// its own magnitude once per run).
+template <typename acc_t, typename sum_t = acc_t>
 struct FastAcc {
-  acc_t k;         // shift
-  acc_t sd, ssd;   // sum of (x - k), sum of (x - k)^2
-  acc_t l1;
-  acc_t mn, mx;
+  acc_t k;         // shift, in scaled units
+  acc_t s;         // the scale 2^-e
+  int32_t e;
+  sum_t sd, ssd;   // sum of (y - k), sum of (y - k)^2
+  sum_t l1;        // sum |x| when e == 0, sum |y| otherwise
+  acc_t mn, mx;    // of x, NaN ignored
   int64_t zero;
   int64_t n;
 };
 
 template <typename acc_t> struct FastLimits;
 // Squares of magnitudes in [lo, hi] neither overflow nor lose relative precision when
-// summed in acc_t over up to 2^40 values.
+// summed in acc_t over up to 2^40 values. emin/emax bound a scale exponent e so that 2^-e is a
+// normal acc_t.
 template <> struct FastLimits<float> {
   static constexpr float hi = 1.099511627776e12f;  // 2^40
   static constexpr float lo = 9.094947017729282e-13f;  // 2^-40
+  static constexpr int emin = -127, emax = 126;
 };
 template <> struct FastLimits<double> {
   static constexpr double hi = 2.5822498780869086e120;  // 2^400
   static constexpr double lo = 3.872591914849318e-121;  // 2^-400
+  static constexpr int emin = -1023, emax = 1022;
 };
 
+// Note [stats scaling]
+// A piece whose largest magnitude amax lies outside FastLimits (vanishing gradients ~1e-20,
+// activations ~1e20, fp32 values near its max) is summed on the same SIMD fast path after
+// scaling every value by the power of two s = 2^-e with 2^e >= amax > 2^(e-1): scaled
+// magnitudes are then below 1 (below 4 at the clamped ends of the exponent range), squares
+// cannot overflow, and squares that underflow are below 2^-126 of the largest one, so they
+// are negligible. Scaling by a power of two is exact (unless the scaled value underflows, the
+// same negligible case), so the results are those of the unscaled computation with an exact
+// exponent: the partial stores ssq and m2 with that exponent (true = stored * 4^e).
+// scale_exponent() keeps e = 0 whenever amax is inside FastLimits, so healthy tensors get
+// exactly the results they always had.
 template <typename acc_t>
-HS_HD void fast_init(FastAcc<acc_t>& f, acc_t k) {
+HS_HD int32_t scale_exponent(double amax) {
+  if (!(amax > 0.0) || (amax <= static_cast<double>(FastLimits<acc_t>::hi) &&
+                        amax >= static_cast<double>(FastLimits<acc_t>::lo))) {
+    return 0;  // zero, or NaN (no finite value: nothing to scale)
+  }
+  if (amax == static_cast<double>(INFINITY)) return 0;
+  int ex;
+  frexp(amax, &ex);  // amax = f * 2^ex with f in [0.5, 1)
+  if (ex < FastLimits<acc_t>::emin) ex = FastLimits<acc_t>::emin;
+  if (ex > FastLimits<acc_t>::emax) ex = FastLimits<acc_t>::emax;
+  return ex;
+}
+
+// Whether the values of a piece whose largest finite magnitude is amax may be summed with
+// scale exponent e (amax * 2^-e inside FastLimits; an all-zero piece with any e).
+template <typename acc_t>
+HS_HD bool scale_fits(double amax, int32_t e) {
+  if (amax == 0.0) return true;
+  const double a = ldexp(amax, -e);
+  return a <= static_cast<double>(FastLimits<acc_t>::hi) && a >= static_cast<double>(FastLimits<acc_t>::lo);
+}
+
+template <typename acc_t, typename sum_t>
+HS_HD void fast_init(FastAcc<acc_t, sum_t>& f, acc_t k, int32_t e = 0) {
   f.k = k;
-  f.sd = f.ssd = f.l1 = acc_t(0);
+  f.e = e;
+  f.s = static_cast<acc_t>(ldexp(1.0, -e));
+  f.sd = f.ssd = f.l1 = sum_t(0);
   f.mn = INFINITY; f.mx = -INFINITY;
   f.zero = 0; f.n = 0;
 }
 
 // One element on the fast path. The CPU kernel does the same in SIMD lanes.
-template <typename acc_t>
-HS_HD void fast_add(FastAcc<acc_t>& f, acc_t v) {
-  const acc_t d = v - f.k;
+template <typename acc_t, typename sum_t>
+HS_HD void fast_add(FastAcc<acc_t, sum_t>& f, acc_t v) {
+  const acc_t y = v * f.s;  // exact (a power of two); v itself when e == 0
+  const acc_t d = y - f.k;
   f.sd += d;
   f.ssd += d * d;
-  f.l1 += v < acc_t(0) ? -v : v;
+  f.l1 += y < acc_t(0) ? -y : y;
   f.mn = v < f.mn ? v : f.mn;
   f.mx = v > f.mx ? v : f.mx;
   f.zero += (v == acc_t(0));
   f.n += 1;
 }
 
-// True when a fast-path result must be recomputed with careful_*: a NaN or Inf in the
-// piece (l1 not finite), or magnitudes outside FastLimits.
-template <typename acc_t>
-HS_HD bool needs_careful(const FastAcc<acc_t>& f) {
-  if (!(f.l1 - f.l1 == acc_t(0))) return true;  // NaN or Inf somewhere (or l1 overflowed)
-  const acc_t amax = (-f.mn > f.mx) ? -f.mn : f.mx;
-  return amax > FastLimits<acc_t>::hi || (amax < FastLimits<acc_t>::lo && amax > acc_t(0));
+// Whether a fast result holds a NaN or Inf, or its l1 overflowed: then the piece's counts are
+// taken by a NonfiniteAcc pass (and, when it finds no NaN/Inf, its sums again with a scale).
+template <typename acc_t, typename sum_t>
+HS_HD bool fast_nonfinite(const FastAcc<acc_t, sum_t>& f) {
+  return !(f.l1 - f.l1 == sum_t(0));
+}
+
+// The largest magnitude of a piece whose fast result is finite (min and max are exact).
+template <typename acc_t, typename sum_t>
+HS_HD double fast_amax(const FastAcc<acc_t, sum_t>& f) {
+  if (f.n == 0) return 0.0;
+  const double mn = static_cast<double>(f.mn), mx = static_cast<double>(f.mx);
+  return -mn > mx ? -mn : mx;
 }
 
 // True when the shift k was so far from the piece's mean (by more than about 1.7 standard
 // deviations) that sum(d^2) cancels badly in m2 and sum(x^2); the piece is then summed again
 // with k = its mean. Rare: the CPU kernel shifts by the previous chunk's mean.
-template <typename acc_t>
-HS_HD bool shift_is_poor(const FastAcc<acc_t>& f) {
+template <typename acc_t, typename sum_t>
+HS_HD bool shift_is_poor(const FastAcc<acc_t, sum_t>& f) {
   const double n = static_cast<double>(f.n);
   const double sd = static_cast<double>(f.sd);
   const double ssd = static_cast<double>(f.ssd);
   const double between = sd * sd / n;  // n * (mean - k)^2
+  if (!(ssd - ssd == 0.0)) return true;  // (x - k)^2 overflowed: k was far off
   return between > 0.0 && between > 0.75 * ssd;  // i.e. n*(mean-k)^2 > 3 * m2
 }
 
-// The shift for a re-run after shift_is_poor.
-template <typename acc_t>
-HS_HD acc_t fast_mean(const FastAcc<acc_t>& f) {
+// The piece's mean in scaled units: the shift for a re-run after shift_is_poor.
+template <typename acc_t, typename sum_t>
+HS_HD acc_t fast_mean(const FastAcc<acc_t, sum_t>& f) {
   return static_cast<acc_t>(static_cast<double>(f.k) + static_cast<double>(f.sd) / static_cast<double>(f.n));
 }
 
-// Turns a trusted fast result (no NaN/Inf, magnitudes in FastLimits) into a partial.
-template <typename acc_t>
-HS_HD StatsPartial fast_to_partial(const FastAcc<acc_t>& f) {
+// Turns a trusted fast result (no NaN/Inf, scaled magnitudes in FastLimits) into a partial.
+template <typename acc_t, typename sum_t>
+HS_HD StatsPartial fast_to_partial(const FastAcc<acc_t, sum_t>& f) {
   StatsPartial p = empty_partial();
   if (f.n == 0) return p;
   const double n = static_cast<double>(f.n);
   const double k = static_cast<double>(f.k);
   const double sd = static_cast<double>(f.sd);
   const double ssd = static_cast<double>(f.ssd);
+  const int e = f.e;
   p.n = f.n;
   p.zero = f.zero;
-  p.sum = n * k + sd;
-  p.l1 = static_cast<double>(f.l1);
+  p.sum = ldexp(n * k + sd, e);
+  p.l1 = ldexp(static_cast<double>(f.l1), e);
   const double ssq = ssd + 2.0 * k * sd + n * k * k;
   p.ssq = ssq > 0.0 ? ssq : 0.0;
-  p.mean = k + sd / n;
+  p.mean = ldexp(k + sd / n, e);
   const double m2 = ssd - sd * sd / n;
   p.m2 = m2 > 0.0 ? m2 : 0.0;
   p.mn = static_cast<double>(f.mn);
   p.mx = static_cast<double>(f.mx);
+  p.e = e;
   return p;
 }
 
 // ---------------------------------------------------------------------------------------
-// Careful path, in two sweeps over the same piece:
-//   sweep 1, careful_count: counts, sum, l1, min, max, and the largest finite magnitude;
-//   sweep 2, careful_moments: scaled squares and Welford mean/m2 over the finite values.
-HS_HD void careful_count(StatsPartial& p, double& amax, double v) {
-  p.n += 1;
-  p.sum += v;
-  p.l1 += fabs(v);
-  if (v != v) { p.nan += 1; return; }
-  p.mn = hs_fmin(p.mn, v);
-  p.mx = hs_fmax(p.mx, v);
-  if (v == 0.0) p.zero += 1;
-  const double a = fabs(v);
-  if (a == INFINITY) { p.inf += 1; return; }
-  amax = hs_fmax(amax, a);
-}
-
-// The scale exponent for a piece whose largest finite magnitude is amax: zero unless the
-// squares would leave double's comfortable range.
-HS_HD int64_t careful_scale_exponent(double amax) {
-  if (amax == 0.0 || (amax <= 2.5822498780869086e120 && amax >= 3.872591914849318e-121)) return 0;
-  int ex;
-  frexp(amax, &ex);  // amax = f * 2^ex with f in [0.5, 1)
-  return ex;
-}
-
-// Welford state of sweep 2, kept in scaled units y = v * 2^-e.
-struct CarefulMoments {
-  double ssq, mean, m2;
-  int64_t k;
+// Pieces with NaN or Inf (Note [stats nonfinite]).
+//
+// Note [stats nonfinite]
+// Once a tensor holds a NaN or an Inf, finalize() reads nothing of its partials but the counts,
+// min and max, and the sign of its infinities: sum and mean are NaN (NaN seen) or what IEEE
+// addition of the infinities gives, l1 and l2 are NaN or inf, var and std NaN. So a piece that
+// holds NaN/Inf, and every later piece of the same CPU task, is read by a counting pass alone
+// (vector compares: NaN, Inf and zero counts, NaN-free min and max), and its partial carries
+// sum = the IEEE sum of its infinities, l1 = inf when it has one, and no moments. A finite
+// piece counted that way (it follows a NaN/Inf in its task) gets sum = l1 = 0: harmless, since
+// the tensor's result is decided by the NaN/Inf already seen.
+template <typename acc_t>
+struct NonfiniteAcc {
+  int64_t n, nan, inf, zero;
+  acc_t mn, mx;  // NaN ignored
 };
 
-HS_HD CarefulMoments careful_moments_init() { CarefulMoments c; c.ssq = c.mean = c.m2 = 0.0; c.k = 0; return c; }
-
-HS_HD void careful_moments(CarefulMoments& c, double v, int64_t e) {
-  if (!(v - v == 0.0)) return;  // NaN / Inf: var and l2 are decided by the counts
-  const double y = e == 0 ? v : ldexp(v, static_cast<int>(-e));
-  c.ssq += y * y;
-  c.k += 1;
-  const double d = y - c.mean;
-  c.mean += d / static_cast<double>(c.k);
-  c.m2 += d * (y - c.mean);
+template <typename acc_t>
+HS_HD void nonfinite_init(NonfiniteAcc<acc_t>& c) {
+  c.n = c.nan = c.inf = c.zero = 0;
+  c.mn = INFINITY; c.mx = -INFINITY;
 }
 
-// Completes a careful piece: p holds sweep 1, c sweep 2.
-HS_HD void careful_finish(StatsPartial& p, const CarefulMoments& c, int64_t e) {
-  p.e = e;
-  p.ssq = c.ssq;
-  p.m2 = c.m2;
-  p.mean = e == 0 ? c.mean : ldexp(c.mean, static_cast<int>(e));
+template <typename acc_t>
+HS_HD void nonfinite_add(NonfiniteAcc<acc_t>& c, acc_t v) {
+  c.n += 1;
+  c.nan += (v != v);
+  c.inf += ((v < acc_t(0) ? -v : v) == static_cast<acc_t>(INFINITY));
+  c.zero += (v == acc_t(0));
+  c.mn = v < c.mn ? v : c.mn;
+  c.mx = v > c.mx ? v : c.mx;
+}
+
+template <typename acc_t>
+HS_HD StatsPartial nonfinite_to_partial(const NonfiniteAcc<acc_t>& c) {
+  StatsPartial p = empty_partial();
+  p.n = c.n; p.nan = c.nan; p.inf = c.inf; p.zero = c.zero;
+  p.mn = static_cast<double>(c.mn);
+  p.mx = static_cast<double>(c.mx);
+  const double pinf = p.mx == static_cast<double>(INFINITY) ? static_cast<double>(INFINITY) : 0.0;
+  const double ninf = p.mn == -static_cast<double>(INFINITY) ? -static_cast<double>(INFINITY) : 0.0;
+  p.sum = pinf + ninf;  // +inf + -inf = NaN, as IEEE addition of the whole piece gives
+  p.l1 = c.inf > 0 ? static_cast<double>(INFINITY) : 0.0;
+  return p;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -268,7 +318,7 @@ HS_HD void finalize(const StatsPartial& p, double* out) {
   out[kZeroCount] = static_cast<double>(p.zero);
   out[kSum] = has_nan ? nan : p.sum;
   out[kMean] = (p.n == 0 || has_nan) ? nan : p.sum / n;
-  // |e| <= 1100 for any double input (careful_scale_exponent); ldexp handles that range.
+  // |e| <= 1023 (scale_exponent clamps it); ldexp handles that range.
   const int s = static_cast<int>(p.e > 4000 ? 4000 : (p.e < -4000 ? -4000 : p.e));
   if (p.n < 2 || has_nan || has_inf) {
     out[kVar] = nan;

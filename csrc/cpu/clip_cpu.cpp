@@ -96,19 +96,28 @@ void run_tasks(const ListPlan& pl, F&& task) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Norms. The fast path of core/norm_ops.h in SIMD lanes, two interleaved sets.
-template <int B, int KIND, typename scalar_t>
-HS_INLINE FastNorm<acc_of<scalar_t>> fast_norm_simd(const scalar_t* p, int64_t n) {
+// Norms. The fast path of core/norm_ops.h in SIMD lanes, two interleaved sets, the values scaled
+// by 2^-e first when SCALED (Note [norm scaling]); max |x| is of the unscaled values.
+template <int B, int KIND, typename scalar_t, bool SCALED>
+HS_INLINE FastNorm<acc_of<scalar_t>> fast_norm_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> sc) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   using acc_t = typename L::acc_t;
   using V = typename L::V;
   using M = typename L::M;
   constexpr int W = L::W;
+  const V vsc = V{} + sc;
   V m0{}, m1{};
-  auto step = [](V& s, V& m, const V& v) {
+  auto step = [&](V& s, V& m, const V& v) {
     const V a = simd::abs_bits<V, M>(v);
-    if (KIND == kNorm1) s += a;
-    if (KIND == kNorm2) s += v * v;
+    if (KIND == kNorm1) s += SCALED ? a * vsc : a;
+    if (KIND == kNorm2) {
+      if constexpr (SCALED) {
+        const V y = v * vsc;
+        s += y * y;
+      } else {
+        s += v * v;
+      }
+    }
     if (KIND == kNormInf) {
       m = ((a > m) | (a != a)) ? a : m;
       s += v - v;
@@ -141,8 +150,39 @@ HS_INLINE FastNorm<acc_of<scalar_t>> fast_norm_simd(const scalar_t* p, int64_t n
     const acc_t m = (m1[j] > m0[j] || m1[j] != m1[j]) ? m1[j] : m0[j];
     f.amax = (m > f.amax || m != m) ? m : f.amax;
   }
-  for (; i < n; ++i) fast_norm_add<KIND, acc_t>(f, static_cast<acc_t>(p[i]));
+  for (; i < n; ++i) {
+    const acc_t v = static_cast<acc_t>(p[i]);
+    const acc_t a = v < acc_t(0) ? -v : v;
+    if (SCALED && KIND == kNorm1) { f.s += a * sc; f.amax = a > f.amax ? a : f.amax; continue; }
+    if (SCALED && KIND == kNorm2) { f.s += (v * sc) * (v * sc); f.amax = a > f.amax ? a : f.amax; continue; }
+    fast_norm_add<KIND, acc_t>(f, v);
+  }
   return f;
+}
+
+// NaN / Inf flags of a piece by vector compares.
+template <int B, typename scalar_t>
+HS_INLINE int32_t nonfinite_flags_simd(const scalar_t* p, int64_t n) {
+  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
+  using acc_t = typename L::acc_t;
+  using V = typename L::V;
+  using M = typename L::M;
+  constexpr int W = L::W;
+  const V inf = V{} + static_cast<acc_t>(INFINITY);
+  M nan{}, isinf{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const V v = L::load(p + i);
+    nan |= (v != v);
+    isinf |= (simd::abs_bits<V, M>(v) == inf);
+  }
+  int32_t flags = (simd::any_lane(nan) ? kNormHasNan : 0) | (simd::any_lane(isinf) ? kNormHasInf : 0);
+  for (; i < n; ++i) {
+    const acc_t v = static_cast<acc_t>(p[i]);
+    if (v != v) flags |= kNormHasNan;
+    else if (v == static_cast<acc_t>(INFINITY) || v == -static_cast<acc_t>(INFINITY)) flags |= kNormHasInf;
+  }
+  return flags;
 }
 
 template <typename scalar_t>
@@ -157,28 +197,82 @@ NormPartial careful_norm_chunk(const scalar_t* p, int64_t n, const NormSpec& ns)
   return careful_norm_partial(c, s, e, ns);
 }
 
-template <int B, typename scalar_t>
-HS_INLINE NormPartial norm_chunk_body(const scalar_t* p, int64_t n, const NormSpec& ns) {
+template <int B, int KIND, typename scalar_t>
+HS_INLINE FastNorm<acc_of<scalar_t>> fast_norm_scaled(const scalar_t* p, int64_t n, int32_t e) {
   using acc_t = acc_of<scalar_t>;
-  FastNorm<acc_t> f;
-  switch (ns.kind) {
-    case kNorm2: f = fast_norm_simd<B, kNorm2>(p, n); break;
-    case kNorm1: f = fast_norm_simd<B, kNorm1>(p, n); break;
-    case kNormInf: f = fast_norm_simd<B, kNormInf>(p, n); break;
-    default: return careful_norm_chunk(p, n, ns);
+  if (e == 0) return fast_norm_simd<B, KIND, scalar_t, false>(p, n, acc_t(1));
+  return fast_norm_simd<B, KIND, scalar_t, true>(p, n, static_cast<acc_t>(ldexp(1.0, -e)));
+}
+
+// One chunk of a p = 1 or 2 norm, with the scale exponent e carried from chunk to chunk.
+template <int B, int KIND, typename scalar_t>
+HS_INLINE NormPartial norm_chunk_12(const scalar_t* p, int64_t n, int32_t& e) {
+  using acc_t = acc_of<scalar_t>;
+  FastNorm<acc_t> f = fast_norm_scaled<B, KIND, scalar_t>(p, n, e);
+  const bool finite = f.s - f.s == acc_t(0);
+  if (!finite) {
+    const int32_t flags = nonfinite_flags_simd<B, scalar_t>(p, n);
+    if (flags) {
+      NormPartial r = empty_norm();
+      r.flags = flags;
+      return r;
+    }
   }
-  if (fast_norm_trusted(f, ns.kind)) return fast_norm_partial(f, ns.kind);
-  return careful_norm_chunk(p, n, ns);
+  const double amax = static_cast<double>(f.amax);
+  if (!finite || !norm_scale_fits<acc_t>(amax, e)) {
+    e = norm_scale_exponent<acc_t>(amax);
+    f = fast_norm_scaled<B, KIND, scalar_t>(p, n, e);
+  }
+  NormPartial r = empty_norm();
+  r.s = static_cast<double>(f.s);
+  r.e = f.s == acc_t(0) ? 0 : e;
+  return r;
+}
+
+// One chunk; `e` and `flags_seen` are the state of the piece so far (Note [norm scaling]).
+template <int B, typename scalar_t>
+HS_INLINE NormPartial norm_chunk_body(const scalar_t* p, int64_t n, const NormSpec& ns, int32_t& e,
+                                      int32_t flags_seen) {
+  using acc_t = acc_of<scalar_t>;
+  if (ns.kind == kNormP) return careful_norm_chunk(p, n, ns);
+  if (flags_seen & kNormHasInf) {  // the norm is inf unless a NaN follows
+    NormPartial r = empty_norm();
+    r.flags = nonfinite_flags_simd<B, scalar_t>(p, n);
+    return r;
+  }
+  switch (ns.kind) {
+    case kNorm2: return norm_chunk_12<B, kNorm2, scalar_t>(p, n, e);
+    case kNorm1: return norm_chunk_12<B, kNorm1, scalar_t>(p, n, e);
+    default: {
+      const FastNorm<acc_t> f = fast_norm_simd<B, kNormInf, scalar_t, false>(p, n, acc_t(1));
+      if (fast_norm_trusted(f, ns.kind)) return fast_norm_partial(f, ns.kind);
+      NormPartial r = empty_norm();
+      r.flags = nonfinite_flags_simd<B, scalar_t>(p, n);
+      return r;
+    }
+  }
 }
 
 template <typename scalar_t>
-NormPartial norm_chunk_default(const scalar_t* p, int64_t n, const NormSpec& ns) {
-  return norm_chunk_body<16, scalar_t>(p, n, ns);
+NormPartial norm_chunk_default(const scalar_t* p, int64_t n, const NormSpec& ns, int32_t& e, int32_t flags) {
+  return norm_chunk_body<16, scalar_t>(p, n, ns, e, flags);
 }
 
 template <typename scalar_t>
-HS_TARGET_AVX2 NormPartial norm_chunk_avx2(const scalar_t* p, int64_t n, const NormSpec& ns) {
-  return norm_chunk_body<32, scalar_t>(p, n, ns);
+HS_TARGET_AVX2 NormPartial norm_chunk_avx2(const scalar_t* p, int64_t n, const NormSpec& ns, int32_t& e,
+                                           int32_t flags) {
+  return norm_chunk_body<32, scalar_t>(p, n, ns, e, flags);
+}
+
+// The first scale exponent of a piece, from its first few finite values.
+template <typename scalar_t>
+int32_t initial_norm_exponent(const scalar_t* p, int64_t n) {
+  double amax = 0.0;
+  for (int64_t i = 0; i < n && i < 8; ++i) {
+    const double a = fabs(static_cast<double>(p[i]));
+    if (a - a == 0.0 && a > amax) amax = a;
+  }
+  return norm_scale_exponent<acc_of<scalar_t>>(amax);
 }
 
 // The partial of tensor d's elements [begin, begin + len), chunk by chunk.
@@ -188,6 +282,8 @@ NormPartial norm_piece(const TensorDesc& d, const ListPlan& pl, int64_t begin, i
   const scalar_t* base = static_cast<const scalar_t*>(d.data);
   NormPartial acc = empty_norm();
   alignas(64) scalar_t buf[kChunk];
+  const simd::FlushToZero ftz(std::is_same<acc_of<scalar_t>, float>::value);  // as in stats_cpu.cpp
+  int32_t e = 0;
   for (int64_t c = 0; c < len; c += kChunk) {
     const int64_t n = std::min(kChunk, len - c);
     const scalar_t* p = base + begin + c;
@@ -195,7 +291,9 @@ NormPartial norm_piece(const TensorDesc& d, const ListPlan& pl, int64_t begin, i
       gather(base, pl.layouts[d.layout], begin + c, n, buf);
       p = buf;
     }
-    norm_merge(acc, chunk(p, n, ns), ns);
+    if (c == 0) e = initial_norm_exponent(p, n);
+    norm_merge(acc, chunk(p, n, ns, e, acc.flags), ns);
+    if (acc.flags & kNormHasNan) break;  // the norm is NaN whatever follows (Note [norm scaling])
   }
   return acc;
 }

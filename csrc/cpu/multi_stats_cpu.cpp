@@ -20,9 +20,9 @@ constexpr int64_t kSmall = 32768;
 
 void stats_multi_into_cpu(at::TensorList xs, const at::Tensor& out, at::IntArrayRef rows,
                           const std::optional<at::Tensor>& hist, at::IntArrayRef hist_rows, int64_t mode, int64_t bins,
-                          double lo, double hi) {
+                          double lo, double hi, bool accumulate) {
   stats_multi_into_op_impl<stats_cpu_runner>(
-      xs, out, rows, hist, hist_rows, mode, bins, lo, hi, [&](int64_t n, const auto& body) {
+      xs, out, rows, hist, hist_rows, mode, bins, lo, hi, accumulate, [&](int64_t n, const auto& body) {
         std::vector<int64_t> small;
         small.reserve(static_cast<size_t>(n));
         for (int64_t i = 0; i < n; ++i) {

@@ -2,8 +2,8 @@
 //
 // The input is cut into chunks of kChunk elements (a strided input is gathered chunk by
 // chunk into a stack buffer, Note [layouts]). Each chunk is reduced in SIMD on the fast
-// path and, only when needs_careful() says so, re-read from L1 on the careful path
-// (Note [stats partials]). Chunks are grouped into at most kMaxTasks tasks whose number
+// path (Note [stats partials]): scaled by a power of two when its magnitudes call for it
+// (Note [stats scaling]), only counted once its task has seen NaN/Inf (Note [stats nonfinite]). Chunks are grouped into at most kMaxTasks tasks whose number
 // depends only on numel, so the merge order, and hence every bit of the result, does not
 // depend on the number of threads.
 #include <ATen/Parallel.h>
@@ -75,19 +75,33 @@ inline void flush_counters(HistCounters& h) {
   h.pending = 0;
 }
 
-template <int HM, typename scalar_t>
-HS_INLINE void bin_scalar(HistCounters& h, int lane, const scalar_t& raw, const HistSpec& hs) {
-  uint32_t* c = h.c + (lane & (h.copies - 1)) * h.len;
-  if (HM == kHistRange) c[fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), hs)] += 1;
-  if (HM == kHistExp) c[exp_slot_of<scalar_t>(raw)] += 1;
-}
-
-// Constants of the SIMD range binning, see slot_lanes.
+// Constants of the SIMD range binning, see slot_lanes. Built once per call (bin_plan).
 struct RangeConsts {
   float scale, shift, lo_clamp, hi_clamp, band;
+  float fbins;
   int32_t bins;
   bool exact_only;  // the float32 transform overflows (tiny ranges): every value takes the exact path
+  // Note [exact bin thresholds]: when T is set, counters are indexed by ordinal (0 underflow,
+  // 1 + bin, bins + 1 overflow, bins + 2 NaN) and every value is placed by r + (x >= T[r]).
+  const float* T;
 };
+
+// What bin_chunk needs: the spec, and for float inputs the constants of the SIMD range path.
+struct BinPlan {
+  HistSpec spec;
+  RangeConsts rc;
+};
+
+template <int HM, typename scalar_t>
+HS_INLINE void bin_scalar(HistCounters& h, int lane, const scalar_t& raw, const BinPlan& bp) {
+  uint32_t* c = h.c + (lane & (h.copies - 1)) * h.len;
+  if (HM == kHistRange) {
+    int32_t sl = fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec);
+    if (bp.rc.T != nullptr) sl = ordinal_of_slot(sl, bp.spec.bins);
+    c[sl] += 1;
+  }
+  if (HM == kHistExp) c[exp_slot_of<scalar_t>(raw)] += 1;
+}
 
 inline RangeConsts range_consts(const HistSpec& hs) {
   RangeConsts r;
@@ -95,6 +109,7 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   r.shift = hs.shift_f;
   r.lo_clamp = -1.5f;
   r.hi_clamp = static_cast<float>(hs.bins) + 1.5f;
+  r.fbins = static_cast<float>(hs.bins);
   // fixed_slot's band, bounded once for every t in [lo_clamp, hi_clamp], where
   // |x * scale| <= |t| + |shift|.
   const double tmax = hs.bins + 1.5;
@@ -104,7 +119,39 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   // HistSpec::float_ok: a zero or subnormal float scale (huge ranges like (-1e300, 1e300)) or
   // an overflowing one (tiny ranges) would break the band's accuracy assumption.
   r.exact_only = !hs.float_ok || !std::isfinite(r.band);
+  r.T = nullptr;
   return r;
+}
+
+// The thresholds of the last range seen by this thread (Note [exact bin thresholds]), rebuilt only
+// when the range changes: no allocation and no work per call once warm.
+inline const float* thresholds_for(const HistSpec& hs, const RangeConsts& rc) {
+  struct Cache {
+    double lo = 0.0, hi = 0.0;
+    int32_t bins = -1;
+    bool ok = false;
+    std::vector<float> T;
+  };
+  static thread_local Cache cache;
+  if (rc.exact_only || !(rc.band < 0.25f)) return nullptr;
+  if (cache.bins != hs.bins || cache.lo != hs.lo || cache.hi != hs.hi) {
+    cache.T.resize(static_cast<size_t>(hs.bins) + 1);
+    cache.ok = exact_thresholds_f32(hs, cache.T.data());
+    cache.bins = hs.bins;
+    cache.lo = hs.lo;
+    cache.hi = hs.hi;
+  }
+  return cache.ok ? cache.T.data() : nullptr;
+}
+
+template <typename scalar_t>
+BinPlan bin_plan(const HistSpec& hs) {
+  BinPlan bp;
+  bp.spec = hs;
+  bp.rc = hs.mode == kHistRange ? range_consts(hs) : RangeConsts{};
+  bp.rc.T = nullptr;
+  if (hs.mode == kHistRange && std::is_same<acc_of<scalar_t>, float>::value) bp.rc.T = thresholds_for(hs, bp.rc);
+  return bp;
 }
 
 template <typename scalar_t> struct ExpBits;
@@ -113,16 +160,31 @@ template <> struct ExpBits<c10::BFloat16> { static constexpr int E = 8, M = 7; }
 template <> struct ExpBits<c10::Half> { static constexpr int E = 5, M = 10; };
 
 // Counter indices (slot + the lane's copy offset) of W float lanes v (raw: the same W input
-// values), in SIMD, into idx. A vector holding a value the fast formula cannot place for sure
-// (near a bin edge, NaN; for exponents: subnormal, inf, NaN) has those lanes placed by the
-// exact scalar functions of core/hist_ops.h.
+// values), in SIMD, into idx, with no per-value branch: exponents (subnormal, zero, inf and NaN
+// included) by vector selects on the bits; range slots by Note [exact bin thresholds] when the
+// table exists. Without it (ranges too narrow for float32 t) a vector holding a value near an
+// edge, or NaN, has those lanes placed by the exact scalar functions of core/hist_ops.h.
 template <int B, int HM, typename scalar_t>
 HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd::VT<B>::f32& v,
-                          const HistSpec& hs, const RangeConsts& rc, const typename simd::VT<B>::i32& lane_off) {
+                          const BinPlan& bp, const typename simd::VT<B>::i32& lane_off) {
   using V = typename simd::VT<B>::f32;
   using I = typename simd::VT<B>::i32;
   using U = typename simd::VT<B>::u32;
   constexpr int W = B / 4;
+  const RangeConsts& rc = bp.rc;
+  if (HM == kHistRange && rc.T != nullptr) {
+    const V t = v * rc.scale + rc.shift;
+    V tc = t > 0.0f ? t : V{};  // NaN -> 0
+    tc = tc < rc.fbins ? tc : V{} + rc.fbins;
+    const I r = __builtin_convertvector(tc + 0.5f, I);  // nearest integer (tc >= 0)
+    V g;
+    for (int j = 0; j < W; ++j) g[j] = rc.T[r[j]];
+    I o = r - (I)(v >= g);
+    o = (I)(v != v) ? I{} + (rc.bins + 2) : o;
+    const I at = o + lane_off;
+    std::memcpy(idx, &at, sizeof at);
+    return;
+  }
   I slot;
   I special;
   if (HM == kHistRange) {
@@ -147,50 +209,57 @@ HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd
       std::memcpy(&r16, raw, sizeof r16);
       bits = __builtin_convertvector(r16, U);
     }
+    // Note [histogram layouts]: normals by exponent and sign; then neg/pos subnormal, zero,
+    // -inf, +inf, NaN.
     const U e = (bits >> M) & emask;
     const U pos = 1u - ((bits >> (E + M)) & 1u);
-    const I zero = (I)((bits & ((1u << (E + M)) - 1u)) == 0u);
-    slot = (I)(e - 1u + pos * nE);
-    slot = zero ? I{} + static_cast<int32_t>(2 * nE + 2) : slot;
-    special = ((I)(e == 0u) & ~zero) | (I)(e == emask);
+    const I mant = (I)((bits & ((1u << M) - 1u)) != 0u);
+    const I e0 = (I)(e == 0u), emax = (I)(e == emask);
+    const I normal = (I)(e - 1u + pos * nE);
+    const I sub_or_zero = mant ? (I)(2 * nE + pos) : I{} + static_cast<int32_t>(2 * nE + 2);
+    const I inf_or_nan = mant ? I{} + static_cast<int32_t>(2 * nE + 5) : (I)(2 * nE + 3 + pos);
+    slot = e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
+    const I at = slot + lane_off;
+    std::memcpy(idx, &at, sizeof at);
+    return;
   }
   const I at = slot + lane_off;
   std::memcpy(idx, &at, sizeof at);
   if (simd::any_lane(special)) {
     for (int j = 0; j < W; ++j) {
       if (!special[j]) continue;
-      const int32_t sl = HM == kHistRange ? fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), hs)
-                                          : exp_slot_of<scalar_t>(raw[j]);
-      idx[j] = sl + lane_off[j];
+      idx[j] = fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), bp.spec) + lane_off[j];
     }
   }
 }
 
-// The histogram of one chunk (already in L1 from the statistics pass): SIMD slot indices into
-// a buffer, then one increment per value into the thread's counter copies.
+// The histogram of one chunk: SIMD slot indices into a buffer, then one increment per value into
+// the thread's counter copies (Note [cpu histogram counters]).
 template <int B, typename scalar_t, int HM>
-HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const HistSpec& hs) {
+HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const BinPlan& bp) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   constexpr int W = L::W;
   int64_t i = 0;
-  const RangeConsts rc = HM == kHistRange ? range_consts(hs) : RangeConsts{};
   if constexpr (std::is_same_v<typename L::acc_t, float>) {
-    if (HM == kHistRange && rc.exact_only) {
-      for (int64_t j = 0; j < n; ++j) bin_scalar<HM>(h, static_cast<int>(j), p[j], hs);
+    if (HM == kHistRange && bp.rc.exact_only) {
+      for (int64_t j = 0; j < n; ++j) bin_scalar<HM>(h, static_cast<int>(j), p[j], bp);
       return;
     }
     typename simd::VT<B>::i32 lane_off;
     for (int j = 0; j < W; ++j) lane_off[j] = static_cast<int32_t>((j & (h.copies - 1)) * h.len);
     alignas(64) int32_t idx[kChunk];
-    for (; i + W <= n; i += W) slot_lanes<B, HM, scalar_t>(idx + i, p + i, L::load(p + i), hs, rc, lane_off);
+    for (; i + W <= n; i += W) slot_lanes<B, HM, scalar_t>(idx + i, p + i, L::load(p + i), bp, lane_off);
     uint32_t* const c = h.c;
     for (int64_t j = 0; j < i; ++j) c[idx[j]] += 1;
   }
-  for (; i < n; ++i) bin_scalar<HM>(h, static_cast<int>(i), p[i], hs);
+  for (; i < n; ++i) bin_scalar<HM>(h, static_cast<int>(i), p[i], bp);
 }
 
-template <int B, typename scalar_t>
-HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k) {
+template <typename scalar_t>
+using CpuAcc = FastAcc<acc_of<scalar_t>, double>;
+
+template <int B, typename scalar_t, bool SCALED>
+HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   using acc_t = typename L::acc_t;
   using V = typename L::V;
@@ -200,23 +269,35 @@ HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n
     V sd, ssd, l1, mn, mx;
     M z;
   };
+  // Each block's lane sums are added to double lanes (DV), reduced once at the end of the chunk.
+  using DV = typename simd::F64Lanes<W>::type;
+  CpuAcc<scalar_t> f;
+  fast_init<acc_t>(f, k, e);
+  DV dsd{}, dssd{}, dl1{};
   const V vk = V{} + k;
+  const V vs = V{} + f.s;
   auto init = [](Lanes& a) {
     a.sd = V{}; a.ssd = V{}; a.l1 = V{}; a.z = M{};
     a.mn = V{} + static_cast<acc_t>(INFINITY);
     a.mx = V{} - static_cast<acc_t>(INFINITY);
   };
   auto step = [&](Lanes& a, const V& v) {
-    const V d = v - vk;
-    a.sd += d;
-    a.ssd += d * d;
-    a.l1 += simd::abs_bits<V, M>(v);
+    if constexpr (SCALED) {
+      const V y = v * vs;  // exact: a power of two (Note [stats scaling])
+      const V d = y - vk;
+      a.sd += d;
+      a.ssd += d * d;
+      a.l1 += simd::abs_bits<V, M>(y);
+    } else {
+      const V d = v - vk;
+      a.sd += d;
+      a.ssd += d * d;
+      a.l1 += simd::abs_bits<V, M>(v);
+    }
     a.mn = v < a.mn ? v : a.mn;
     a.mx = v > a.mx ? v : a.mx;
     a.z -= (v == 0);
   };
-  FastAcc<acc_t> f;
-  fast_init<acc_t>(f, k);
   int64_t i = 0;
   const int64_t n_vec = n - n % W;
   while (i < n_vec) {
@@ -235,26 +316,74 @@ HS_INLINE FastAcc<acc_of<scalar_t>> fast_chunk_simd(const scalar_t* p, int64_t n
       step(a, v0);
       i += W;
     }
-    acc_t sd = 0, ssd = 0, l1 = 0;
+    dsd += __builtin_convertvector(a.sd + b.sd, DV);
+    dssd += __builtin_convertvector(a.ssd + b.ssd, DV);
+    dl1 += __builtin_convertvector(a.l1 + b.l1, DV);
     for (int j = 0; j < W; ++j) {
-      sd += a.sd[j] + b.sd[j];
-      ssd += a.ssd[j] + b.ssd[j];
-      l1 += a.l1[j] + b.l1[j];
       const acc_t mn = a.mn[j] < b.mn[j] ? a.mn[j] : b.mn[j];
       const acc_t mx = a.mx[j] > b.mx[j] ? a.mx[j] : b.mx[j];
       f.mn = mn < f.mn ? mn : f.mn;
       f.mx = mx > f.mx ? mx : f.mx;
       f.zero += a.z[j] + b.z[j];
     }
-    f.sd += sd;
-    f.ssd += ssd;
-    f.l1 += l1;
+  }
+  for (int j = 0; j < W; ++j) {
+    f.sd += dsd[j];
+    f.ssd += dssd[j];
+    f.l1 += dl1[j];
   }
   f.n = i;
   for (; i < n; ++i) {
     fast_add<acc_t>(f, static_cast<acc_t>(p[i]));
   }
   return f;
+}
+
+template <int B, typename scalar_t>
+HS_INLINE CpuAcc<scalar_t> fast_chunk(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
+  return e == 0 ? fast_chunk_simd<B, scalar_t, false>(p, n, k, 0) : fast_chunk_simd<B, scalar_t, true>(p, n, k, e);
+}
+
+// The counting pass of a piece with NaN/Inf (Note [stats nonfinite]), in SIMD: NaN, Inf and zero
+// counts by vector compares, NaN-free min and max.
+template <int B, typename scalar_t>
+HS_INLINE NonfiniteAcc<acc_of<scalar_t>> nonfinite_chunk_simd(const scalar_t* p, int64_t n) {
+  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
+  using acc_t = typename L::acc_t;
+  using V = typename L::V;
+  using M = typename L::M;
+  constexpr int W = L::W;
+  const V inf = V{} + static_cast<acc_t>(INFINITY);
+  M cn0{}, ci0{}, cz0{}, cn1{}, ci1{}, cz1{};
+  V mn0 = inf, mx0 = -inf, mn1 = inf, mx1 = -inf;
+  auto step = [&](M& cn, M& ci, M& cz, V& mn, V& mx, const V& v) {
+    cn -= (v != v);
+    ci -= (simd::abs_bits<V, M>(v) == inf);
+    cz -= (v == 0);
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+  };
+  NonfiniteAcc<acc_t> c;
+  nonfinite_init<acc_t>(c);
+  int64_t i = 0;
+  // Lane counters hold at most n / W <= kChunk / W: no int32 lane can wrap.
+  for (; i + 2 * W <= n; i += 2 * W) {
+    step(cn0, ci0, cz0, mn0, mx0, L::load(p + i));
+    step(cn1, ci1, cz1, mn1, mx1, L::load(p + i + W));
+  }
+  for (; i + W <= n; i += W) step(cn0, ci0, cz0, mn0, mx0, L::load(p + i));
+  for (int j = 0; j < W; ++j) {
+    c.nan += cn0[j] + cn1[j];
+    c.inf += ci0[j] + ci1[j];
+    c.zero += cz0[j] + cz1[j];
+    const acc_t mn = mn0[j] < mn1[j] ? mn0[j] : mn1[j];
+    const acc_t mx = mx0[j] > mx1[j] ? mx0[j] : mx1[j];
+    c.mn = mn < c.mn ? mn : c.mn;
+    c.mx = mx > c.mx ? mx : c.mx;
+  }
+  c.n = i;
+  for (; i < n; ++i) nonfinite_add<acc_t>(c, static_cast<acc_t>(p[i]));
+  return c;
 }
 
 // A shift representable in the input dtype: then x - k is exact for x near k, and sums of
@@ -265,49 +394,68 @@ HS_INLINE acc_of<scalar_t> input_shift(double mean) {
   return k - k == 0 ? k : 0;
 }
 
-// A whole chunk: fast path shifted by k, again with a better shift when k was poor, the
-// careful path when the fast result cannot be trusted. `k` is updated to this chunk's mean.
-// The histogram is filled once, by the first fast pass; the re-reads only redo statistics.
+// What a task carries from chunk to chunk: the previous chunk's mean (the next shift), its scale
+// exponent (Note [stats scaling]), and whether a NaN/Inf was seen (Note [stats nonfinite]).
+struct TaskState {
+  double mean;
+  int32_t e;
+  bool nonfinite;
+};
+
+// A whole chunk, always in SIMD: counted only, once its task has seen NaN/Inf; otherwise the fast
+// path with the previous chunk's scale and shift, again with a fitting scale when the magnitudes
+// call for one (Note [stats scaling]) or a better shift when k was poor. The histogram is filled
+// once, by the first pass; the re-reads (from L1) only redo statistics.
 template <int B, typename scalar_t, int HM>
-HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, acc_of<scalar_t>& k, HistCounters* hist,
-                                       const HistSpec* hs) {
+HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, TaskState& st, HistCounters* hist,
+                                       const BinPlan* hs) {
   using acc_t = acc_of<scalar_t>;
-  FastAcc<acc_t> f = fast_chunk_simd<B, scalar_t>(p, n, k);
   if constexpr (HM != kHistNone) {
     bin_chunk<B, scalar_t, HM>(p, n, *hist, *hs);
     hist->pending += n;
     if (hist->pending >= (int64_t(1) << 31)) flush_counters(*hist);
   }
-  if (!needs_careful<acc_t>(f)) {
-    if (shift_is_poor<acc_t>(f)) f = fast_chunk_simd<B, scalar_t>(p, n, input_shift<scalar_t>(fast_mean<acc_t>(f)));
-    k = input_shift<scalar_t>(fast_mean<acc_t>(f));
-    return fast_to_partial<acc_t>(f);
+  if (st.nonfinite) return nonfinite_to_partial<acc_t>(nonfinite_chunk_simd<B, scalar_t>(p, n));
+  int32_t e = st.e;
+  CpuAcc<scalar_t> f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(ldexp(st.mean, -e)), e);
+  if (fast_nonfinite<acc_t>(f)) {
+    const NonfiniteAcc<acc_t> c = nonfinite_chunk_simd<B, scalar_t>(p, n);
+    if (c.nan > 0 || c.inf > 0) {
+      st.nonfinite = true;
+      return nonfinite_to_partial<acc_t>(c);
+    }
+    // No NaN/Inf: l1 overflowed (|x| near the dtype's max, or a scale carried over from smaller
+    // values): the fitting scale below repairs it.
   }
-  StatsPartial c = empty_partial();
-  double amax = 0.0;
-  for (int64_t j = 0; j < n; ++j) careful_count(c, amax, static_cast<double>(p[j]));
-  const int64_t e = careful_scale_exponent(amax);
-  CarefulMoments m = careful_moments_init();
-  for (int64_t j = 0; j < n; ++j) careful_moments(m, static_cast<double>(p[j]), e);
-  careful_finish(c, m, e);
-  if (c.mean - c.mean == 0.0 && fabs(c.mean) < FastLimits<acc_t>::hi) k = input_shift<scalar_t>(c.mean);
-  return c;
+  const double amax = fast_amax<acc_t>(f);
+  if (fast_nonfinite<acc_t>(f) || !scale_fits<acc_t>(amax, e)) {
+    // The previous chunk's mean belongs to other magnitudes, and this one's is unreliable (the first
+    // pass overflowed or underflowed): no shift; shift_is_poor asks for one more pass if one helps.
+    // (A shift near a mean dominated by one large value would add the same -k to every lane sum,
+    // each addition rounded the same way at that value's magnitude.)
+    e = scale_exponent<acc_t>(amax);
+    f = fast_chunk<B, scalar_t>(p, n, acc_t(0), e);
+  }
+  if (shift_is_poor<acc_t>(f)) f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(fast_mean<acc_t>(f)), e);
+  st.e = e;
+  st.mean = ldexp(static_cast<double>(fast_mean<acc_t>(f)), e);
+  return fast_to_partial<acc_t>(f);
 }
 
 template <typename scalar_t, int HM>
-StatsPartial chunk_default(const scalar_t* p, int64_t n, acc_of<scalar_t>& k, HistCounters* hist,
-                           const HistSpec* hs) {
+StatsPartial chunk_default(const scalar_t* p, int64_t n, TaskState& k, HistCounters* hist,
+                           const BinPlan* hs) {
   return fast_chunk_body<16, scalar_t, HM>(p, n, k, hist, hs);
 }
 
 template <typename scalar_t, int HM>
-HS_TARGET_AVX2 StatsPartial chunk_avx2(const scalar_t* p, int64_t n, acc_of<scalar_t>& k, HistCounters* hist,
-                                       const HistSpec* hs) {
+HS_TARGET_AVX2 StatsPartial chunk_avx2(const scalar_t* p, int64_t n, TaskState& k, HistCounters* hist,
+                                       const BinPlan* hs) {
   return fast_chunk_body<32, scalar_t, HM>(p, n, k, hist, hs);
 }
 
 template <typename scalar_t>
-using chunk_fn = StatsPartial (*)(const scalar_t*, int64_t, acc_of<scalar_t>&, HistCounters*, const HistSpec*);
+using chunk_fn = StatsPartial (*)(const scalar_t*, int64_t, TaskState&, HistCounters*, const BinPlan*);
 
 template <typename scalar_t>
 chunk_fn<scalar_t> pick_chunk_fn(int mode) {
@@ -319,16 +467,33 @@ chunk_fn<scalar_t> pick_chunk_fn(int mode) {
   }
 }
 
-// The first shift of a task: the mean of its first few values (finite ones; 0 if none).
+// The first state of a task, from its first few values: their mean (finite ones; 0 if none) and
+// scale exponent, and whether one of them is NaN/Inf.
 template <typename scalar_t>
-acc_of<scalar_t> initial_shift(const scalar_t* p, int64_t n) {
-  double s = 0.0;
+TaskState initial_state(const scalar_t* p, int64_t n) {
+  using acc_t = acc_of<scalar_t>;
+  double s = 0.0, ss = 0.0, amax = 0.0;
   int64_t m = 0;
+  bool nonfinite = false;
   for (int64_t i = 0; i < n && i < 8; ++i) {
     const double v = static_cast<double>(p[i]);
-    if (v - v == 0.0 && fabs(v) < FastLimits<acc_of<scalar_t>>::hi) { s += v; ++m; }
+    if (!(v - v == 0.0)) { nonfinite = true; continue; }
+    amax = fabs(v) > amax ? fabs(v) : amax;
   }
-  return input_shift<scalar_t>(m ? s / m : 0.0);
+  int ex = 0;
+  frexp(amax, &ex);
+  for (int64_t i = 0; i < n && i < 8; ++i) {
+    const double y = ldexp(static_cast<double>(p[i]), -ex);  // |y| < 1: no overflow or underflow in y * y
+    if (!(y - y == 0.0)) continue;
+    s += y;
+    ss += y * y;
+    ++m;
+  }
+  // A shift only where the sample says |mean| > its spread: elsewhere 0 is as good, and a mean that
+  // one large value dominates is a poor shift for the rest.
+  const double mean = m ? s / m : 0.0;
+  const double shift = m && mean * mean > ss / m - mean * mean ? ldexp(mean, ex) : 0.0;
+  return TaskState{shift, scale_exponent<acc_t>(amax), nonfinite};
 }
 
 // Where the histogram goes: hist_len int64 counters, written (accumulate false) or added to.
@@ -343,6 +508,7 @@ template <typename scalar_t>
 StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const StridedLayout& layout, const HistOut& ho) {
   const int mode = ho.counts != nullptr ? ho.spec.mode : kHistNone;
   const chunk_fn<scalar_t> chunk = pick_chunk_fn<scalar_t>(mode);
+  const BinPlan plan = mode != kHistNone ? bin_plan<scalar_t>(ho.spec) : BinPlan{ho.spec, RangeConsts{}};
   const int64_t nchunks = (numel + kChunk - 1) / kChunk;
   const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>({kMaxTasks, nchunks, numel / kMinTaskElems}));
   const int64_t chunks_per_task = (nchunks + ntasks - 1) / ntasks;
@@ -369,8 +535,11 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   StatsPartial task_partials[kMaxTasks];
   auto run_task = [&](int64_t t, int64_t thread) {
     StatsPartial acc = empty_partial();
+    // Float inputs only: their partials hold no double that could be subnormal (products of
+    // float magnitudes stay above 2^-298); fp64 keeps gradual underflow.
+    const simd::FlushToZero ftz(std::is_same<acc_of<scalar_t>, float>::value);
     alignas(64) scalar_t buf[kChunk];
-    acc_of<scalar_t> k = 0;
+    TaskState k{0.0, 0, false};
     HistCounters* hist = mode != kHistNone ? &counters[thread] : nullptr;
     const int64_t c_end = std::min(nchunks, (t + 1) * chunks_per_task);
     for (int64_t c = t * chunks_per_task; c < c_end; ++c) {
@@ -381,8 +550,8 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
         gather(base, layout, start, clen, buf);
         p = buf;
       }
-      if (c == t * chunks_per_task) k = initial_shift(p, clen);
-      merge(acc, chunk(p, clen, k, hist, &ho.spec));
+      if (c == t * chunks_per_task) k = initial_state(p, clen);
+      merge(acc, chunk(p, clen, k, hist, &plan));
     }
     task_partials[t] = acc;
   };
@@ -398,10 +567,12 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   for (int64_t t = 0; t < ntasks; ++t) merge(total, task_partials[t]);
   if (mode != kHistNone) {
     for (int64_t t = 0; t < nthreads; ++t) flush_counters(counters[t]);
+    const bool ordinal = mode == kHistRange && plan.rc.T != nullptr;  // Note [exact bin thresholds]
     for (int64_t i = 0; i < len; ++i) {
       int64_t c = 0;
       for (int64_t t = 0; t < nthreads; ++t) c += counters[t].total[i];
-      ho.counts[i] = ho.accumulate ? ho.counts[i] + c : c;
+      const int64_t slot = ordinal ? slot_of_ordinal(static_cast<int32_t>(i), ho.spec.bins) : i;
+      ho.counts[slot] = ho.accumulate ? ho.counts[slot] + c : c;
     }
   }
   return total;

@@ -15,8 +15,8 @@ namespace {
 
 void stats_multi_into_cuda(at::TensorList xs, const at::Tensor& out, at::IntArrayRef rows,
                            const std::optional<at::Tensor>& hist, at::IntArrayRef hist_rows, int64_t mode,
-                           int64_t bins, double lo, double hi) {
-  stats_multi_into_op_impl<stats_cuda_runner>(xs, out, rows, hist, hist_rows, mode, bins, lo, hi,
+                           int64_t bins, double lo, double hi, bool accumulate) {
+  stats_multi_into_op_impl<stats_cuda_runner>(xs, out, rows, hist, hist_rows, mode, bins, lo, hi, accumulate,
                                               [](int64_t n, const auto& body) {
                                                 for (int64_t i = 0; i < n; ++i) body(i);
                                               });

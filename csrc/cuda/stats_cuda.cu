@@ -3,8 +3,10 @@
 // One launch per tensor, on the current stream, no host sync:
 //   * each thread reads its grid-stride share with 16-byte loads (an aligned body, a scalar
 //     head for misaligned slices and a scalar tail), accumulates on the fast path of
-//     core/stats_ops.h and, only when needs_careful()/shift_is_poor() say so, re-reads its
-//     share (Note [stats partials]);
+//     core/stats_ops.h (Note [stats partials]) and re-reads its share only to count it when it
+//     holds NaN/Inf (Note [stats nonfinite]), to scale it when its magnitudes ask for another
+//     scale than its first pack did (Note [stats scaling]), or with a better shift;
+//   * histograms go to per-warp shared sub-histograms, warp-aggregated (Note [cuda block histograms]);
 //   * partials are merged by warp shuffles and shared memory in a fixed order, written to a
 //     per-block slot of a small workspace (grid <= 2 blocks of 256 threads per SM, ~100 bytes a block);
 //   * the last block to finish (atomic ticket) merges the block partials in block order and
@@ -119,23 +121,35 @@ struct Share {
     if (t < n) f(x[t]);
   }
 
-  // A guess of the share's mean for the fast path's shift: the mean of its first pack.
-  __device__ __forceinline__ typename AccOf<scalar_t>::type first_mean(int64_t tid) const {
+  // What the share's first pack suggests: a shift (its mean, in scaled units), a scale exponent
+  // (Note [stats scaling]) and whether it holds NaN/Inf (Note [stats nonfinite]).
+  struct Guess {
+    typename AccOf<scalar_t>::type k;
+    int32_t e;
+    bool nonfinite;
+  };
+  __device__ __forceinline__ Guess first_guess(int64_t tid) const {
     using acc_t = typename AccOf<scalar_t>::type;
     int64_t first = tid, count = 1;
     if (flat && tid >= head) {
       first = head + tid * kVec;
       count = kVec;
-    } else if (!flat) {
-      return tid < n ? shift_of(static_cast<double>(static_cast<acc_t>(x[element_offset(layout, tid)]))) : acc_t(0);
     }
-    double s = 0.0;
+    double s = 0.0, amax = 0.0;
     int64_t m = 0;
+    bool nonfinite = false;
     for (int64_t i = first; i < first + count && i < n; ++i) {
-      const double v = static_cast<double>(static_cast<acc_t>(x[i]));
-      if (v - v == 0.0 && fabs(v) < static_cast<double>(FastLimits<acc_t>::hi)) { s += v; ++m; }
+      const double v = static_cast<double>(static_cast<acc_t>(x[flat ? i : element_offset(layout, i)]));
+      if (!(v - v == 0.0)) { nonfinite = true; continue; }
+      s += v;
+      ++m;
+      amax = fabs(v) > amax ? fabs(v) : amax;
     }
-    return shift_of(m ? s / m : 0.0);
+    Guess g;
+    g.e = scale_exponent<acc_t>(amax);
+    g.k = shift_of(m ? ldexp(s / m, -g.e) : 0.0);
+    g.nonfinite = nonfinite;
+    return g;
   }
 
   // A shift representable in the input dtype (see input_shift in cpu/stats_cpu.cpp).
@@ -153,60 +167,97 @@ __device__ __forceinline__ int32_t exp_slot_raw(double v) {
 __device__ __forceinline__ int32_t exp_slot_raw(c10::Half v) { return exp_slot<5, 10>(v.x); }
 __device__ __forceinline__ int32_t exp_slot_raw(c10::BFloat16 v) { return exp_slot<8, 7>(v.x); }
 
-// The histogram is counted in the first pass only, into the block's shared-memory copy
-// (integer atomics: exact and order-free); re-reads only redo statistics.
+// Note [cuda block histograms]
+// Each block counts into shared-memory sub-histograms, one per warp when they fit in
+// kHistSmemBytes (so warps never contend for an address), else one for the block. Before its
+// shared atomic, a warp's lanes that hold the same slot are combined (__match_any_sync): the
+// lowest of them adds the group's size. Data concentrated in one bin (ReLU zeros, dead units,
+// saturated values) then costs one atomic per warp and value position instead of 32 serialized
+// ones on one address. Integer counts: exact, order-free. The block adds its sub-histograms
+// into the int64 output row with one global atomic per nonzero slot.
+constexpr int64_t kHistSmemBytes = 32 * 1024;
+
+__device__ __forceinline__ void hist_inc(uint32_t* h, int32_t slot) {
+  const unsigned active = __activemask();
+  const unsigned peers = __match_any_sync(active, static_cast<unsigned>(slot));
+  const int lane = threadIdx.x & 31;
+  if (lane == __ffs(peers) - 1) atomicAdd(h + slot, static_cast<uint32_t>(__popc(peers)));
+}
+
+// Calls f(value) for every element of the share, counting its histogram slot into this warp's
+// sub-histogram h when the spec has one.
+template <typename scalar_t, typename F>
+__device__ __forceinline__ void visit_counting(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
+                                               const HistSpec& hs, uint32_t* h, F&& f) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  if (hs.mode == kHistRange) {
+    share.visit(tid, nthreads, [&](scalar_t r) {
+      const acc_t v = static_cast<acc_t>(r);
+      f(v);
+      hist_inc(h, fixed_slot<acc_t>(v, hs));
+    });
+  } else if (hs.mode == kHistExp) {
+    share.visit(tid, nthreads, [&](scalar_t r) {
+      f(static_cast<acc_t>(r));
+      hist_inc(h, exp_slot_raw(r));
+    });
+  } else {
+    share.visit(tid, nthreads, [&](scalar_t r) { f(static_cast<acc_t>(r)); });
+  }
+}
+
+// The histogram is counted in the first visit only; re-reads only redo statistics. A share whose
+// first pack holds NaN/Inf is only counted (Note [stats nonfinite]); a share whose magnitudes do
+// not fit the first pack's scale is read again with its own (Note [stats scaling]).
 template <typename scalar_t>
 __device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
                                        const HistSpec& hs, uint32_t* sh_hist) {
   using acc_t = typename AccOf<scalar_t>::type;
+  const typename Share<scalar_t>::Guess g = share.first_guess(tid);
+  if (g.nonfinite) {
+    NonfiniteAcc<acc_t> c;
+    nonfinite_init<acc_t>(c);
+    visit_counting(share, tid, nthreads, hs, sh_hist, [&](acc_t v) { nonfinite_add<acc_t>(c, v); });
+    return nonfinite_to_partial<acc_t>(c);
+  }
   FastAcc<acc_t> f;
-  fast_init<acc_t>(f, share.first_mean(tid));
-  if (hs.mode == kHistRange) {
-    share.visit(tid, nthreads, [&](scalar_t r) {
-      const acc_t v = static_cast<acc_t>(r);
-      fast_add<acc_t>(f, v);
-      atomicAdd(sh_hist + fixed_slot<acc_t>(v, hs), 1u);
-    });
-  } else if (hs.mode == kHistExp) {
-    share.visit(tid, nthreads, [&](scalar_t r) {
-      fast_add<acc_t>(f, static_cast<acc_t>(r));
-      atomicAdd(sh_hist + exp_slot_raw(r), 1u);
-    });
-  } else {
+  fast_init<acc_t>(f, g.k, g.e);
+  visit_counting(share, tid, nthreads, hs, sh_hist, [&](acc_t v) { fast_add<acc_t>(f, v); });
+  if (fast_nonfinite<acc_t>(f)) {
+    NonfiniteAcc<acc_t> c;
+    nonfinite_init<acc_t>(c);
+    share.visit(tid, nthreads, [&](scalar_t r) { nonfinite_add<acc_t>(c, static_cast<acc_t>(r)); });
+    if (c.nan > 0 || c.inf > 0) return nonfinite_to_partial<acc_t>(c);
+  }
+  const double amax = fast_amax<acc_t>(f);
+  if (fast_nonfinite<acc_t>(f) || !scale_fits<acc_t>(amax, f.e)) {
+    fast_init<acc_t>(f, acc_t(0), scale_exponent<acc_t>(amax));  // no shift: see stats_cpu.cpp
     share.visit(tid, nthreads, [&](scalar_t r) { fast_add<acc_t>(f, static_cast<acc_t>(r)); });
   }
-  if (!needs_careful<acc_t>(f)) {
-    if (shift_is_poor<acc_t>(f)) {
-      fast_init<acc_t>(f, Share<scalar_t>::shift_of(static_cast<double>(fast_mean<acc_t>(f))));
-      share.visit(tid, nthreads, [&](scalar_t r) { fast_add<acc_t>(f, static_cast<acc_t>(r)); });
-    }
-    return fast_to_partial<acc_t>(f);
+  if (shift_is_poor<acc_t>(f)) {
+    fast_init<acc_t>(f, Share<scalar_t>::shift_of(static_cast<double>(fast_mean<acc_t>(f))), f.e);
+    share.visit(tid, nthreads, [&](scalar_t r) { fast_add<acc_t>(f, static_cast<acc_t>(r)); });
   }
-  StatsPartial c = empty_partial();
-  double amax = 0.0;
-  share.visit(tid, nthreads, [&](scalar_t r) { careful_count(c, amax, static_cast<double>(static_cast<acc_t>(r))); });
-  const int64_t e = careful_scale_exponent(amax);
-  CarefulMoments m = careful_moments_init();
-  share.visit(tid, nthreads, [&](scalar_t r) { careful_moments(m, static_cast<double>(static_cast<acc_t>(r)), e); });
-  careful_finish(c, m, e);
-  return c;
+  return fast_to_partial<acc_t>(f);
 }
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
-             unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len,
+             unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len, int hist_copies,
              unsigned long long* __restrict__ hist_out) {
   __shared__ StatsPartial smem[kWarps];
   __shared__ bool is_last;
-  extern __shared__ uint32_t sh_hist[];
-  for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) sh_hist[i] = 0u;
+  extern __shared__ uint32_t sh_hist[];  // hist_copies sub-histograms (Note [cuda block histograms])
+  for (int64_t i = threadIdx.x; i < hist_len * hist_copies; i += kThreads) sh_hist[i] = 0u;
   if (hist_len > 0) __syncthreads();
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  StatsPartial p = block_merge(thread_partial(share, tid, nthreads, hs, sh_hist), smem);  // syncs the block
+  uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
+  StatsPartial p = block_merge(thread_partial(share, tid, nthreads, hs, my_hist), smem);  // syncs the block
   for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
-    const uint32_t c = sh_hist[i];
+    uint32_t c = 0u;
+    for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
     if (c != 0u) atomicAdd(hist_out + i, static_cast<unsigned long long>(c));
   }
   if (gridDim.x == 1) {
@@ -269,9 +320,12 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
     auto* partials = reinterpret_cast<StatsPartial*>(ws.data_ptr());
     auto* ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes - 16);
     C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
-    const size_t smem = static_cast<size_t>(hist_len) * sizeof(uint32_t);
+    // Note [cuda block histograms]: a sub-histogram per warp when they fit, else one per block
+    // (<= 8192 + 3 bins or 4098 exponent slots: at most 32 KB).
+    const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
+    const size_t smem = static_cast<size_t>(hist_len) * copies * sizeof(uint32_t);
     stats_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
-        share, partials, ticket, out, hs, hist_len, reinterpret_cast<unsigned long long*>(hist));
+        share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -36,9 +36,9 @@ void stats_into(const at::Tensor& x, const at::Tensor& out, int64_t slot, const 
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookstats::stats_into", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&,
-                                   int64_t, int64_t, int64_t, double, double)>();
+                                   int64_t, int64_t, int64_t, double, double, bool)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  op.call(x, out, slot, hist, hist_slot, hist.has_value() ? h.mode : 0, h.bins, h.lo, h.hi);
+  op.call(x, out, slot, hist, hist_slot, hist.has_value() ? h.mode : 0, h.bins, h.lo, h.hi, /*hist_accumulate=*/false);
 }
 
 void check_backend(const at::Tensor& x) {
@@ -234,9 +234,9 @@ void Recorder::write(int32_t site, const at::Tensor& x, int64_t slot, bool hist)
     if (hist && s.hgroup >= 0) {
       const HistBuffer& hb = hists_[s.hgroup];
       stats_cpu_runner(x, StatsOut{row, nullptr, true}, hist_spec_, hb.counts.data_ptr<int64_t>() +
-                       (slot * hb.cap + s.hrow) * hb.len, hb.len, true);
+                       (slot * hb.cap + s.hrow) * hb.len, hb.len, /*accumulate=*/false);
     } else {
-      stats_cpu_runner(x, StatsOut{row, nullptr, true}, no_hist_, nullptr, 0, true);
+      stats_cpu_runner(x, StatsOut{row, nullptr, true}, no_hist_, nullptr, 0, false);
     }
     return;
   }
@@ -284,7 +284,7 @@ void Recorder::record_calls(const std::vector<std::tuple<int32_t, int32_t, at::T
                           .findSchemaOrThrow("hookstats::stats_multi_into", "")
                           .typed<void(at::TensorList, const at::Tensor&, at::IntArrayRef,
                                       const std::optional<at::Tensor>&, at::IntArrayRef, int64_t, int64_t, double,
-                                      double)>();
+                                      double, bool)>();
   for (const auto& [hook, call, t] : calls) {
     if (!is_recordable(t)) skipped_.fetch_add(1);
     else check_backend(t);
@@ -329,9 +329,9 @@ void Recorder::record_calls(const std::vector<std::tuple<int32_t, int32_t, at::T
     const DeviceBuffer& b = devs_[gr.dev];
     if (gr.hgroup >= 0) {
       multi.call(gr.xs, b.stats, gr.rows, hists_[gr.hgroup].counts, gr.hrows, hist_.mode, hist_.bins, hist_.lo,
-                 hist_.hi);
+                 hist_.hi, false);
     } else {
-      multi.call(gr.xs, b.stats, gr.rows, std::nullopt, {}, 0, 0, 0.0, 0.0);
+      multi.call(gr.xs, b.stats, gr.rows, std::nullopt, {}, 0, 0, 0.0, 0.0, false);
     }
   }
 }
@@ -357,9 +357,10 @@ Recorder::Taken Recorder::take() {
 void Recorder::reset() {
   std::lock_guard<std::mutex> g(mu_);
   const int64_t used = static_cast<int64_t>(slot_steps_.size());
+  // Histogram rows need no reset: stats_into writes them (Note [histogram rows]), and only rows written in a
+  // slot are read from it.
   if (used) {
     for (auto& b : devs_) b.stats.narrow(0, 0, used * b.cap).fill_(std::nan(""));
-    for (auto& h : hists_) h.counts.narrow(0, 0, used * h.cap).zero_();
   }
   slot_steps_.clear();
   slot_hist_.clear();
