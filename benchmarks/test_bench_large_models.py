@@ -14,7 +14,7 @@ every case alike; one torch thread, since 2-thread regions stall on a shared 2-c
   test_bench_monitor.py): a step's time is the mean over whole flush periods, not a median that skips flushes.
   large-host                  host time per record and flush time per record:
     record_host    Monitor forward-only on Linear(4, 4) with a 1 x 4 input: (time with - without) per record, the
-                   kernel on 4 elements included
+                   kernel on 4 elements included (fastest of 9 interleaved rounds of 20,000 calls each side)
     flush          flush() of a step of the MLP's records (2,002) divided by their number
 
 The ratios (case / none) go into extra_info and benchmarks/report.py prints them against the targets of issue
@@ -218,14 +218,16 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
 
     bare, with_mon = [], []
     mon = hookstats.Monitor(lin, kinds="forward", flush_every=None)
-    for _ in range(1 if smoke else 5):  # interleaved: hooks on, hooks off
+    for _ in range(1 if smoke else 9):  # interleaved: hooks off, hooks on
         mon._buf.rec.begin_step(0, False, False)
         bare.append(forwards())
         mon.step()
         with_mon.append(forwards())
         mon.flush()
     mon.detach()
-    record_host = statistics.median(with_mon) - statistics.median(bare)
+    # The fastest round of each side: a busy neighbour only ever adds time, and the difference of two medians of
+    # ~7 us calls swings by microseconds when it does.
+    record_host = min(with_mon) - min(bare)
 
     model, xin, loss = make_mlp(smoke)
     mon = hookstats.Monitor(model)
@@ -241,7 +243,7 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
     mon.detach()
     benchmark.group = "large-host"
     benchmark.extra_info.update(family="large", bench="host", record_host_s=record_host,
-                                bare_forward_s=statistics.median(bare), flush_per_record_s=statistics.median(flush),
+                                bare_forward_s=min(bare), flush_per_record_s=statistics.median(flush),
                                 flush_records=records, pending_slots=k, case="record_host",
                                 targets={"record_host_s": 2e-6, "flush_per_record_s": 0.5e-6})
     assert math.isfinite(record_host)

@@ -516,7 +516,10 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   // no allocation once warm.
   const int64_t nthreads = ntasks == 1 ? 1 : at::get_num_threads();
   const int64_t len = ho.len;
-  const int copies = len <= 1024 ? 8 : 2;
+  // Counter copies (Note [cpu histogram counters]): 8 (2 for long histograms), fewer for a tensor with fewer values
+  // per thread than counters, where zeroing and merging the copies would cost more than the counting itself.
+  int copies = len <= 1024 ? 8 : 2;
+  while (copies > 1 && numel / nthreads < static_cast<int64_t>(copies) * len) copies /= 2;
   static thread_local std::vector<uint32_t> counter_cache;
   static thread_local std::vector<int64_t> total_cache;
   static thread_local std::vector<HistCounters> counter_refs;
