@@ -100,6 +100,12 @@ class JSONLWriter:
         self._emit([head])
         self._began = True
 
+    def write_block(self, block, scalars: list[dict] = ()) -> None:
+        """One Monitor flush (a columnar Block): the same lines as write(block's records)."""
+        from ..monitor.export_thread import records_of
+
+        self.write(records_of(block), scalars)
+
     def write(self, records: list[dict], scalars: list[dict] = ()) -> None:
         objs: list[dict] = [encode_record(r) for r in records]
         objs += [{"type": "scalar", "seq": s["seq"], "step": s["step"], "tag": s["tag"],
