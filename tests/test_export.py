@@ -258,6 +258,7 @@ def test_flush_every_writes_at_every_nth_step_only(tmp_path):
         mon.log("loss", loss)
         assert nlines() == counts[-1]  # nothing written between step() calls
         mon.step()
+        mon.drain()  # the writes run on the export thread: wait for them before reading the file
         counts.append(nlines())
     grew = [i + 1 for i in range(7) if counts[i + 1] != counts[i]]
     assert grew == [3, 6], counts
@@ -340,13 +341,14 @@ _KILL_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
     import hookstats
-    from hookstats.export import JSONLWriter
+    from hookstats.export import JSONLWriter, ParquetWriter
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    writer = ParquetWriter(sys.argv[1]) if sys.argv[2:] == ["parquet"] else JSONLWriter(sys.argv[1])
     mon = hookstats.Monitor(model, kinds=("forward", "backward_pre", "grad"), histogram="exp",
-                            exporters=[JSONLWriter(sys.argv[1])], flush_every=1)
+                            exporters=[writer], flush_every=1)
     step = 0
     while True:
         x = torch.randn(8, 16)
@@ -354,7 +356,9 @@ _KILL_SCRIPT = textwrap.dedent("""
         loss.backward()
         mon.log("loss", loss)
         mon.step()
-        print(step, flush=True)
+        if step % 2:  # the export thread has written every flush so far: what is printed must be on disk
+            mon.drain()
+            print(step, flush=True)
         step += 1
 """)
 
@@ -369,14 +373,13 @@ def _kill_expected_per_step() -> int:
     return n
 
 
-def test_sigkill_leaves_every_flushed_step_complete(tmp_path):
-    path = tmp_path / "log.jsonl"
-    expected = _kill_expected_per_step()
-    assert expected == 4 + 4 + 4  # forward of "", 0, 1, 2; backward_pre of the same; 4 parameter grads
+def _train_and_kill(path, fmt: str) -> int:
+    """Runs _KILL_SCRIPT writing `path` (fmt "jsonl" or "parquet"), SIGKILLs it a little after it printed its sixth
+    drained step, and returns the last step it printed (every flush up to it was written)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, bufsize=0, cwd=tmp_path, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(path), fmt], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0, cwd=os.path.dirname(str(path)), env=env)
     printed: list[int] = []
     buf = b""
     deadline = time.monotonic() + 120
@@ -392,13 +395,20 @@ def test_sigkill_leaves_every_flushed_step_complete(tmp_path):
             buf += chunk
             *done, buf = buf.split(b"\n")
             printed += [int(s) for s in done]
-        time.sleep(0.02)  # let it get somewhere into the following steps
+        time.sleep(0.02)  # let it get somewhere into the following steps (flushes in flight on the export thread)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    assert printed == list(range(len(printed)))
-    last_done = printed[-1]
+    assert printed == list(range(1, 2 * len(printed), 2))  # drained (and printed) at every odd step
+    return printed[-1]
+
+
+def test_sigkill_leaves_every_flushed_step_complete(tmp_path):
+    path = tmp_path / "log.jsonl"
+    expected = _kill_expected_per_step()
+    assert expected == 4 + 4 + 4  # forward of "", 0, 1, 2; backward_pre of the same; 4 parameter grads
+    last_done = _train_and_kill(path, "jsonl")
 
     raw = path.read_bytes().decode("utf-8", errors="replace")
     lines = raw.split("\n")

@@ -48,6 +48,11 @@ def read_run(path) -> RunTable:
 
         info, records, scalars = read_parquet_log(p)
         return RunTable(info, records, _t.table_scalars(scalars), 0, p, "parquet")
+    if p.endswith(".parquet"):  # one file of a Parquet log
+        from .parquet import _pq
+
+        t = _pq().read_table(p)
+        return RunTable(_t.run_info(t), t, [], 0, p, "parquet")
     from .jsonl import read_jsonl
 
     log = read_jsonl(p)
@@ -64,6 +69,10 @@ def read_log(path, columns: Optional[list] = None):
         from .parquet import read_parquet_log
 
         return read_parquet_log(p, columns)[1]
+    if p.endswith(".parquet"):
+        from .parquet import _pq
+
+        return _pq().read_table(p, columns=columns)
     t = read_run(p).records
     return t.select(columns) if columns else t
 
