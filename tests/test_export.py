@@ -4,8 +4,9 @@ JSONL: read_jsonl gives back exactly Monitor.records() / scalars() (NaN and Inf 
 run header, flush_every, keep_records=False, appending writers, and a run killed with SIGKILL mid-training.
 TensorBoard: the event files read back with tensorboard's EventAccumulator: scalar tags and values per record and
 statistic, Monitor.log scalars, exponent histograms against floor(log2|x|) of the fed tensor, range histograms
-against torch.histc, half types, argument checks, a caller's SummaryWriter left open. W&B: a fake `wandb` module
-(and the real one in offline mode when installed). Exporter and Monitor.log argument checks.
+against torch.histc, half types, argument checks, a caller's SummaryWriter left open. W&B: the real wandb package in
+offline mode, its run history read back from the run's transaction log (tests/wandb_offline.py), and a fake module
+for which run the writer finishes. Exporter and Monitor.log argument checks.
 """
 from __future__ import annotations
 

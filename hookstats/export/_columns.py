@@ -133,10 +133,8 @@ class Columns:
                 valid = ~np.asarray(ch.is_null().to_numpy(zero_copy_only=False), dtype=bool)
                 rows = np.flatnonzero(valid)
                 if len(rows):
-                    vals = ch.values.to_numpy(zero_copy_only=False)
-                    off = ch.offset
-                    vals = vals[off * length:(off + m) * length].reshape(m, length)
-                    yield start + rows, np.asarray(vals[rows], dtype=np.int64)
+                    vals = ch.flatten().to_numpy(zero_copy_only=False)  # the non-null entries, L counts each
+                    yield start + rows, np.asarray(vals, dtype=np.int64).reshape(len(rows), length)
                 start += m
             return
         rows = [i for i, r in enumerate(self._records) if r.get("histogram") is not None and
@@ -157,9 +155,22 @@ class Columns:
         rows = np.asarray(rows, dtype=np.int64)
         if self._records is not None:
             return [self._records[i] for i in rows]
-        from ..monitor.table import table_records
-
-        return table_records(self._table.take(rows))
+        hist: dict = {}
+        for L in self.hist_lengths():
+            for hr, h in self.hist_chunks(L):
+                sel = np.isin(hr, rows)
+                for i, v in zip(hr[sel].tolist(), h[sel]):
+                    hist[i] = v.tolist()
+        stats = {f: self.stat(f)[rows] for f in STATS_FIELDS}
+        index = (self._table.column("index").to_numpy()[rows].tolist() if "index" in self._table.column_names
+                 else [0] * len(rows))
+        out = []
+        for j, i in enumerate(rows.tolist()):
+            st = {f: (int(v[j]) if f in COUNT_FIELDS else float(v[j])) for f, v in stats.items()}
+            out.append({"seq": int(self.seq[i]), "step": int(self.step[i]), "module": self.module_names[self.module[i]],
+                        "kind": self.kind_names[self.kind[i]], "index": int(index[j]),
+                        "dtype": self.dtype_names[self.dtype[i]], "stats": st, "histogram": hist.get(i)})
+        return out
 
 
 def first_seen(codes: np.ndarray) -> list:

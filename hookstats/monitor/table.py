@@ -7,9 +7,12 @@ Schema (RECORD_COLUMNS, then the histogram columns):
   index int32                                -- the tensor's position in what the hook saw
   numel .. zero_count                        -- one column per STATS_FIELDS statistic: the COUNT_FIELDS as int64,
                                                 the others float64 (or float32 when asked: ParquetWriter)
-  histogram_{L}: fixed_size_list<int64, L>   -- one per histogram length L in the run (a range histogram has one
-                                                length, an exponent histogram one per dtype), null where the row has
-                                                no histogram of that length
+  histogram_{L}: list<int64>                 -- one per histogram length L in the run (a range histogram has one
+                                                length, an exponent histogram one per dtype): every entry exactly L
+                                                counts, or null where the row has no histogram of that length. A list
+                                                column, not fixed_size_list: a null costs nothing there, where a
+                                                fixed-size list stores L zeros for it (histogram_every=10 on a float32
+                                                exponent histogram, 514 counts, would hold 10x the data it has)
 The run header (Monitor.run_info()) travels as schema metadata under b"hookstats.run" (JSON) where a writer puts it.
 `table_records(table)` turns a table back into record dicts (records()'s form), `scalars_table` / `table_scalars`
 do the same for the logged scalars. pyarrow is imported when a table is built: `import hookstats` never needs it.
@@ -106,16 +109,19 @@ def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = 
     for g, h in enumerate(block.hists):
         by_len.setdefault(h.shape[-1], []).append(g)
     for length, groups in sorted(by_len.items()):
-        values = np.zeros((n, length), dtype=np.int64)
-        has = np.zeros(n, dtype=bool)
+        has = np.isin(block.hist_group, groups) if len(groups) > 1 else block.hist_group == groups[0]
+        rows = np.flatnonzero(has)
+        if not len(rows):
+            continue
+        values = np.empty((len(rows), length), dtype=np.int64)
         for g in groups:
-            rows = np.flatnonzero(block.hist_group == g)
-            if len(rows):
-                values[rows] = block.hists[g][block.hist_row[rows]]
-                has[rows] = True
-        if has.any():
-            cols[hist_column(length)] = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), length,
-                                                                          mask=pa.array(~has))
+            sel = block.hist_group[rows] == g
+            if sel.any():
+                values[sel] = block.hists[g][block.hist_row[rows[sel]]]
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        offsets[1:] = np.cumsum(has * length)
+        cols[hist_column(length)] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.reshape(-1)),
+                                                             mask=pa.array(~has))
     t = pa.table(cols)
     return with_run_info(t, metadata) if metadata is not None else t
 
@@ -197,7 +203,7 @@ def records_table(records: Sequence[dict], stats_dtype: str = "float64"):
     for L in lens:
         cols[hist_column(L)] = pa.array([r["histogram"] if r.get("histogram") is not None and
                                          len(r["histogram"]) == L else None for r in records],
-                                        pa.list_(pa.int64(), L))
+                                        pa.list_(pa.int64()))
     return pa.table(cols)
 
 
