@@ -54,8 +54,8 @@ def records(path: str):
 
 
 def history(wandb_dir: str) -> list:
-    """[{key: value}] per logged step (values JSON-decoded; `_step` included) of the one offline run under
-    wandb_dir/wandb/."""
+    """[{key: value}] per logged step (values JSON-decoded; `_step` included; rows of one step merged) of the one
+    offline run under wandb_dir/wandb/."""
     runs = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb"))
     if len(runs) != 1:
         raise ValueError(f"expected one offline run under {wandb_dir}, found {runs}")
@@ -66,5 +66,8 @@ def history(wandb_dir: str) -> list:
             for item in rec.history.item:
                 key = item.key if item.key else "/".join(item.nested_key)
                 row[key] = json.loads(item.value_json)
-            out.append(row)
+            if out and out[-1].get("_step") == row.get("_step"):  # one step written as more than one row
+                out[-1].update(row)
+            else:
+                out.append(row)
     return out
