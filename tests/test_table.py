@@ -360,3 +360,20 @@ def test_plots_pick_layers_of_a_deep_model(tmp_path):
     assert l2 == layers_ and s2 == steps and np.array_equal(v2, values, equal_nan=True)
     assert plots.nonfinite_events(t) == plots.nonfinite_events(mon.records())
     mon.detach()
+
+
+@pytest.mark.parametrize("histogram", [None, "exp", ((8, (-1.0, 1.0)))])
+def test_jsonl_columnar_lines_equal_the_record_encoding(histogram):
+    import json
+
+    from hookstats.export.jsonl import encode_block, encode_record
+
+    m = net()
+    mon = hookstats.Monitor(m, kinds=("forward", "backward_pre", "grad"), histogram=histogram)
+    run(mon, m, 3, nan_step=1)
+    mon.flush()
+    block = mon._buf.blocks[-1]
+    want = "".join(json.dumps(encode_record(r), allow_nan=False, separators=(",", ":")) + "\n"
+                   for r in block.records())
+    assert encode_block(block) == want
+    mon.detach()
