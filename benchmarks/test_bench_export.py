@@ -1,8 +1,9 @@
 """Exporters at scale: 2,000 records a step for 500 steps (1M records) through each writer, off the training thread.
 
-The model is cheap on purpose: 1,000 nn.Identity modules in a Sequential (1,001 with the root) fed a new random
-16-element tensor each step (so the statistics differ from step to step, as a training's do: a constant input
-would let zstd squeeze the log to nothing), kinds forward_pre + forward: 2,002 records a step, flushed every
+The model is cheap on purpose: 1,000 `Affine` modules (x * a_i + b_i, a few us each) in a Sequential (1,001 with
+the root) fed a new random 16-element tensor each step, so that the statistics differ from module to module and
+from step to step as a training's do (identical records would let zstd squeeze the log to nothing), kinds
+forward_pre + forward: 2,002 records a step, flushed every
 FLUSH_EVERY steps. What is measured (one torch thread; one run per writer, not interleaved: each case is a whole
 run of its writer):
   step_thread_s      the training thread's time in Monitor.step() per step, flushes included
@@ -71,10 +72,19 @@ def _writer(name: str, run_dir: str):
     raise ValueError(name)
 
 
+class Affine(nn.Module):
+    def __init__(self, i: int):
+        super().__init__()
+        self.a, self.b = 1.0 + 0.37 / (i + 1), 0.01 * ((i * 7919) % 13 - 6)
+
+    def forward(self, x):
+        return x * self.a + self.b
+
+
 def _run(name: str, run_dir: str, modules: int, steps: int) -> dict:
     import hookstats
 
-    model = nn.Sequential(*[nn.Identity() for _ in range(modules)])
+    model = nn.Sequential(*[Affine(i) for i in range(modules)])
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(16, generator=g) for _ in range(steps)]
     writer, path = _writer(name, run_dir)
