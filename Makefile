@@ -12,7 +12,7 @@
 SHELL := /bin/bash
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
-TEST_DEPS ?= ninja pytest pytest-benchmark numpy expecttest setuptools wheel tensorboard matplotlib tqdm
+TEST_DEPS ?= ninja pytest pytest-benchmark numpy expecttest setuptools wheel tensorboard matplotlib tqdm pyarrow pandas wandb
 PYTEST_ARGS ?=
 
 ifeq ($(wildcard /usr/local/cuda/bin/nvcc),)

@@ -968,6 +968,63 @@ def format_bydata_table(table: dict) -> str:
     return "\n".join(out)
 
 
+def summarize_export(json_path: str) -> list[dict]:
+    """The extra_info of the exporter benchmarks (benchmarks/test_bench_export.py)."""
+    with open(json_path) as f:
+        data = json.load(f)
+    return [b.get("extra_info", {}) for b in data.get("benchmarks", [])
+            if b.get("extra_info", {}).get("family") == "export"]
+
+
+EXPORT_NAMES = {"none": "no exporter (the flush alone)", "parquet": "ParquetWriter (float32)",
+                "parquet64": "ParquetWriter (float64)", "jsonl": "JSONLWriter", "tensorboard": "TensorBoardWriter",
+                "wandb": "WandbWriter (offline)"}
+
+
+def format_export_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    r0 = rows[0]
+    lines = ["", f"## Exporters off the training thread ({r0.get('records_per_step')} records a step, flush every "
+                 f"{r0.get('flush_every')} steps, 1 thread)", "",
+             "| writer | steps | records | training thread ms/step | flush | hand-over | queue-full waits | "
+             "drain s | writer records/s | bytes/record | report s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    by = {r["writer"]: r for r in rows}
+    for name, label in EXPORT_NAMES.items():
+        r = by.get(name)
+        if r is None:
+            continue
+        exp = r.get("export_s")
+        cells = [label, str(r["steps"]), f"{r['records']:,}", f"{r['step_thread_s'] * 1e3:.3f}",
+                 f"{r.get('flush_s', 0) * 1e3:.3f}", "-" if exp is None or name == "none" else f"{exp * 1e3:.3f}",
+                 f"{r['export_waits']} ({r.get('wait_s', 0) * 1e3:.3f} ms/step)",
+                 f"{r['drain_s']:.2f}", f"{r['writer_rps']:,.0f}",
+                 f"{r['bytes_per_record']:.1f}" if "bytes_per_record" in r else "-",
+                 f"{r['report_s']:.2f}" if "report_s" in r else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    t = r0.get("targets", {})
+    pq, js = by.get("parquet"), by.get("jsonl")
+    lines.append("")
+    if pq and pq.get("export_s") is not None:
+        v, goal = pq["export_s"], t.get("export_s", 0.3e-3)
+        lines.append(f"- Parquet: handing each flush to the export thread costs the training thread {v * 1e3:.3f} ms "
+                     f"a step (target <= {goal * 1e3:.1f} ms: {'met' if v <= goal else 'missed'}); flush + hand-over "
+                     f"{(v + pq['flush_s']) * 1e3:.3f} ms (the flush: issue #13's copy into a Block); queue-full "
+                     f"waits {pq['export_waits']} ({pq.get('wait_s', 0) * 1e3:.3f} ms a step: the writer behind this "
+                     f"hooks-only loop)")
+    if pq and js and "bytes_per_record" in pq and "bytes_per_record" in js:
+        ratio = pq["bytes_per_record"] / js["bytes_per_record"]
+        goal = t.get("parquet_vs_jsonl_bytes", 0.2)
+        lines.append(f"- Parquet / JSONL bytes per record: {ratio:.3f} (target <= {goal:.2f}: "
+                     f"{'met' if ratio <= goal else 'missed'})")
+    if pq and "report_s" in pq:
+        goal = t.get("report_s", 10.0)
+        lines.append(f"- report of the {pq['records']:,}-record Parquet run: {pq['report_s']:.2f} s (target <= "
+                     f"{goal:.0f} s: {'met' if pq['report_s'] <= goal else 'missed'})")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", help="pytest-benchmark JSON (--benchmark-json=PATH)")
@@ -992,6 +1049,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     large_rows = summarize_large(args.json_path)
     if large_rows:
         text += format_large_table(large_rows)
+    export_rows = summarize_export(args.json_path)
+    if export_rows:
+        text += format_export_table(export_rows)
     sys.stdout.write(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

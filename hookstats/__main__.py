@@ -1,4 +1,4 @@
-"""The hookstats command line: `python -m hookstats demo|bench`."""
+"""The hookstats command line: `python -m hookstats demo|report|bench`."""
 from __future__ import annotations
 
 import argparse
@@ -169,18 +169,28 @@ def demo(args) -> int:
           f"CPU code path {torch.ops.hookstats._cpu_isa('')} | CUDA kernels built: {hookstats.cuda_kernels_built()}")
     if not args.no_examples:
         _tensor_examples(device)
-    print(f"\nTraining a small {args.model} on synthetic data for {args.steps} steps: hookstats.Monitor on every layer "
+    what = (f"a deep MLP ({2 * 500} modules)" if args.model == "deep" else f"a small {args.model}")
+    print(f"\nTraining {what} on synthetic data for {args.steps} steps: hookstats.Monitor on every layer "
           "(outputs, grad_outputs, parameter grads, with exponent histograms), fused_clip(1.0) on each block's "
           "grad_input, clip_grad_norm_(1.0, nonfinite='zero') on the parameters, a NaN batch at step "
           f"{(3 * args.steps) // 4 if args.steps > 1 else 'never'}. Writing {out}/\n")
     try:
-        r = train(args.model, steps=args.steps, device=device, out=out, progress=not args.no_progress)
+        r = train(args.model, steps=args.steps, device=device, out=out, progress=not args.no_progress,
+                  log_format=args.log)
+    except ImportError as e:
+        print(f"hookstats demo: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"hookstats demo: cannot write the run directory {out!r}: {e}", file=sys.stderr)
         return 2
-    print(f"\n{r['records']} records in {r['seconds']:.1f} s ({r['seconds'] / r['steps'] * 1e3:.0f} ms/step), read "
-          f"back in one copy per buffer every {r['flush_every']} steps.\n")
-    print(r["summary"])
+    print(f"\n{r['records']} records of {r['modules']} modules in {r['seconds']:.1f} s "
+          f"({r['seconds'] / r['steps'] * 1e3:.0f} ms/step), read back in one copy per buffer every {r['flush_every']} "
+          f"steps, written on the export thread (the training waited for it {r['export_waits']} times).\n")
+    lines = r["summary"].splitlines()
+    most = 40
+    print("\n".join(lines[:most + 2]))
+    if len(lines) > most + 2:
+        print(f"... ({len(lines) - most - 2} more rows: the report has them all)")
     bad = r["first_nonfinite"]
     if bad is not None:
         print(f"\nfirst NaN/Inf: step {bad['step']}, module {bad['module'] or '<model>'!r}, kind {bad['kind']} "
@@ -194,7 +204,8 @@ def demo(args) -> int:
         print(f"hookstats demo: no plots or report ({e})", file=sys.stderr)
         paths = {}
     print(f"\nRun directory {out}/:")
-    print(f"  {r['log']}  (JSONL, one record per line)")
+    print(f"  {r['log']}  " + ("(JSONL, one record per line)" if r["log_format"] == "jsonl" else
+                               "(Parquet: a file per flush, compacted at the end; hookstats.export.read_log reads it)"))
     if r["tensorboard"]:
         print(f"  {r['tensorboard']}/  (tensorboard --logdir {r['tensorboard']})")
     for name, p in paths.items():
@@ -208,8 +219,8 @@ def demo(args) -> int:
 
 def report(args) -> int:
     if not os.path.exists(args.run_dir):
-        print(f"hookstats report: {args.run_dir!r} does not exist (give a run directory holding log.jsonl, or the "
-              "log file itself; python -m hookstats demo --out DIR makes one)", file=sys.stderr)
+        print(f"hookstats report: {args.run_dir!r} does not exist (give a run directory holding log.parquet or "
+              "log.jsonl, or the log itself; python -m hookstats demo --out DIR makes one)", file=sys.stderr)
         return 2
     try:
         paths = _write_report(args.run_dir, args.out)
@@ -246,13 +257,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--model", default="transformer", choices=list(MODELS))
     p.add_argument("--out", default=os.path.join("runs", "demo"),
-                   help="run directory (default runs/demo; its log.jsonl, tensorboard/ and report/ are replaced)")
+                   help="run directory (default runs/demo; its log.jsonl, log.parquet/, tensorboard/ and report/ are "
+                        "replaced)")
+    p.add_argument("--log", default=None, choices=["jsonl", "parquet"],
+                   help="the run log: log.jsonl or log.parquet/ (default: parquet for --model deep, else jsonl)")
     p.add_argument("--no-bench", action="store_true", help="skip the quick benchmark")
     p.add_argument("--quick", action="store_true", help="smaller benchmark sizes")
     p.add_argument("--no-examples", action="store_true", help="skip the example tensors")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=demo)
-    p = sub.add_parser("report", help="plots and a one-page report (report.md, report.html) of a run directory")
+    p = sub.add_parser("report", help="plots and a one-page report (report.md, report.html) of a run directory "
+                                      "(its log.parquet or log.jsonl)")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="where to write (default RUN_DIR/report)")
     p.set_defaults(fn=report)

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 import hookstats
-from .export import LOG_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter
+from .export import LOG_NAME, PARQUET_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter
 
-MODELS = ("transformer", "mlp", "cnn")
+MODELS = ("transformer", "mlp", "cnn", "deep")
+DEEP_BLOCKS = 500  # the "deep" model: 500 x (Linear, ReLU), 1,001 modules with the model itself
 
 
 class _TinyTransformer(nn.Module):
@@ -44,6 +45,21 @@ class _MLP(nn.Sequential):
 
     def blocks(self):
         return [m for m in self if isinstance(m, nn.Linear)][1:]
+
+
+class _Deep(nn.Sequential):
+    """A deep, narrow MLP: `blocks` x (Linear(width, width), ReLU), for runs with a thousand monitored modules (a
+    few thousand records a step). Residual-free and default-initialised: its gradients fade with depth, which is
+    what the gradient-flow plot shows."""
+
+    def __init__(self, blocks: int = DEEP_BLOCKS, width: int = 32):
+        layers = []
+        for _ in range(blocks):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        super().__init__(*layers)
+
+    def blocks(self):
+        return [m for m in self if isinstance(m, nn.Linear)][1::50]
 
 
 class _CNN(nn.Module):
@@ -97,6 +113,15 @@ def make_task(name: str, device: torch.device, batch: int = 32, seed: int = 0):
             return x.to(device), q.to(device)
 
         loss_fn = nn.functional.cross_entropy
+    elif name == "deep":
+        model = _Deep()
+        w = torch.randn(32, 32, generator=g)
+
+        def batch_fn(step):
+            x = torch.randn(batch, 32, generator=g)
+            return x.to(device), (x @ w).argmax(1).to(device)
+
+        loss_fn = nn.functional.cross_entropy
     else:
         raise ValueError(f"hookstats demo: unknown model {name!r}; choose one of {', '.join(MODELS)}")
     return model.to(device), batch_fn, loss_fn
@@ -122,7 +147,7 @@ def prepare_out(out: str) -> None:
     log = os.path.join(out, LOG_NAME)
     if os.path.exists(log):
         os.remove(log)
-    for name in (TENSORBOARD_DIR, REPORT_DIR):
+    for name in (TENSORBOARD_DIR, REPORT_DIR, PARQUET_NAME):
         p = os.path.join(out, name)
         if os.path.isdir(p):
             shutil.rmtree(p)
@@ -130,13 +155,23 @@ def prepare_out(out: str) -> None:
 
 def train(model_name: str = "transformer", steps: int = 200, device: str | torch.device = "cpu",
           out: Optional[str] = "runs/demo", nan_step: Optional[int] = -1, max_norm: float = 1.0,
-          flush_every: int = 25, histogram="exp", progress: bool = True, lr: float = 3e-3) -> dict:
+          flush_every: int = 25, histogram="exp", progress: bool = True, lr: float = 3e-3,
+          log_format: Optional[str] = None, tensorboard: Optional[bool] = None,
+          histogram_every: Optional[int] = None) -> dict:
     """Trains `model_name` for `steps` steps with a Monitor (forward, grad_output and parameter-grad statistics,
     with exponent histograms) on every layer, `fused_clip(max_norm)` as a full backward hook on each block, and
     `clip_grad_norm_(nonfinite="zero")` on the parameters. A NaN is put into the input batch at `nan_step`
     (-1: three quarters of the way; None: never). Returns the monitor's summary, first non-finite record, losses
-    and total norms, and the paths written (when `out` is given)."""
+    and total norms, and the paths written (when `out` is given). log_format: "jsonl" (log.jsonl) or "parquet"
+    (log.parquet/, needs pyarrow); default parquet for "deep", else jsonl. tensorboard: write TensorBoard events
+    (default: yes, except for "deep": thousands of tags a step). histogram_every: default 10 for "deep", else 1."""
     device = torch.device(device)
+    deep = model_name == "deep"
+    log_format = log_format or ("parquet" if deep else "jsonl")
+    if log_format not in ("jsonl", "parquet"):
+        raise ValueError(f"hookstats demo: log_format must be 'jsonl' or 'parquet', got {log_format!r}")
+    tensorboard = (not deep) if tensorboard is None else tensorboard
+    histogram_every = histogram_every or (10 if deep else 1)
     if nan_step == -1:
         nan_step = (3 * steps) // 4 if steps > 1 else None
     torch.manual_seed(0)
@@ -148,20 +183,27 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
     tb_dir = log_path = None
     if out is not None:
         prepare_out(out)
-        log_path = os.path.join(out, LOG_NAME)
-        exporters.append(JSONLWriter(log_path))
-        try:
-            from .export import TensorBoardWriter
+        if log_format == "parquet":
+            from .export import ParquetWriter
 
-            tb_dir = os.path.join(out, TENSORBOARD_DIR)
-            exporters.append(TensorBoardWriter(tb_dir))
-        except ImportError as e:
-            tb_dir = None
-            print(f"hookstats demo: no TensorBoard events ({e})", file=sys.stderr)
+            log_path = os.path.join(out, PARQUET_NAME)
+            exporters.append(ParquetWriter(log_path))
+        else:
+            log_path = os.path.join(out, LOG_NAME)
+            exporters.append(JSONLWriter(log_path))
+        if tensorboard:
+            try:
+                from .export import TensorBoardWriter
+
+                tb_dir = os.path.join(out, TENSORBOARD_DIR)
+                exporters.append(TensorBoardWriter(tb_dir))
+            except ImportError as e:
+                tb_dir = None
+                print(f"hookstats demo: no TensorBoard events ({e})", file=sys.stderr)
     bar = _progress(steps, f"{model_name} on {device}") if progress else None
     t0 = time.perf_counter()
     mon = hookstats.Monitor(model, kinds=("forward", "backward_pre", "grad"), histogram=histogram,
-                            exporters=exporters, flush_every=flush_every)
+                            exporters=exporters, flush_every=flush_every, histogram_every=histogram_every)
     try:
         for step in range(steps):
             x, y = batch_fn(step)
@@ -188,15 +230,16 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
                     last = {s["tag"]: s["value"] for s in mon.scalars()[-2:]}  # flushed by step(): no copy
                     bar.set_postfix(loss=f"{last.get('loss', math.nan):.3f}",
                                     grad_norm=f"{last.get('grad_norm', math.nan):.3g}", refresh=False)
-        records = mon.records()
         scalars = mon.scalars()
+        rows = mon.summary_rows()  # from the columns: no record dicts built for a deep model's run
         result = {
             "model": model_name, "steps": steps, "device": str(device), "seconds": time.perf_counter() - t0,
-            "records": len(records), "summary": mon.summary(), "summary_rows": mon.summary_rows(),
+            "records": sum(r["records"] for r in rows), "summary": mon.summary(), "summary_rows": rows,
             "first_nonfinite": mon.first_nonfinite(), "nan_step": nan_step,
             "loss": [s["value"] for s in scalars if s["tag"] == "loss"],
             "grad_norm": [s["value"] for s in scalars if s["tag"] == "grad_norm"],
-            "log": log_path, "tensorboard": tb_dir, "out": out, "flush_every": flush_every,
+            "log": log_path, "log_format": log_format, "tensorboard": tb_dir, "out": out,
+            "flush_every": flush_every, "modules": len(mon.modules), "export_waits": mon.export_waits,
         }
     finally:
         if bar is not None:

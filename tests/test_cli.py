@@ -268,3 +268,51 @@ def test_bench_runs_a_tiny_selection(tmp_path):
     assert "2 passed" in r.stdout
     assert os.path.isfile(out)
     assert "| 2^10 |" in r.stdout and "fused" in r.stdout  # the report table
+
+
+def test_demo_deep_writes_a_parquet_run_of_a_thousand_modules(tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("matplotlib")
+    from hookstats.__main__ import main
+    from hookstats.export import read_run
+    from hookstats.monitor.table import run_info
+
+    out = tmp_path / "deep"
+    assert main(["demo", "--model", "deep", "--steps", "2", "--no-bench", "--no-examples", "--no-progress",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "1000 modules" in text and "log.parquet" in text and "more rows: the report has them all" in text
+    assert (out / "log.parquet").is_dir() and not (out / "log.jsonl").exists()
+    assert not (out / "tensorboard").exists()  # thousands of tags a step: not for the deep model by default
+    r = read_run(out)
+    assert r.format == "parquet" and len(r.info["modules"]) == 1001  # 500 x (Linear, ReLU) and the model itself
+    assert run_info(r.records)["modules"] == r.info["modules"]
+    kinds = set(r.records.column("kind").to_pylist())
+    assert kinds == {"forward", "backward_pre", "grad"}
+    assert r.records.num_rows == 2 * (1001 + 1001 + 1000)  # forward and grad_output of every module, 1,000 grads
+    md = (out / "report" / "report.md").read_text()
+    assert md.count("| `") >= 3000  # the per-layer summary: every (module, kind)
+    assert "First non-finite value: step 1" in md
+
+
+def test_demo_log_parquet_and_report_of_it(tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("matplotlib")
+    from hookstats.__main__ import main
+    from hookstats.export import read_jsonl, read_log
+
+    out = tmp_path / "mlp"
+    assert main(["demo", "--model", "mlp", "--steps", "3", "--log", "parquet", "--no-bench", "--no-examples",
+                 "--no-progress", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert (out / "log.parquet").is_dir() and (out / "tensorboard").is_dir()
+    t = read_log(out)
+    assert sorted(set(t.column("step").to_pylist())) == [0, 1, 2]
+    rep = tmp_path / "rep"
+    assert main(["report", str(out), "--out", str(rep)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert str(rep / "report.md") in printed and "parquet:" in (rep / "report.md").read_text()
+    # --log jsonl into the same directory replaces the Parquet log
+    assert main(["demo", "--model", "mlp", "--steps", "2", "--log", "jsonl", "--no-bench", "--no-examples",
+                 "--no-progress", "--out", str(out)]) == 0
+    assert not (out / "log.parquet").exists() and len({r["step"] for r in read_jsonl(out / "log.jsonl").records}) == 2

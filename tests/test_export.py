@@ -4,8 +4,9 @@ JSONL: read_jsonl gives back exactly Monitor.records() / scalars() (NaN and Inf 
 run header, flush_every, keep_records=False, appending writers, and a run killed with SIGKILL mid-training.
 TensorBoard: the event files read back with tensorboard's EventAccumulator: scalar tags and values per record and
 statistic, Monitor.log scalars, exponent histograms against floor(log2|x|) of the fed tensor, range histograms
-against torch.histc, half types, argument checks, a caller's SummaryWriter left open. W&B: a fake `wandb` module
-(and the real one in offline mode when installed). Exporter and Monitor.log argument checks.
+against torch.histc, half types, argument checks, a caller's SummaryWriter left open. W&B: the real wandb package in
+offline mode, its run history read back from the run's transaction log (tests/wandb_offline.py), and a fake module
+for which run the writer finishes. Exporter and Monitor.log argument checks.
 """
 from __future__ import annotations
 
@@ -258,6 +259,7 @@ def test_flush_every_writes_at_every_nth_step_only(tmp_path):
         mon.log("loss", loss)
         assert nlines() == counts[-1]  # nothing written between step() calls
         mon.step()
+        mon.drain()  # the writes run on the export thread: wait for them before reading the file
         counts.append(nlines())
     grew = [i + 1 for i in range(7) if counts[i + 1] != counts[i]]
     assert grew == [3, 6], counts
@@ -340,13 +342,14 @@ _KILL_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
     import hookstats
-    from hookstats.export import JSONLWriter
+    from hookstats.export import JSONLWriter, ParquetWriter
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    writer = ParquetWriter(sys.argv[1]) if sys.argv[2:] == ["parquet"] else JSONLWriter(sys.argv[1])
     mon = hookstats.Monitor(model, kinds=("forward", "backward_pre", "grad"), histogram="exp",
-                            exporters=[JSONLWriter(sys.argv[1])], flush_every=1)
+                            exporters=[writer], flush_every=1)
     step = 0
     while True:
         x = torch.randn(8, 16)
@@ -354,7 +357,9 @@ _KILL_SCRIPT = textwrap.dedent("""
         loss.backward()
         mon.log("loss", loss)
         mon.step()
-        print(step, flush=True)
+        if step % 2:  # the export thread has written every flush so far: what is printed must be on disk
+            mon.drain()
+            print(step, flush=True)
         step += 1
 """)
 
@@ -369,14 +374,13 @@ def _kill_expected_per_step() -> int:
     return n
 
 
-def test_sigkill_leaves_every_flushed_step_complete(tmp_path):
-    path = tmp_path / "log.jsonl"
-    expected = _kill_expected_per_step()
-    assert expected == 4 + 4 + 4  # forward of "", 0, 1, 2; backward_pre of the same; 4 parameter grads
+def _train_and_kill(path, fmt: str) -> int:
+    """Runs _KILL_SCRIPT writing `path` (fmt "jsonl" or "parquet"), SIGKILLs it a little after it printed its sixth
+    drained step, and returns the last step it printed (every flush up to it was written)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, bufsize=0, cwd=tmp_path, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(path), fmt], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0, cwd=os.path.dirname(str(path)), env=env)
     printed: list[int] = []
     buf = b""
     deadline = time.monotonic() + 120
@@ -392,13 +396,20 @@ def test_sigkill_leaves_every_flushed_step_complete(tmp_path):
             buf += chunk
             *done, buf = buf.split(b"\n")
             printed += [int(s) for s in done]
-        time.sleep(0.02)  # let it get somewhere into the following steps
+        time.sleep(0.02)  # let it get somewhere into the following steps (flushes in flight on the export thread)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    assert printed == list(range(len(printed)))
-    last_done = printed[-1]
+    assert printed == list(range(1, 2 * len(printed), 2))  # drained (and printed) at every odd step
+    return printed[-1]
+
+
+def test_sigkill_leaves_every_flushed_step_complete(tmp_path):
+    path = tmp_path / "log.jsonl"
+    expected = _kill_expected_per_step()
+    assert expected == 4 + 4 + 4  # forward of "", 0, 1, 2; backward_pre of the same; 4 parameter grads
+    last_done = _train_and_kill(path, "jsonl")
 
     raw = path.read_bytes().decode("utf-8", errors="replace")
     lines = raw.split("\n")
@@ -681,45 +692,66 @@ def fake_wandb():
 
 
 def test_wandb_writer_logs_what_tensorboard_gets(tmp_path, monkeypatch, TensorBoardWriter):
-    fake = fake_wandb()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
+    """The real wandb package, offline (no network): the run's history read back from its transaction log
+    (tests/wandb_offline.py) holds every statistic and histogram TensorBoard got, at the same steps."""
+    try:
+        import wandb
+    except ImportError:
+        pytest.skip("wandb is not installed (pip install wandb: it is in the test dependencies)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import wandb_offline
+    finally:
+        sys.path.pop(0)
     from hookstats.export import WandbWriter
 
-    ww = WandbWriter(project="p", mode="offline")
-    assert fake.init_calls == [{"project": "p", "mode": "offline"}]
-    run = fake.runs[0]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    ww = WandbWriter(project="hookstats-test", mode="offline", dir=str(tmp_path))
+    assert ww.run is wandb.run and ww.run.offline
     net = make_net()
     mon = hookstats.Monitor(net, kinds=("forward", "backward_pre", "grad"), histogram="exp",
                             exporters=[ww, TensorBoardWriter(tmp_path / "tb")], flush_every=2)
-    assert run.config.updates == [{"hookstats": mon.run_info()}]
+    assert ww.run.config["hookstats"]["modules"] == mon.run_info()["modules"]
     train(mon, net, 5, nan_step=2)
     recs = mon.records()
     mon.detach()
-    assert run.finished == 1
+    assert wandb.run is None  # finished: the writer made it
 
-    steps = [s for s, _ in run.logged]
-    assert steps == [0, 1, 2, 3, 4]  # one call per step, in increasing step order
+    hist = wandb_offline.history(str(tmp_path))
+    steps = [row["_step"] for row in hist]
+    assert steps == [0, 1, 2, 3, 4], (steps, [sorted(row)[:3] for row in hist])  # in increasing step order
     acc = tb_reader(tmp_path / "tb")
     tb_sc, tb_h = tb_scalar_map(acc), tb_hist_map(acc)
-    logged = {(tag, s): v for s, d in run.logged for tag, v in d.items()}
-    assert set(logged) == set(tb_sc) | set(tb_h)
+    logged, hists = {}, {}
+    for row in hist:
+        for k, v in row.items():
+            if k.startswith("_"):
+                continue
+            base, _, leaf = k.rpartition("/")
+            if leaf in ("_type", "bins", "values") and any(f"{base}/{x}" in row for x in ("bins", "values")):
+                hists.setdefault((base, row["_step"]), {})[leaf] = v
+            else:
+                logged[(k, row["_step"])] = v
+    assert set(logged) == set(tb_sc)
+    assert set(hists) == set(tb_h) and len(hists) > 10
     for r in recs:
         for stat in DEFAULT_STATS:
             v = logged[(f"{r['kind']}.{stat}/{tb_tensor_name(r)}", r["step"])]
-            assert same_value(v, float(r["stats"][stat]))
-    hist_keys = [k for k, v in logged.items() if isinstance(v, FakeHistogram)]
-    assert set(hist_keys) == set(tb_h) and len(hist_keys) > 10
-    for key in hist_keys:
-        counts, edges = logged[key].np_histogram
-        assert isinstance(counts, np.ndarray) and isinstance(edges, np.ndarray)
-        assert len(edges) == len(counts) + 1
-        assert np.all(np.diff(edges) > 0)
-        h = tb_h[key]
-        assert counts.tolist() == [int(c) for c in h.bucket]
-        assert edges[0] == h.min and edges[1:].tolist() == list(h.bucket_limit)
+            want = float(r["stats"][stat])
+            assert same_value(float(v), want) or (isinstance(v, str) and math.isnan(want)), (r, stat, v)
+    for key, h in hists.items():
+        assert h["_type"] == "histogram"
+        counts, edges = h["values"], h["bins"]
+        assert len(edges) == len(counts) + 1 and all(b > a for a, b in zip(edges, edges[1:]))
+        t = tb_h[key]
+        assert counts == [int(c) for c in t.bucket]
+        assert f32(edges[0]) == f32(t.min) and [f32(e) for e in edges[1:]] == [f32(e) for e in t.bucket_limit]
     for (tag, s), v in logged.items():
         if tag == "loss":
-            assert same_value(v, [x for x in mon.scalars() if x["step"] == s][0]["value"])
+            assert same_value(float(v), [x for x in mon.scalars() if x["step"] == s][0]["value"])
 
 
 def test_wandb_writer_finishes_only_its_own_run(monkeypatch):
@@ -758,25 +790,6 @@ def test_wandb_writer_without_wandb_says_how_to_install(monkeypatch):
 
     with pytest.raises(ImportError, match="pip install wandb"):
         WandbWriter()
-
-
-def test_wandb_writer_real_offline(tmp_path, monkeypatch):
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        pytest.skip("wandb is not installed (the fake-module tests above cover WandbWriter)")
-    from hookstats.export import WandbWriter
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    w = WandbWriter(mode="offline", dir=str(tmp_path), project="hookstats-test")
-    net = make_net()
-    mon = hookstats.Monitor(net, kinds=("forward", "grad"), histogram="exp", exporters=[w])
-    train(mon, net, 2)
-    mon.detach()
-    assert wandb.run is None  # finished: the writer made it
-    assert any(p.startswith("offline-run") for p in os.listdir(tmp_path / "wandb"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

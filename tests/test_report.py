@@ -181,7 +181,7 @@ def test_report_truncated_log(runs, tmp_path):
 def test_report_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         make_report(str(tmp_path / "nope"))
-    with pytest.raises(FileNotFoundError, match=r"has no log\.jsonl.*JSONLWriter.*hookstats demo --out RUN_DIR"):
+    with pytest.raises(FileNotFoundError, match=r"has no log\.parquet or log\.jsonl.*JSONLWriter.*hookstats demo --out RUN_DIR"):
         make_report(str(tmp_path))
     (tmp_path / "log.jsonl").write_text("")
     with pytest.raises(ValueError, match="is empty"):

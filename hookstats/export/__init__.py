@@ -1,16 +1,20 @@
-"""Where Monitor records go: a JSONL log (always available), TensorBoard event files (the `tensorboard` package),
-Weights & Biases (when `wandb` is installed), and plots plus a one-page report (matplotlib) made from a run directory.
+"""Where Monitor records go: a JSONL log (always available), a Parquet log (pyarrow), TensorBoard event files (the
+`tensorboard` package), Weights & Biases (when `wandb` is installed), and plots plus a one-page report (matplotlib)
+made from a run directory.
 
-An exporter is any object with `write(records, scalars)`; `begin(info)` (called when a Monitor attaches) and
-`close()` (called by Monitor.detach) are optional. The optional packages are imported when an exporter is made, so
-`import hookstats` never needs them.
+An exporter is any object with `write_block(block, scalars)` (a flush's columns: hookstats.monitor.buffers.Block)
+or `write(records, scalars)` (record dicts); `begin(info)` (called when a Monitor attaches) and `close()` (called by
+Monitor.detach) are optional. Exporters run on the Monitor's export thread (Note [export off the training thread]).
+The optional packages are imported when an exporter is made, so `import hookstats` never needs them.
 
 Run directory layout (what `python -m hookstats demo` writes and `python -m hookstats report` reads):
   RUN_DIR/log.jsonl       JSONLWriter
+  RUN_DIR/log.parquet/    ParquetWriter (read_log reads either)
   RUN_DIR/tensorboard/    TensorBoardWriter (tensorboard --logdir RUN_DIR/tensorboard)
   RUN_DIR/report/         make_report: PNG plots, report.md, report.html
 """
 from .jsonl import JSONLWriter, RunLog, read_jsonl
+from .log import PARQUET_NAME, RunTable, find_log, read_log, read_run
 
 LOG_NAME = "log.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -26,6 +30,10 @@ def __getattr__(name):  # the exporters that need optional packages load on firs
         from .wandb import WandbWriter
 
         return WandbWriter
+    if name == "ParquetWriter":
+        from .parquet import ParquetWriter
+
+        return ParquetWriter
     if name == "make_report":
         from .report import make_report
 
@@ -33,5 +41,6 @@ def __getattr__(name):  # the exporters that need optional packages load on firs
     raise AttributeError(f"module 'hookstats.export' has no attribute {name!r}")
 
 
-__all__ = ["JSONLWriter", "RunLog", "read_jsonl", "TensorBoardWriter", "WandbWriter", "make_report", "LOG_NAME",
+__all__ = ["JSONLWriter", "RunLog", "read_jsonl", "ParquetWriter", "read_log", "read_run", "find_log", "RunTable",
+           "PARQUET_NAME", "TensorBoardWriter", "WandbWriter", "make_report", "LOG_NAME",
            "TENSORBOARD_DIR", "REPORT_DIR"]

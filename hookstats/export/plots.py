@@ -17,6 +17,8 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from ._columns import Columns, first_seen
+
 DPI = 110
 # Kinds in the order they are looked for when a plot wants gradients, and in which they are listed otherwise.
 GRAD_KINDS = ("grad", "backward_pre", "backward")
@@ -36,38 +38,48 @@ class NonfiniteEvent(NamedTuple):
     inf_count: int
 
 
-def nonfinite_events(records: Iterable[dict]) -> list:
+def nonfinite_events(records) -> list:
     """Every (step, module, kind) whose tensors held a NaN or Inf, as NonfiniteEvent(step, module, kind, nan_count,
     inf_count) tuples (counts summed over that step's tensors of the module and kind), first occurrence first: by
-    step, then in the order the hooks ran (seq)."""
-    events: dict = {}
-    for pos, r in enumerate(records):
-        s = r["stats"]
-        nan, inf = int(s["nan_count"]), int(s["inf_count"])
-        if not (nan or inf):
-            continue
-        key = (r["step"], r["module"], r["kind"])
-        order = (r["step"], r.get("seq", pos), pos)
-        e = events.get(key)
-        if e is None:
-            events[key] = [order, nan, inf]
-        else:
-            e[0] = min(e[0], order)
-            e[1] += nan
-            e[2] += inf
-    items = sorted(events.items(), key=lambda kv: kv[1][0])
-    return [NonfiniteEvent(k[0], k[1], k[2], v[1], v[2]) for k, v in items]
+    step, then in the order the hooks ran (seq). records: dicts, a records table (read_log, Monitor.table()) or
+    Columns."""
+    c = Columns.of(records)
+    if not c.n:
+        return []
+    nan, inf = c.stat("nan_count"), c.stat("inf_count")
+    rows = np.flatnonzero((nan > 0) | (inf > 0))
+    if not len(rows):
+        return []
+    nk = max(1, len(c.kind_names))
+    nm = max(1, len(c.module_names))
+    key = (c.step[rows] * nm + c.module[rows]) * nk + c.kind[rows]
+    u, inv = np.unique(key, return_inverse=True)
+    g = len(u)
+    nan_s = np.bincount(inv, weights=nan[rows], minlength=g)
+    inf_s = np.bincount(inv, weights=inf[rows], minlength=g)
+    # first occurrence of each event: the smallest (step, seq, position)
+    order = np.lexsort((rows, c.seq[rows], c.step[rows]))
+    rank = np.empty(len(rows), dtype=np.int64)
+    rank[order] = np.arange(len(rows))
+    first_rank = np.full(g, len(rows), dtype=np.int64)
+    np.minimum.at(first_rank, inv, rank)
+    ev_order = np.argsort(first_rank, kind="stable")
+    first = rows[order[first_rank[ev_order]]]
+    out = []
+    for j, r in zip(ev_order, first):
+        out.append(NonfiniteEvent(int(c.step[r]), c.module_names[c.module[r]], c.kind_names[c.kind[r]],
+                                  int(nan_s[j]), int(inf_s[j])))
+    return out
 
 
-def kinds_present(records: Iterable[dict]) -> list:
+def kinds_present(records) -> list:
     """The hook kinds found in records, in KIND_ORDER (unknown kinds last, as first seen)."""
-    seen: dict = {}
-    for r in records:
-        seen.setdefault(r["kind"], None)
+    c = Columns.of(records)
+    seen = [c.kind_names[k] for k in first_seen(c.kind)]
     return [k for k in KIND_ORDER if k in seen] + [k for k in seen if k not in KIND_ORDER]
 
 
-def gradient_kind(records: Iterable[dict]) -> Optional[str]:
+def gradient_kind(records) -> Optional[str]:
     """The kind a gradient plot uses: "grad" (parameter grads) if recorded, else "backward_pre" (grad_output), else
     "backward" (grad_input); None when there are none of them."""
     present = set(kinds_present(records))
@@ -84,23 +96,21 @@ def _owner(name: str, modules: dict) -> str:
     return ""
 
 
-def layer_order(records: Sequence[dict], kind: str, order: Optional[Sequence[str]] = None) -> list:
+def layer_order(records, kind: str, order: Optional[Sequence[str]] = None) -> list:
     """The names (modules, or parameters for "grad") that have records of `kind`, in model order (see the module
     docstring)."""
-    first: dict = {}
-    for r in records:
-        if r["kind"] == kind and r["module"] not in first:
-            first[r["module"]] = len(first)
-    names = list(first)
+    c = Columns.of(records)
+    sel = c.kind_mask(kind)
+    first_codes = first_seen(c.module[sel])
+    names = [c.module_names[m] for m in first_codes]
+    first = {n: i for i, n in enumerate(names)}
     backward = kind in _BACKWARD
     if order is None:
-        fwd: dict = {}
-        for r in records:
-            if r["kind"] in ("forward_pre", "forward") and r["module"] not in fwd:
-                fwd[r["module"]] = len(fwd)
-        if not fwd:  # backward hooks run in reverse model order
+        fwd_mask = c.kind_mask("forward_pre") | c.kind_mask("forward")
+        fwd_names = [c.module_names[m] for m in first_seen(c.module[fwd_mask])]
+        if not fwd_names:  # backward hooks run in reverse model order
             return names[::-1] if backward else names
-        ranks = fwd
+        ranks = {m: i for i, m in enumerate(fwd_names)}
     else:
         ranks = {m: i for i, m in enumerate(order)}
     n = len(first)
@@ -114,50 +124,101 @@ def layer_order(records: Sequence[dict], kind: str, order: Optional[Sequence[str
     return sorted(names, key=key)
 
 
-def _combine(records: Sequence[dict], kind: str, field: str = "l2"):
-    """{(name, step): [value, bad]} for records of kind: a step's tensors of one module combined (sqrt of the sum of
-    squares for l2; for "grad", a parameter's last record of the step: its accumulated gradient)."""
-    cells: dict = {}
-    for r in records:
-        if r["kind"] != kind:
-            continue
-        s = r["stats"]
-        v = float(s[field])
-        bad = bool(s["nan_count"] or s["inf_count"])
-        key = (r["module"], r["step"])
-        c = cells.get(key)
-        if c is None or kind == "grad":
-            cells[key] = [v, bad]
+def _matrix(records, kind: str, order: Optional[Sequence[str]] = None, field: str = "l2"):
+    """(layers, steps, values, recorded, bad): a step's tensors of one module combined (sqrt of the sum of squares
+    for l2, else the max; for "grad", a parameter's last record of the step: its accumulated gradient)."""
+    c = Columns.of(records)
+    layers = layer_order(c, kind, order)
+    sel = np.flatnonzero(c.kind_mask(kind))
+    code_row = np.full(max(1, len(c.module_names)), -1, dtype=np.int64)
+    for i, m in enumerate(layers):
+        code_row[c.module_names.index(m)] = i
+    st = c.step[sel]
+    steps_arr = np.unique(st)
+    steps = [int(x) for x in steps_arr]
+    nl, ns = len(layers), len(steps)
+    values = np.full((nl, ns), np.nan)
+    recorded = np.zeros((nl, ns), dtype=bool)
+    bad = np.zeros((nl, ns), dtype=bool)
+    if not len(sel):
+        return layers, steps, values, recorded, bad
+    li = code_row[c.module[sel]]
+    sj = np.searchsorted(steps_arr, st)
+    cell = li * ns + sj
+    v = c.stat(field)[sel]
+    rowbad = (c.stat("nan_count")[sel] > 0) | (c.stat("inf_count")[sel] > 0)
+    flat_v = values.reshape(-1)
+    if kind == "grad":  # the last record of the step (file order)
+        last = np.full(nl * ns, -1, dtype=np.int64)
+        np.maximum.at(last, cell, np.arange(len(sel)))
+        have = last >= 0
+        flat_v[have] = v[last[have]]
+        badc = np.zeros(nl * ns, dtype=bool)
+        badc[have] = rowbad[last[have]]
+    else:
+        if field == "l2":
+            with np.errstate(over="ignore", invalid="ignore"):
+                sq = np.bincount(cell, weights=np.square(v), minlength=nl * ns)
+            agg = np.sqrt(sq)
         else:
-            c[0] = math.hypot(c[0], v) if field == "l2" else max(c[0], v)
-            c[1] = c[1] or bad
-    return cells
-
-
-def _matrix(records: Sequence[dict], kind: str, order: Optional[Sequence[str]] = None):
-    layers = layer_order(records, kind, order)
-    cells = _combine(records, kind)
-    steps = sorted({k[1] for k in cells})
-    li = {m: i for i, m in enumerate(layers)}
-    si = {s: j for j, s in enumerate(steps)}
-    values = np.full((len(layers), len(steps)), np.nan)
-    recorded = np.zeros(values.shape, dtype=bool)
-    bad = np.zeros(values.shape, dtype=bool)
-    for (m, s), (v, b) in cells.items():
-        i, j = li[m], si[s]
-        values[i, j] = v
-        recorded[i, j] = True
-        bad[i, j] = b or not math.isfinite(v)
+            agg = np.full(nl * ns, -np.inf)
+            np.maximum.at(agg, cell, v)
+        have = np.bincount(cell, minlength=nl * ns) > 0
+        flat_v[have] = agg[have]
+        badc = np.bincount(cell, weights=rowbad, minlength=nl * ns) > 0
+    recorded.reshape(-1)[:] = have
+    with np.errstate(invalid="ignore"):
+        bad.reshape(-1)[:] = badc | (have & ~np.isfinite(flat_v))
     return layers, steps, values, recorded, bad
 
 
-def norm_matrix(records: Sequence[dict], kind: str, order: Optional[Sequence[str]] = None):
+def norm_matrix(records, kind: str, order: Optional[Sequence[str]] = None):
     """(layers, steps, values): the l2 norm of each layer's `kind` tensors at each step, values[i, j] for layers[i]
     at steps[j] (a float64 numpy array; NaN where nothing was recorded, NaN/Inf where the tensor held them). The
     tensors of one module and step are combined as sqrt(sum l2^2); for "grad", a parameter's last record of a step
     (the accumulated gradient). This is what grad_flow and norm_heatmap draw."""
     layers, steps, values, _, _ = _matrix(records, kind, order)
     return layers, steps, values
+
+
+def pick_layers(values: np.ndarray, bad: np.ndarray, k: int) -> tuple:
+    """At most k row indices of a layers x steps norm matrix, for plots of many layers: the layers that went
+    non-finite (first-bad step first), then, in turn, the largest norms and the largest changes (|log10 of the last
+    finite norm / the first|), sorted back into model order. Returns (indices, reason text)."""
+    n = values.shape[0]
+    if n <= k:
+        return list(range(n)), ""
+    good = np.where(~bad & np.isfinite(values) & (values > 0), values, np.nan)
+    with np.errstate(all="ignore"):
+        peak = np.where(np.isnan(good).all(axis=1), -np.inf, np.nanmax(np.where(np.isnan(good), -np.inf, good), 1))
+        idx = np.arange(good.shape[1])
+        has = ~np.isnan(good)
+        first_j = np.where(has.any(1), np.argmax(has, axis=1), 0)
+        last_j = np.where(has.any(1), good.shape[1] - 1 - np.argmax(has[:, ::-1], axis=1), 0)
+        rows = np.arange(n)
+        change = np.abs(np.log10(good[rows, last_j]) - np.log10(good[rows, first_j]))
+        change = np.where(np.isfinite(change), change, -np.inf)
+    del idx
+    chosen: dict = {}
+    bad_rows = np.flatnonzero(bad.any(axis=1))
+    if len(bad_rows):
+        first_bad = np.argmax(bad[bad_rows], axis=1)
+        for i in bad_rows[np.argsort(first_bad, kind="stable")][: max(1, k // 2)]:
+            chosen.setdefault(int(i), "non-finite")
+    by_peak = list(np.argsort(-peak, kind="stable"))
+    by_change = list(np.argsort(-change, kind="stable"))
+    while len(chosen) < k and (by_peak or by_change):
+        for lst, why in ((by_peak, "largest norm"), (by_change, "largest change")):
+            while lst and len(chosen) < k:
+                i = int(lst.pop(0))
+                if i not in chosen:
+                    chosen[i] = why
+                    break
+    counts: dict = {}
+    for why in chosen.values():
+        counts[why] = counts.get(why, 0) + 1
+    reason = ", ".join(f"{v} {w}" for w, v in counts.items())
+    return sorted(chosen), f"{len(chosen)} of {n} layers shown ({reason})"
 
 
 # -- drawing helpers ---------------------------------------------------------------------------------------------
@@ -233,19 +294,25 @@ def _names_list(names: Sequence[str], most: int = 4) -> str:
 
 
 # -- plots -------------------------------------------------------------------------------------------------------
-def grad_flow(records: Sequence[dict], path, kind: Optional[str] = None, max_lines: int = 8,
-              order: Optional[Sequence[str]] = None) -> Optional[str]:
+def grad_flow(records, path, kind: Optional[str] = None, max_lines: int = 8,
+              order: Optional[Sequence[str]] = None, max_layers: int = 60) -> Optional[str]:
     """The gradient flow chart: the l2 norm (log scale) of each layer's gradient, layers in model order on x, one
     line per sampled step (at most max_lines, evenly spaced, colored by step), over the grey band of each layer's
     min..max across all steps. Layers whose gradient held NaN/Inf at any step get a red x at the top, with the first
-    such step. kind: default "grad", else "backward_pre", else "backward". Returns path, or None (nothing written)
-    when there are no records of that kind."""
+    such step. kind: default "grad", else "backward_pre", else "backward". More than max_layers layers: the ones
+    pick_layers() chooses (non-finite, largest norm, largest change), in model order. Returns path, or None (nothing
+    written) when there are no records of that kind."""
+    records = Columns.of(records)
     kind = kind or gradient_kind(records)
     if kind is None:
         return None
     layers, steps, values, recorded, bad = _matrix(records, kind, order)
     if not layers:
         return None
+    keep, picked_note = pick_layers(values, bad, max_layers)
+    if picked_note:
+        layers = [layers[i] for i in keep]
+        values, recorded, bad = values[keep], recorded[keep], bad[keep]
     from matplotlib import colormaps
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
@@ -304,6 +371,8 @@ def grad_flow(records: Sequence[dict], path, kind: Optional[str] = None, max_lin
     ax.set_xlabel("layer (model order)" if kind != "grad" else "parameter (model order)")
     ax.set_ylabel(f"gradient l2 norm, {kind} (log scale)")
     title = f"Gradient flow: {_KIND_TITLES.get(kind, kind)}, {len(picked)} of {len(steps)} steps"
+    if picked_note:
+        title += f"; {picked_note}"
     if nbad_layers:
         first = min((steps[np.flatnonzero(bad[i])[0]], i) for i in range(n) if bad[i].any())
         title += f"\nred x: NaN/Inf in {nbad_layers} layer(s), first at step {first[0]} in {label(layers[first[1]])}"
@@ -323,16 +392,24 @@ def grad_flow(records: Sequence[dict], path, kind: Optional[str] = None, max_lin
     return _save(fig, path)
 
 
-def norm_heatmap(records: Sequence[dict], path, kind: Optional[str] = None,
-                 order: Optional[Sequence[str]] = None) -> Optional[str]:
+def norm_heatmap(records, path, kind: Optional[str] = None, order: Optional[Sequence[str]] = None,
+                 max_layers: int = 120) -> Optional[str]:
     """A layers x steps heatmap of log10(l2) for `kind`, or one panel per kind present (KIND_ORDER). Red cells held
     NaN/Inf (also marked with an x when there are few), white ones were exactly zero, grey ones were not recorded;
-    each panel's title counts the non-finite cells and names the first. Returns path, or None without records."""
+    each panel's title counts the non-finite cells and names the first. More than max_layers layers in a panel: the
+    ones pick_layers() chooses, in model order. Returns path, or None without records."""
+    records = Columns.of(records)
     kinds = [kind] if kind else kinds_present(records)
     panels = []
+    notes = {}
     for k in kinds:
         layers, steps, values, recorded, bad = _matrix(records, k, order)
         if layers:
+            keep, note = pick_layers(values, bad, max_layers)
+            if note:
+                layers = [layers[i] for i in keep]
+                values, recorded, bad = values[keep], recorded[keep], bad[keep]
+                notes[k] = note
             panels.append((k, layers, steps, values, recorded, bad))
     if not panels:
         return None
@@ -375,7 +452,7 @@ def norm_heatmap(records: Sequence[dict], path, kind: Optional[str] = None,
                 lab.set_visible(t % every == 0)
         _step_axis(ax, steps, "x", nbins=12)
         ax.set_xlabel("step")
-        title = f"{_KIND_TITLES.get(k, k)}: log10 l2 norm"
+        title = f"{_KIND_TITLES.get(k, k)}: log10 l2 norm" + (f" ({notes[k]})" if k in notes else "")
         if nb:
             ii, jj = np.nonzero(bad)
             j0 = int(jj.min())
@@ -403,18 +480,63 @@ def _np_dtype_layout(dtype: Optional[str]):
         return None
 
 
-def _hist_spec(records: Sequence[dict], info: Optional[dict]) -> Optional[dict]:
+def _hist_spec(records, info: Optional[dict]) -> Optional[dict]:
     spec = (info or {}).get("histogram")
     if spec:
         return spec
-    for r in records:  # no header: an exponent histogram has its dtype's layout length
-        h = r.get("histogram")
-        if h is not None:
-            lay = _np_dtype_layout(r.get("dtype"))
-            if lay is not None and len(h) == lay.length:
+    c = Columns.of(records)
+    for L in c.hist_lengths():  # no header: an exponent histogram has its dtype's layout length
+        for rows, _ in c.hist_chunks(L):
+            lay = _np_dtype_layout(c.dtype_names[c.dtype[rows[0]]] if c.dtype_names else None)
+            if lay is not None and L == lay.length:
                 return {"kind": "exp"}
-            return {"kind": "range", "bins": len(h) - 3, "lo": None, "hi": None}
+            return {"kind": "range", "bins": L - 3, "lo": None, "hi": None}
     return None
+
+
+def _hist_groups(c: Columns, spec: dict) -> dict:
+    """{(module, kind): (nonfinite, spread)} of the tensors with histograms, from their histograms summed over the
+    run (chunk by chunk: never all histograms at once), without building a record."""
+    nm, nk = max(1, len(c.module_names)), max(1, len(c.kind_names))
+    ng = nm * nk
+    seen = np.zeros(ng, dtype=bool)
+    lo = np.full(ng, np.iinfo(np.int64).max)
+    hi = np.full(ng, np.iinfo(np.int64).min)
+    bad = np.zeros(ng, dtype=bool)
+    for L in c.hist_lengths():
+        for rows, h in c.hist_chunks(L):
+            g = c.module[rows] * nk + c.kind[rows]
+            seen[g] = True
+            if spec["kind"] == "exp":
+                for d in np.unique(c.dtype[rows]):
+                    sel = c.dtype[rows] == d
+                    lay = _np_dtype_layout(c.dtype_names[d])
+                    if lay is None or L != lay.length:
+                        continue
+                    hs, gs = h[sel], g[sel]
+                    per = hs[:, lay.neg] + hs[:, lay.pos]
+                    occ = per > 0
+                    anyo = occ.any(1)
+                    first = np.argmax(occ, 1)
+                    last = per.shape[1] - 1 - np.argmax(occ[:, ::-1], 1)
+                    np.minimum.at(lo, gs[anyo], first[anyo])
+                    np.maximum.at(hi, gs[anyo], last[anyo])
+                    nf = (hs[:, lay.nan] + hs[:, lay.neg_inf] + hs[:, lay.pos_inf]) > 0
+                    bad[gs[nf]] = True
+            else:
+                bins = L - 3
+                occ = h[:, :bins] > 0
+                anyo = occ.any(1)
+                first = np.argmax(occ, 1)
+                last = bins - 1 - np.argmax(occ[:, ::-1], 1)
+                np.minimum.at(lo, g[anyo], first[anyo])
+                np.maximum.at(hi, g[anyo], last[anyo])
+                bad[g[h[:, bins + 2] > 0]] = True
+    out = {}
+    for gi in np.flatnonzero(seen):
+        spread = int(hi[gi] - lo[gi]) if hi[gi] >= lo[gi] else 0
+        out[(c.module_names[gi // nk], c.kind_names[gi % nk])] = (bool(bad[gi]), spread)
+    return out
 
 
 class _Panel(NamedTuple):
@@ -515,25 +637,31 @@ def exp_hist_evolution(records: Sequence[dict], info: Optional[dict], path, modu
     and Inf / NaN rows at the top when present), color = count (log scale). For range histograms, y = bin centers
     with the under/overflow (and NaN) rows. modules: names (every kind with histograms) or (module, kind) pairs; by
     default the gradient-kind tensors (grad, else backward_pre, else backward) that held NaN/Inf, then those with the
-    widest spread. Returns path, or None (nothing written) when no record has a histogram."""
-    groups: dict = {}
-    for r in records:
-        if r.get("histogram") is not None:
-            groups.setdefault((r["module"], r["kind"]), []).append(r)
-    if not groups:
-        return None
-    spec = _hist_spec(records, info)
+    widest spread. Returns path, or None (nothing written) when no record has a histogram. Only the tensors drawn
+    are read as records: the choice is made from the columns."""
+    c = Columns.of(records)
+    spec = _hist_spec(c, info)
     if spec is None:
         return None
+    groups = _hist_groups(c, spec)
+    if not groups:
+        return None
 
-    def build(key):
-        recs = groups[key]
-        return _exp_panel(*key, recs) if spec["kind"] == "exp" else _range_panel(*key, recs, spec)
+    def build(keys):
+        nk = max(1, len(c.kind_names))
+        want = {c.module_names.index(m) * nk + c.kind_names.index(k) for m, k in keys}
+        has = c.has_hist()
+        rows = np.flatnonzero(has & np.isin(c.module * nk + c.kind, list(want)))
+        per: dict = {}
+        for r in c.records_at(rows):
+            per.setdefault((r["module"], r["kind"]), []).append(r)
+        return [_exp_panel(*k, per.get(k, [])) if spec["kind"] == "exp" else _range_panel(*k, per.get(k, []), spec)
+                for k in keys]
 
-    kinds = kinds_present(records)
+    kinds = kinds_present(c)
     pos = {}
     for k in kinds:
-        for i, m in enumerate(layer_order(records, k, order)):
+        for i, m in enumerate(layer_order(c, k, order)):
             pos[(m, k)] = (kinds.index(k), i)
     if modules is not None:
         keys = []
@@ -546,12 +674,12 @@ def exp_hist_evolution(records: Sequence[dict], info: Optional[dict], path, modu
         if not keys:
             raise ValueError(f"hookstats.exp_hist_evolution: no histograms for {modules!r}; "
                              f"recorded: {sorted(groups)[:10]}")
-        panels = [build(k) for k in keys]
     else:
         gk = next((k for k in GRAD_KINDS if any(key[1] == k for key in groups)), None)
-        cand = [build(k) for k in groups if gk is None or k[1] == gk]
-        cand.sort(key=lambda p: (not p.nonfinite, -p.spread, pos.get((p.module, p.kind), (99, 0))))
-        panels = sorted(cand[:max_panels], key=lambda p: pos.get((p.module, p.kind), (99, 0)))
+        cand = [k for k in groups if gk is None or k[1] == gk]
+        cand.sort(key=lambda k: (not groups[k][0], -groups[k][1], pos.get(k, (99, 0))))
+        keys = sorted(cand[:max_panels], key=lambda k: pos.get(k, (99, 0)))
+    panels = build(keys)
     panels = [p for p in panels if p.steps]
     if not panels:
         return None

@@ -1,4 +1,5 @@
-"""A one-page report of a run directory: `make_report(RUN_DIR)` reads RUN_DIR/log.jsonl and writes RUN_DIR/report/
+"""A one-page report of a run directory: `make_report(RUN_DIR)` reads RUN_DIR/log.parquet (ParquetWriter) or
+RUN_DIR/log.jsonl (JSONLWriter) into columns (hookstats.export.log.read_run) and writes RUN_DIR/report/
 (PNG plots from hookstats.export.plots, report.md and report.html). `python -m hookstats report RUN_DIR` calls it.
 
 The report: the run (versions, steps, records, histogram, modules), the first NaN/Inf and a table of the first
@@ -13,9 +14,13 @@ import math
 import os
 from typing import Iterable, Optional, Sequence
 
-from ..monitor import SUMMARY_HEADER, summary_cells, summary_rows
+import numpy as np
+
+from ..monitor import SUMMARY_HEADER, summary_cells
+from ..monitor.summary import summary_from_groups
 from . import plots
-from .jsonl import read_jsonl
+from ._columns import Columns, first_seen
+from .log import read_run
 
 LOG_NAME = "log.jsonl"
 REPORT_DIR = "report"
@@ -34,18 +39,34 @@ IMAGES = {
 
 
 def _log_path(run_dir: str) -> str:
-    if os.path.isfile(run_dir):  # a log file given directly
-        return run_dir
-    if not os.path.isdir(run_dir):
+    from .log import find_log
+
+    if not os.path.exists(run_dir):
         raise FileNotFoundError(f"hookstats report: run directory {run_dir!r} does not exist; make one with "
-                                f"Monitor(..., exporters=[JSONLWriter(RUN_DIR/{LOG_NAME})]) or "
-                                f"`python -m hookstats demo --out RUN_DIR`")
-    path = os.path.join(run_dir, LOG_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"hookstats report: {run_dir} has no {LOG_NAME}; make one with "
-                                f"Monitor(..., exporters=[JSONLWriter(RUN_DIR/{LOG_NAME})]) or "
-                                f"`python -m hookstats demo --out RUN_DIR`")
-    return path
+                                f"Monitor(..., exporters=[ParquetWriter(RUN_DIR/log.parquet)]) (or JSONLWriter(RUN_DIR/"
+                                f"{LOG_NAME})) or `python -m hookstats demo --out RUN_DIR`")
+    try:
+        return find_log(run_dir)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"hookstats report: {run_dir} has no log.parquet or {LOG_NAME}; make one with "
+                                f"Monitor(..., exporters=[ParquetWriter(RUN_DIR/log.parquet)]) (or JSONLWriter(RUN_DIR/"
+                                f"{LOG_NAME})) or `python -m hookstats demo --out RUN_DIR`") from None
+
+
+def summary_of(c: Columns) -> list:
+    """Monitor.summary_rows() of a run's columns: grouped by (module, kind) codes, in the order first seen."""
+    if not c.n:
+        return []
+    nk = max(1, len(c.kind_names))
+    key = c.module * nk + c.kind
+    u, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    rank = np.empty(len(u), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(u))
+    group = rank[inv]
+    names = [None] * len(u)
+    for j, k in enumerate(u):
+        names[rank[j]] = (c.module_names[k // nk], c.kind_names[k % nk])
+    return summary_from_groups(group, names, c.step, c.stats_matrix())
 
 
 def _fmt(v) -> str:
@@ -107,13 +128,15 @@ def _md_table(header: Sequence[str], rows: Iterable[Sequence[str]], code_cols: S
 class _Content:
     """What both formats show, computed once."""
 
-    def __init__(self, run_dir: str, log, images: dict):
-        info, records, scalars = log.info, log.records, log.scalars
+    def __init__(self, run_dir: str, log, images: dict, cols: Columns, events: list):
+        info, scalars = log.info, log.scalars
+        records = cols
         self.title = f"hookstats report: {os.path.basename(os.path.normpath(run_dir)) or run_dir}"
-        steps = sorted({r["step"] for r in records} | {s["step"] for s in scalars})
+        steps = sorted(set(np.unique(cols.step).tolist()) | {s["step"] for s in scalars})
         modules = info.get("modules")
         if modules is None:
-            modules = list(dict.fromkeys(r["module"] for r in records if r["kind"] != "grad"))
+            notgrad = ~cols.kind_mask("grad")
+            modules = [cols.module_names[m] for m in first_seen(cols.module[notgrad])]
         self.modules = [_name(m) for m in modules[:MAX_MODULES]]
         self.modules_more = max(0, len(modules) - MAX_MODULES)
         shown = ", ".join(self.modules) + (f", ... ({self.modules_more} more)" if self.modules_more else "")
@@ -122,7 +145,8 @@ class _Content:
             ("run directory", os.path.abspath(run_dir)),
             ("hookstats / torch", f"{info.get('hookstats', '?')} / {info.get('torch', '?')}"),
             ("steps", f"{len(steps)} ({steps[0]} .. {steps[-1]})" if steps else "0"),
-            ("records / scalars", f"{len(records)} / {len(scalars)}"),
+            ("records / scalars", f"{cols.n} / {len(scalars)}"),
+            ("log", f"{log.format}: {log.path}"),
             ("hook kinds", ", ".join(kinds) if kinds else "-"),
             ("histogram", _hist_text(info.get("histogram"))),
             (f"modules ({len(modules)})", shown or "-"),
@@ -134,7 +158,7 @@ class _Content:
         if log.bad_lines:
             self.info_rows.append(("skipped lines", f"{log.bad_lines} line(s) that were not valid JSON (a last line "
                                                     "cut short when the run was killed)"))
-        self.events = plots.nonfinite_events(records)
+        self.events = events
         ev = self.events
         self.first_event = ev[0] if ev else None
         if ev:
@@ -150,7 +174,7 @@ class _Content:
         self.event_rows = [[str(x.step), _name(x.module), x.kind, str(x.nan_count), str(x.inf_count)]
                            for x in ev[:MAX_EVENTS]]
         self.scalar_rows = _scalar_rows(scalars)
-        self.summary_rows = summary_cells(summary_rows(records))
+        self.summary_rows = summary_cells(summary_of(cols))
         self.images = images
         self.grad_kind = plots.gradient_kind(records)
 
@@ -268,28 +292,31 @@ def _html(c: _Content) -> str:
 
 
 def make_report(run_dir, out_dir=None, fmt: Sequence[str] | str = ("md", "html")) -> dict:
-    """Reads RUN_DIR/log.jsonl (or a log file given directly) and writes into out_dir (default RUN_DIR/report) the
+    """Reads RUN_DIR/log.parquet or RUN_DIR/log.jsonl (or a log given directly) into columns and writes into out_dir (default RUN_DIR/report) the
     plots (grad_flow.png, norm_heatmap.png, hist_evolution.png when the run has histograms, scalars.png when it
     logged scalars) and report.md / report.html (fmt: "md", "html" or both). Returns {file name: path} of what was
-    written. A log whose last line was cut short by a kill is read up to it. Raises FileNotFoundError without a
-    log, ValueError when the log holds no record and no scalar."""
+    written. A log whose last line was cut short by a kill is read up to it (Parquet: every completed flush).
+    Layers are grouped with numpy on the site columns' codes; plots of many layers show the ones that matter
+    (plots.pick_layers). Raises FileNotFoundError without a log, ValueError when it holds no record and no
+    scalar."""
     run_dir = os.fspath(run_dir)
     fmts = (fmt,) if isinstance(fmt, str) else tuple(fmt)
     bad = [f for f in fmts if f not in ("md", "html")]
     if bad:
         raise ValueError(f"hookstats report: unknown format(s) {bad}; use 'md' and/or 'html'")
     log_path = _log_path(run_dir)
-    if os.path.isfile(run_dir):
+    if os.path.abspath(log_path) == os.path.abspath(run_dir):  # a log given directly
         run_dir = os.path.dirname(os.path.abspath(run_dir))
-    log = read_jsonl(log_path)
-    if not log.records and not log.scalars:
+    log = read_run(log_path)
+    if not log.records.num_rows and not log.scalars:
         why = "is empty" if not log.info and not log.bad_lines else (
             "has a run header but no records yet (did the run flush? Monitor flushes at flush_every steps and at "
             "detach())" if log.info else "holds no valid line")
         raise ValueError(f"hookstats report: {log_path} {why}; nothing to report")
     out_dir = os.fspath(out_dir) if out_dir is not None else os.path.join(run_dir, REPORT_DIR)
     os.makedirs(out_dir, exist_ok=True)
-    records, scalars, info = log.records, log.scalars, log.info
+    records = Columns.of(log.records)
+    scalars, info = log.scalars, log.info
     order = info.get("modules")
     events = plots.nonfinite_events(records)
     written: dict = {}
@@ -303,7 +330,7 @@ def make_report(run_dir, out_dir=None, fmt: Sequence[str] | str = ("md", "html")
         if path is not None:
             images[name] = path
     written.update(images)
-    content = _Content(run_dir, log, images)
+    content = _Content(run_dir, log, images, records, events)
     if "md" in fmts:
         p = os.path.join(out_dir, "report.md")
         with open(p, "w", encoding="utf-8") as f:

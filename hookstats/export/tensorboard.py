@@ -49,6 +49,12 @@ class TensorBoardWriter:
         text = ", ".join(f"{k}: {info[k]}" for k in ("hookstats", "torch", "histogram", "kinds") if k in info)
         self.writer.add_text("hookstats/run", text, 0)
 
+    def write_block(self, block, scalars: list = ()) -> None:
+        """One Monitor flush (a columnar Block), written as write() writes its records."""
+        from ..monitor.export_thread import records_of
+
+        self.write(records_of(block), scalars)
+
     def write(self, records: list, scalars: list = ()) -> None:
         """One Summary event per step holding every scalar and histogram of that step (far cheaper than one
         add_scalar call each: a flush of thousands of records writes in milliseconds)."""

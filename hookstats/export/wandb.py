@@ -35,6 +35,12 @@ class WandbWriter:
         except Exception:  # a config that refuses updates (e.g. a disabled run) is not worth failing a training for
             pass
 
+    def write_block(self, block, scalars: list = ()) -> None:
+        """One Monitor flush (a columnar Block), written as write() writes its records."""
+        from ..monitor.export_thread import records_of
+
+        self.write(records_of(block), scalars)
+
     def write(self, records: list, scalars: list = ()) -> None:
         import numpy as np
 

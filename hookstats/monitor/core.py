@@ -14,6 +14,7 @@ import torch
 from .._ops import STATS_FIELDS
 from . import hooks as _hooks
 from .buffers import Buffers, LazyRecords
+from .export_thread import ExportThread
 from .summary import format_summary, summary_from_columns
 
 # Hook kinds a Monitor attaches, and the aliases it accepts.
@@ -62,9 +63,13 @@ class Monitor:
     Each hook call is one C++ call: the stats kernel runs once per tensor into the tensor's row of a device buffer
     (Note [monitor sites]); nothing is read back until `flush()` / `records()`. Steps skipped by `every` launch
     nothing. Non-floating tensors are skipped and counted (`skipped`).
-    exporters: objects with write(records, scalars) (hookstats.export: JSONLWriter, TensorBoardWriter,
-    WandbWriter) that receive each flush's new records; `flush_every=N` flushes at every N-th `step()` (one host copy
-    per buffer then, none in between); `keep_records=False` keeps no host copy once exporters have them (long runs).
+    exporters: objects with write_block(block, scalars) (columnar: hookstats.export's JSONLWriter, ParquetWriter,
+    TensorBoardWriter, WandbWriter) or write(records, scalars) (record dicts) that receive each flush's new records,
+    on one background thread (Note [export off the training thread]): a flush hands its copied block over and
+    returns; it waits only when `export_queue` flushes are still waiting to be written (counted: export_waits).
+    An exporter's error is raised at the next flush(), drain() or detach(). `flush_every=N` flushes at every N-th
+    `step()` (one host copy per buffer then, none in between); `keep_records=False` keeps no host copy once
+    exporters have them (long runs).
     slots: steps the buffers hold before they grow (default: flush_every, or 16).
     `log(tag, value)` records a scalar (loss, total grad norm) beside the statistics, without a host sync.
     process_group (a ProcessGroup, or "world"): flush() merges every rank's records (Note [merging records across
@@ -79,7 +84,8 @@ class Monitor:
                  slots: Optional[int] = None, exporters: Sequence[Any] = (), flush_every: Optional[int] = None,
                  keep_records: bool = True, process_group=None, export_rank: int = 0,
                  histogram_every: int = 1, optimizer: Optional[torch.optim.Optimizer] = None,
-                 channel_stats: Optional[dict] = None, per_sample: bool = False):
+                 channel_stats: Optional[dict] = None, per_sample: bool = False,
+                 export_queue: int = 8):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"hookstats.Monitor needs a torch.nn.Module, got {type(model).__name__}")
         self.every = _positive("every", every)
@@ -91,9 +97,10 @@ class Monitor:
         self.kinds = _kinds(kinds)
         exporters = list(exporters)
         for e in exporters:
-            if not callable(getattr(e, "write", None)):
-                raise TypeError(f"hookstats.Monitor: an exporter needs a write(records, scalars) method; "
-                                f"{type(e).__name__} has none")
+            if not callable(getattr(e, "write_block", None)) and not callable(getattr(e, "write", None)):
+                raise TypeError(f"hookstats.Monitor: an exporter needs a write(records, scalars) or "
+                                f"write_block(block, scalars) method; {type(e).__name__} has neither")
+        self.export_queue = _positive("export_queue", export_queue)
         if not keep_records and not exporters:
             raise ValueError("hookstats.Monitor: keep_records=False without exporters would throw every record away")
         if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
@@ -117,6 +124,8 @@ class Monitor:
         self._handles: list = []
         self._model = model
         self._optimizer = optimizer
+        self._export: Optional[ExportThread] = None
+        self._tables: list = []  # table() cache: the Arrow table of each kept block
 
         def wanted(name: str, mod: Optional[torch.nn.Module] = None) -> bool:
             keys = (name,) if mod is None else (name, type(mod).__name__)
@@ -140,6 +149,8 @@ class Monitor:
         except BaseException:  # no half-built Monitor left recording through its hooks
             self._detach_hooks()
             raise
+        if self._active_exporters():
+            self._export = ExportThread(self._active_exporters(), self.export_queue)
 
     # -- hooks ----------------------------------------------------------------------------------------------------
     def _attach(self, model: torch.nn.Module) -> None:
@@ -305,17 +316,59 @@ class Monitor:
 
     def flush(self) -> list[dict]:
         """Copies the recorded rows to the host: one copy per buffer (non-blocking into pinned memory on CUDA), and
-        hands the new records and scalars to every exporter. Returns the new records (as dicts: built for the
-        return value and the exporters only; the Monitor itself keeps columns)."""
+        hands the new block and scalars to the export thread (Note [export off the training thread]), waiting only
+        when `export_queue` flushes are still unwritten. Then raises an exporter error from an earlier flush, if any
+        (ExportError; this flush's rows were handed over before). Returns the new records (dicts, built when
+        read)."""
+        block = self._flush_block()
+        if self._export is not None:
+            self._export.raise_pending()
+        return LazyRecords(block)
+
+    def _flush_block(self):
         block = self._buf.flush()
         scalars = self._buf.scalars.flush(self._buf.keep)
-        exporters = self._active_exporters()
-        if exporters and (len(block) or scalars):
-            new = block.records()
-            for e in exporters:
-                e.write(new, scalars)
-            return new
-        return LazyRecords(block)
+        if self._export is not None and (len(block) or scalars):
+            self._export.submit(block, scalars)
+        return block
+
+    def drain(self) -> None:
+        """Waits until the exporters have written every flush handed to them, then raises an exporter error, if any.
+        (Does not flush: call flush() first for the rows recorded since the last one.)"""
+        if self._export is not None:
+            self._export.drain()
+            self._export.raise_pending()
+
+    @property
+    def export_waits(self) -> int:
+        """How many flushes waited for the export queue (the exporters were `export_queue` flushes behind)."""
+        return self._export.waits if self._export is not None else 0
+
+    @property
+    def export_wait_seconds(self) -> float:
+        """The training thread's total time in those waits."""
+        return self._export.wait_seconds if self._export is not None else 0.0
+
+    def table(self):
+        """Every record flushed so far as a pyarrow.Table (hookstats.monitor.table: step, seq, the site columns
+        module / kind / index / dtype dictionary-encoded, one column per statistic, histogram_{L} fixed-size list
+        columns), built from the flushed columns (no dict per record). Flushes first (without a process group).
+        With keep_records=False only what is kept (nothing). Needs pyarrow."""
+        from . import table as _table
+
+        self._read()
+        blocks = self._buf.blocks
+        for b in blocks[len(self._tables):]:
+            self._tables.append(_table.block_table(b))
+        return _table.with_run_info(_table.concat(self._tables[:len(blocks)]), self.run_info())
+
+    def to_pandas(self):
+        """table() as a pandas.DataFrame (site columns as categoricals). Needs pandas."""
+        try:
+            import pandas  # noqa: F401
+        except ImportError as e:
+            raise ImportError("hookstats.Monitor.to_pandas needs pandas: pip install pandas") from e
+        return self.table().to_pandas()
 
     def _read(self) -> None:
         if self._buf.group is None and self._model is not None:
@@ -353,17 +406,25 @@ class Monitor:
 
     def detach(self) -> None:
         """Removes every hook and drops the buffers and the reference to the model. Unflushed records are flushed
-        first (and handed to the exporters, which are then closed); records already flushed stay readable."""
+        first (and handed to the exporters); the export thread is drained and stopped, the exporters closed, and an
+        exporter error raised (ExportError). Records already flushed stay readable."""
+        exp = self._export
         try:
             if self._model is not None:
-                self.flush()
-        finally:  # even when the flush fails (a rank mismatch, an exporter error), the hooks go and writers close
+                self._flush_block()
+        finally:  # even when the flush fails (a rank mismatch), the queue drains, the hooks go and writers close
             if self._model is not None:
-                for e in self._active_exporters():
-                    close = getattr(e, "close", None)
-                    if close is not None:
-                        close()
+                try:
+                    if exp is not None:
+                        exp.close()
+                finally:
+                    for e in self._active_exporters():
+                        close = getattr(e, "close", None)
+                        if close is not None:
+                            close()
             self._detach_hooks()
+        if exp is not None:
+            exp.raise_pending()
 
     def _detach_hooks(self) -> None:
         for h in self._handles:
@@ -386,6 +447,13 @@ class Monitor:
         self.detach()
 
     def __del__(self):
+        try:
+            exp = self._export
+            if exp is not None and not exp._closed:  # the thread writes what it has, then ends
+                exp._closed = True
+                exp._q.put_nowait(None)
+        except Exception:
+            pass
         try:
             for h in self._handles:
                 h.remove()

@@ -22,7 +22,16 @@ def summary_from_columns(module: Sequence[str], kind: Sequence[str], step: np.nd
     group = np.empty(n, dtype=np.int64)
     for i, k in enumerate(zip(module, kind)):
         group[i] = keys.setdefault(k, len(keys))
+    return summary_from_groups(group, list(keys), step, stats)
+
+
+def summary_from_groups(group: np.ndarray, keys: Sequence[tuple], step: np.ndarray, stats: np.ndarray) -> list[dict]:
+    """summary_from_columns() with the grouping done: row i belongs to keys[group[i]] = (module, kind), keys in the
+    order first seen (a table's dictionary codes give this without a Python loop over the rows)."""
+    if len(step) == 0:
+        return []
     g = len(keys)
+    keys = {k: j for j, k in enumerate(keys)}
     step = np.asarray(step, dtype=np.int64)
     count = np.bincount(group, minlength=g)
     nan = np.bincount(group, weights=stats[:, _F["nan_count"]], minlength=g)
