@@ -23,14 +23,21 @@ TORCH_LIBRARY(hookstats, m) {
   m.def("stats_hist(Tensor x, int hist_mode, int bins, float lo, float hi) -> (Tensor, Tensor, Tensor)");
   // The statistics written into row `slot` of out ([slots, 13], fp32 or fp64) and, when hist
   // is given, the histogram written into row `hist_slot` of hist (int64), or added to it when
-  // hist_accumulate (Note [histogram rows] in csrc/core/bindings.h).
+  // hist_accumulate (Note [histogram rows] in csrc/core/bindings.h). With ring (an int64 position p
+  // on x's device, read when the kernel runs) out is [ring slots, rows, 13], hist [ring slots,
+  // rows, length], and row `slot` of ring slot p mod ring slots is written (Note [ring rows] in
+  // csrc/core/stats_ops.h): how a call captured in a CUDA graph writes a new row every replay.
   m.def("stats_into(Tensor x, Tensor(a!) out, int slot, Tensor(b!)? hist=None, int hist_slot=0, int hist_mode=0, "
-        "int bins=0, float lo=0., float hi=0., bool hist_accumulate=False) -> ()");
+        "int bins=0, float lo=0., float hi=0., bool hist_accumulate=False, Tensor? ring=None) -> ()");
   // stats_into for many tensors of one device in one call: xs[i] into row rows[i] of out, and,
   // when hist is given, its histogram written into (or, with hist_accumulate, added to) row hist_rows[i] of hist (one histogram length:
-  // group the tensors by dtype for exponent histograms). csrc/core/multi_bindings.h.
+  // group the tensors by dtype for exponent histograms), ring as in stats_into. csrc/core/multi_bindings.h.
   m.def("stats_multi_into(Tensor[] xs, Tensor(a!) out, int[] rows, Tensor(b!)? hist=None, int[] hist_rows=[], "
-        "int hist_mode=0, int bins=0, float lo=0., float hi=0., bool hist_accumulate=False) -> ()");
+        "int hist_mode=0, int bins=0, float lo=0., float hi=0., bool hist_accumulate=False, Tensor? ring=None) -> ()");
+  // The step prologue of a Monitor's captured CUDA graph (csrc/monitor/recorder.h, Note [monitor
+  // graph replays]): with state = (k, p) int64, p = k mod steps.numel(), steps[p] = step[0], k += 1,
+  // on the device. Every ring-row write of the replay that follows reads p.
+  m.def("_ring_advance(Tensor(a!) state, Tensor(b!) steps, Tensor step) -> ()");
   // Norms of a list of tensors on one device (any float dtypes and layouts), one kernel call:
   // (per-tensor norms [n], the total norm of their concatenation), both float64, overflow-safe
   // (csrc/core/norm_ops.h, Note [norm partials]). p is inf or a finite p > 0.

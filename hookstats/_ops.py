@@ -114,7 +114,7 @@ if HAVE_EXTENSION:
 
     @torch.library.register_fake("hookstats::stats_into")
     def _stats_into_fake(x, out, slot, hist=None, hist_slot=0, hist_mode=0, bins=0, lo=0.0, hi=0.0,
-                         hist_accumulate=False):
+                         hist_accumulate=False, ring=None):
         if out.device != x.device or (hist is not None and hist.device != x.device):
             raise ValueError(
                 f"hookstats.stats_into: the buffers must be on the tensor's device {x.device}, got {out.device}"
@@ -423,7 +423,8 @@ def stats_buffer(slots: int, device=None, dtype: torch.dtype = torch.float64) ->
 
 
 def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[torch.Tensor] = None,
-               hist_slot: Optional[int] = None, histogram=None, *, accumulate: bool = False) -> None:
+               hist_slot: Optional[int] = None, histogram=None, *, accumulate: bool = False,
+               ring: Optional[torch.Tensor] = None) -> None:
     """Writes the statistics of `x` into row `slot` of `out` (see `stats_buffer`), on the device, no host sync.
 
     With `hist` (an int64 buffer from `histogram_buffer`) and `histogram`, the histogram of `x` from the same read
@@ -431,6 +432,12 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
     a CUDA graph that replays the call leaves the same rows after every replay. With `accumulate=True` the counts
     are *added* to the row instead, so histograms sum over calls and steps (zero the row yourself to restart).
     Many hooks can fill one preallocated buffer; read it back once with `out.cpu()`.
+
+    With `ring` (an int64 tensor on x's device whose first element p is read when the kernel runs, not when it is
+    launched), `out` is a [ring slots, rows, 13] buffer (and `hist` [ring slots, rows, length]) and the call writes
+    row `slot` of ring slot p mod ring slots: a call captured in a CUDA graph then writes a new row at each replay
+    if p is advanced on the device between replays (how hookstats.Monitor records captured steps; Note [ring rows]
+    in csrc/core/stats_ops.h).
     """
     check_tensor(x, "stats_into")
     if not isinstance(out, torch.Tensor):
@@ -443,27 +450,31 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
         h = as_histogram(histogram)
         mode, bins, lo, hi = h.mode, h.bins, h.lo, h.hi
         hist_slot = slot if hist_slot is None else hist_slot
+    if ring is not None and not isinstance(ring, torch.Tensor):
+        raise TypeError(f"hookstats.stats_into: ring must be an int64 tensor, got {type(ring).__name__}")
     if not HAVE_EXTENSION:
         from . import reference
 
+        if ring is not None:
+            p, out, hist = reference.ring_rows(ring, out, hist, "stats_into")
         reference.stats_into(x, out, slot)
         if hist is not None:
             reference.hist_into(x, h, hist, hist_slot, accumulate)
         return
     check_device(x, "stats_into")
     # The op checks the buffers (dtype: TypeError; shape, device, slot: ValueError), see csrc/core/checks.h.
-    if hist is None:
+    if hist is None and ring is None:
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot)
     else:
-        torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, hist_slot, mode, bins, lo, hi,
-                                               bool(accumulate))
+        torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, 0 if hist_slot is None else hist_slot,
+                                               mode, bins, lo, hi, bool(accumulate), ring)
 
 
 if HAVE_EXTENSION:
 
     @torch.library.register_fake("hookstats::stats_multi_into")
     def _stats_multi_into_fake(xs, out, rows, hist=None, hist_rows=(), hist_mode=0, bins=0, lo=0.0, hi=0.0,
-                               hist_accumulate=False):
+                               hist_accumulate=False, ring=None):
         if any(x.device != out.device for x in xs) or (hist is not None and hist.device != out.device):
             raise ValueError(f"hookstats.stats_multi_into: the tensors and buffers must be on one device, got "
                              f"{sorted({str(x.device) for x in xs} | {str(out.device)})}")
@@ -471,12 +482,12 @@ if HAVE_EXTENSION:
 
 
 def stats_multi_into(xs, out: torch.Tensor, rows, hist: Optional[torch.Tensor] = None, hist_rows=None,
-                     histogram=None, *, accumulate: bool = False) -> None:
+                     histogram=None, *, accumulate: bool = False, ring: Optional[torch.Tensor] = None) -> None:
     """`stats_into(xs[i], out, rows[i])` for every tensor of `xs` (one device), in one call: on the CPU the small
     tensors are spread over the threads (each reduced by one thread, big ones by all), on CUDA the kernels are
     launched from C++ without Python per tensor. With `hist` and `histogram`, each histogram is written into (with
     accumulate=True: added to) row `hist_rows[i]` (default: `rows`) of `hist`; exponent histograms need tensors of
-    one dtype group (one length).
+    one dtype group (one length). `ring` as in `stats_into`.
     Every row equals what `stats_into` writes."""
     xs = list(xs)
     for x in xs:
@@ -492,12 +503,14 @@ def stats_multi_into(xs, out: torch.Tensor, rows, hist: Optional[torch.Tensor] =
     if not HAVE_EXTENSION or not uses_kernels(xs[0]):
         for i, x in enumerate(xs):
             stats_into(x, out, rows[i], hist, None if hist is None else hist_rows[i], histogram,
-                       accumulate=accumulate)
+                       accumulate=accumulate, ring=ring)
         return
     check_device(xs[0], "stats_multi_into")
     xs = [x.detach() for x in xs]
-    if hist is None:
+    if hist is None and ring is None:
         torch.ops.hookstats.stats_multi_into.default(xs, out, rows)
+    elif hist is None:
+        torch.ops.hookstats.stats_multi_into.default(xs, out, rows, None, [], 0, 0, 0.0, 0.0, False, ring)
     else:
         torch.ops.hookstats.stats_multi_into.default(xs, out, rows, hist, hist_rows, h.mode, h.bins, h.lo, h.hi,
-                                                     bool(accumulate))
+                                                     bool(accumulate), ring)

@@ -6,6 +6,7 @@ not speed: each statistic is its own pass, as people write it by hand.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -78,6 +79,20 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int) -> None:
         raise ValueError(f"hookstats.stats_into: slot {slot} is out of range for a buffer of {out.shape[0]} slots")
     s = stats(x)
     out[slot] = torch.stack([getattr(s, f).to(out.dtype) for f in STATS_FIELDS])
+
+
+def ring_rows(ring: torch.Tensor, out: torch.Tensor, hist: Optional[torch.Tensor], op: str):
+    """Note [ring rows]: the ring slot p mod out.shape[0] and the [rows, ...] views of out and hist it selects."""
+    if ring.dtype != torch.int64 or ring.numel() < 1:
+        raise TypeError(f"hookstats.{op}: ring must be an int64 tensor of at least one element")
+    if out.dim() != 3:
+        raise ValueError(f"hookstats.{op}: with ring, the buffer is [ring slots, rows, {len(STATS_FIELDS)}], got "
+                         f"{tuple(out.shape)}")
+    if hist is not None and (hist.dim() != 3 or hist.shape[0] != out.shape[0]):
+        raise ValueError(f"hookstats.{op}: with ring, the histogram buffer is [{out.shape[0]} ring slots, rows, "
+                         f"length], got {tuple(hist.shape)}")
+    p = int(ring.reshape(-1)[0]) % out.shape[0]
+    return p, out[p], None if hist is None else hist[p]
 
 
 def hist_into(x: torch.Tensor, h: Histogram, hist: torch.Tensor, hist_slot: int, accumulate: bool = False) -> None:

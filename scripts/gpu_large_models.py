@@ -1,5 +1,6 @@
 """GPU check of issue #13's targets for scripts/gpu_check.sh: the Monitor on a GPT-style model whose step takes
->= 50 ms (target <= 1.05x the step without hooks), no host sync between flushes, a 1,001-module MLP.
+>= 50 ms (target <= 1.05x the step without hooks), no host sync between flushes, a 1,001-module MLP, and both with
+the monitored step captured in a CUDA graph (each replay recording its own step).
 
 Each case is timed over whole flush periods (flush every FLUSH_EVERY steps inside the timed loop), the cases
 interleaved, wall clock around a final synchronize: a host-bound Monitor shows up as a longer step.
@@ -78,6 +79,66 @@ def no_sync_between_flushes(c: Case) -> str:
     return f"no host sync in {FLUSH_EVERY - 2} monitored steps between flushes (set_sync_debug_mode('error'))"
 
 
+def captured(name: str, dev, quick: bool, replays: int = 30) -> list[str]:
+    """A monitored training step captured in a CUDA graph (Note [monitor graph replays]): replay time with and
+    without a Monitor (forward + backward_pre + grad at opt.step()), each replay recording its own step."""
+    out = {}
+    recs_per_replay = steps_seen = 0
+    for case in ("none", "monitor"):
+        model, x, loss_fn = make(name, dev, quick)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+        mon = (hookstats.Monitor(model, kinds=("forward", "backward_pre", "grad"), optimizer=opt, slots=64)
+               if case == "monitor" else None)
+
+        def step():
+            opt.zero_grad(set_to_none=False)
+            loss_fn(model(x)).backward()
+            opt.step()
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step()
+                if mon is not None:
+                    mon.step()
+        torch.cuda.current_stream().wait_stream(s)
+        if mon is not None:
+            mon.flush()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        if mon is not None:
+            mon.step()
+        for _ in range(3):
+            g.replay()
+            if mon is not None:
+                mon.step()
+        if mon is not None:
+            mon.flush()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(replays):
+            g.replay()
+            if mon is not None:
+                mon.step()
+                if i % FLUSH_EVERY == FLUSH_EVERY - 1:
+                    recs = mon.flush()
+                    steps_seen = len({r["step"] for r in recs})
+                    recs_per_replay = len(recs) // max(steps_seen, 1)
+        torch.cuda.synchronize()
+        out[case] = (time.perf_counter() - t0) / replays
+        if mon is not None:
+            assert mon.dropped_replays == 0
+            mon.detach()
+        del g, model, opt
+        torch.cuda.empty_cache()
+    return [f"### {name}, the step captured in a CUDA graph", "", "| case | replay ms | vs no hooks |", "|---|---:|---:|",
+            f"| none | {out['none'] * 1e3:.3f} | 1.000x |",
+            f"| monitor | {out['monitor'] * 1e3:.3f} | {out['monitor'] / out['none']:.3f}x |", "",
+            f"each flush of {FLUSH_EVERY} replays: {steps_seen} steps, {recs_per_replay} records a replay", ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="large_models.md")
@@ -108,6 +169,11 @@ def main() -> None:
                 c.mon.detach()
         del cases
         torch.cuda.empty_cache()
+    for name in ("mlp1000", "gpt"):
+        try:
+            lines += captured(name, dev, args.quick)
+        except Exception as e:  # report, do not lose the rest of the report
+            lines += [f"### {name}, captured: FAILED: {type(e).__name__}: {e}", ""]
     text = "\n".join(lines)
     print(text)
     with open(args.out, "w") as f:

@@ -1,6 +1,6 @@
-"""The Monitor's hook path under CUDA graph capture: no allocation and no host sync inside a hook, so a training
-step with a Monitor attached can be captured, and each replay rewrites the captured records' rows with the new
-statistics. Runs on the GPU machine (scripts/gpu_check.sh); skipped without CUDA."""
+"""The Monitor's hook path under CUDA graph capture: no host sync inside a hook, so a training step with a Monitor
+attached can be captured, and each replay records a new step's rows (Note [monitor graph replays] in
+csrc/monitor/recorder.h; the CPU side of it is tests/test_graph_replays.py). Runs on the GPU machine (scripts/gpu_check.sh); skipped without CUDA."""
 import copy
 
 import pytest
@@ -18,48 +18,21 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
 
 
-@pytest.mark.parametrize("histogram", [None, "exp", (16, (-2.0, 2.0))])
-def test_monitor_step_is_capturable_and_replays_update_the_rows(histogram):
-    m = _model()
-    mon = hookstats.Monitor(m, kinds=("forward", "backward_pre"), histogram=histogram, slots=64)
-    static_x = torch.randn(16, 32, device="cuda")
-    outs = {}
-
-    def keep(name):
-        def hook(mod, args, out):
-            outs[name] = out.detach()
-        return hook
-
-    # Warm up on a side stream (the usual recipe), so buffers exist before capture; then empty them.
+def _warm_up(fn, n=2):
+    """The usual recipe: eager iterations on a side stream before capture."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(2):
-            m.zero_grad(set_to_none=False)
-            m(static_x).square().sum().backward()
+        for _ in range(n):
+            fn()
     torch.cuda.current_stream().wait_stream(s)
-    mon.flush()
-    n_before = len(mon.records())
-    handles = [mod.register_forward_hook(keep(name)) for name, mod in m.named_modules() if name]
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    with torch.cuda.graph(graph):  # raises on a host sync during capture
-        m.zero_grad(set_to_none=False)
-        m(static_x).square().sum().backward()
-    for h in handles:
-        h.remove()
-    # Replay with new data: the captured kernels rewrite the same rows, so the pending records now hold the new
-    # statistics.
-    new_x = torch.randn(16, 32, device="cuda") * 3
-    static_x.copy_(new_x)
-    graph.replay()
-    torch.cuda.synchronize()
-    recs = mon.records()[n_before:]
+
+
+def _check_forward_records(recs, m, x, histogram):
     fwd = {r["module"]: r for r in recs if r["kind"] == "forward"}
     with torch.no_grad():
-        expect_hidden = m[1](m[0](new_x))
-        expect = {"0": m[0](new_x), "1": expect_hidden, "2": m[2](expect_hidden)}
+        hidden = m[1](m[0](x))
+        expect = {"0": m[0](x), "1": hidden, "2": m[2](hidden)}
     for name, t in expect.items():
         ref = reference.stats(t).to_dict()
         got = fwd[name]["stats"]
@@ -71,8 +44,124 @@ def test_monitor_step_is_capturable_and_replays_update_the_rows(histogram):
             assert sum(fwd[name]["histogram"]) == ref["numel"]
             diff = sum(abs(a - b) for a, b in zip(fwd[name]["histogram"], want))
             assert diff <= 2  # values on a bin edge may round differently between the GEMMs
-    assert any(r["kind"] == "backward_pre" for r in recs)
+
+
+@pytest.mark.parametrize("histogram", [None, "exp", (16, (-2.0, 2.0))])
+def test_each_replay_of_a_captured_step_records_its_own_step(histogram):
+    """Note [monitor graph replays]: warm-up steps, a capture (which records nothing: no kernel runs), then replays
+    with new data and mon.step() after each: every replay's records carry its step and its data's statistics."""
+    m = _model()
+    mon = hookstats.Monitor(m, kinds=("forward", "backward_pre"), histogram=histogram, slots=8)
+    static_x = torch.randn(16, 32, device="cuda")
+
+    def step():
+        m.zero_grad(set_to_none=False)
+        m(static_x).square().sum().backward()
+
+    def eager_step():
+        step()
+        mon.step()
+
+    _warm_up(eager_step)  # steps 0, 1
+    mon.flush()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):  # raises on a host sync during capture
+        step()
+    mon.step()  # the capture's step (2) records nothing
+    assert mon._buf.rec.num_rings == 1
+    datas = {}
+    for i in range(3):  # steps 3, 4, 5
+        new_x = torch.randn(16, 32, device="cuda") * (i + 1)
+        static_x.copy_(new_x)
+        graph.replay()
+        datas[mon.current_step] = new_x
+        mon.step()
+    recs = mon.flush()
+    assert sorted({r["step"] for r in recs}) == [3, 4, 5]
+    for st, x in datas.items():
+        _check_forward_records([r for r in recs if r["step"] == st], m, x, histogram)
+        assert any(r["kind"] == "backward_pre" and r["step"] == st for r in recs)
+    step(); mon.step()  # eager again, after the replays
+    assert {r["step"] for r in mon.flush()} == {6}
     mon.detach()
+
+
+def test_replays_beyond_the_ring_are_counted():
+    m = _model()
+    mon = hookstats.Monitor(m, kinds=("forward",), slots=4)
+    x = torch.randn(16, 32, device="cuda")
+    _warm_up(lambda: (m(x), mon.step()))
+    mon.flush()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m(x)
+    mon.step()
+    for _ in range(7):
+        graph.replay()
+        mon.step()
+    with pytest.warns(RuntimeWarning, match="3 replays"):
+        recs = mon.flush()
+    assert len({r["step"] for r in recs}) == 4 and mon.dropped_replays == 3
+    mon.detach()
+
+
+def test_captured_training_step_with_optimizer_grads():
+    """The whole step captured: forward, backward, the "grad" kind's one stats_multi_into at opt.step(), the
+    optimizer itself (capturable Adam). Each replay records its grads, equal to the grads left after it."""
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3, capturable=True)
+    mon = hookstats.Monitor(m, kinds=("forward", "grad"), optimizer=opt, histogram="exp", slots=8)
+    static_x = torch.randn(16, 32, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        m(static_x).square().sum().backward()
+        opt.step()
+
+    _warm_up(lambda: (step(), mon.step()), n=3)
+    mon.flush()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    mon.step()
+    for i in range(3):
+        static_x.copy_(torch.randn(16, 32, device="cuda"))
+        graph.replay()
+        grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+        st = mon.current_step
+        mon.step()
+        recs = [r for r in mon.flush() if r["kind"] == "grad" and r["step"] == st]
+        assert len(recs) == len(grads)
+        for r in recs:
+            ref = reference.stats(grads[r["module"]]).to_dict()
+            assert r["stats"]["l2"] == pytest.approx(ref["l2"], rel=1e-6)
+    mon.detach()
+
+
+def test_stats_into_ring_in_a_graph_writes_a_new_row_each_replay():
+    """The op-level mechanism (Note [ring rows]): a captured _ring_advance, then stats_into with ring."""
+    x = torch.randn(1000, device="cuda")
+    out = torch.full((4, 1, 13), float("nan"), dtype=torch.float64, device="cuda")
+    hist = torch.zeros(4, 1, hookstats._ops.as_histogram("exp").length(torch.float32), dtype=torch.int64,
+                       device="cuda")
+    state = torch.zeros(2, dtype=torch.int64, device="cuda")
+    steps = torch.zeros(4, dtype=torch.int64, device="cuda")
+    step = torch.zeros(1, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.hookstats._ring_advance(state, steps, step)
+        hookstats.stats_into(x, out, 0, hist, 0, "exp", ring=state[1:])
+    for i in range(6):
+        x.copy_(torch.randn(1000, device="cuda") * (i + 1))
+        step.fill_(10 + i)
+        graph.replay()
+        want = hookstats.stats_buffer(1, device="cuda")
+        hookstats.stats_into(x, want, 0)
+        assert torch.equal(out[i % 4, 0], want[0])
+        assert torch.equal(hist[i % 4, 0], hookstats.exp_histogram(x))
+    assert state.tolist() == [6, 1] and steps.tolist() == [14, 15, 12, 13]
 
 
 def test_monitor_hooks_do_not_sync():

@@ -46,10 +46,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_hist_op(const at::Tensor& x
 // same row after every replay. With hist_accumulate the counts are added to the row instead
 // (histograms summed over calls or steps); the caller then owns zeroing the row. hookstats.Monitor
 // gives every record its own row.
+// Note [ring rows] (csrc/core/stats_ops.h): with `ring`, out is [ring_slots, rows, 13] and hist
+// [ring_slots, hist rows, length], and the row of slot p mod ring_slots is written, p read on the
+// device when the kernel runs. Checks the ring and the buffers' leading dimension, and returns
+// the StatsOut ring fields; `out2d` / `hist2d` are the buffers' slot-0 views, for the row checks.
+struct RingView {
+  at::Tensor out2d;
+  std::optional<at::Tensor> hist2d;
+  const int64_t* pos = nullptr;
+  int64_t slots = 0, value_bytes = 0, hist_elems = 0;
+};
+
+inline RingView ring_view(const at::Tensor& x, const at::Tensor& out, const std::optional<at::Tensor>& hist,
+                          const std::optional<at::Tensor>& ring, const char* op) {
+  RingView v{out, hist};
+  if (!ring.has_value()) return v;
+  const at::Tensor& r = *ring;
+  TORCH_CHECK_TYPE(r.scalar_type() == at::kLong, "hookstats.", op, ": ring must be an int64 tensor, got ",
+                   r.scalar_type());
+  TORCH_CHECK_VALUE(r.numel() >= 1 && r.device() == x.device(), "hookstats.", op,
+                    ": ring must hold at least one element on the tensor's device ", x.device(), ", got ",
+                    r.numel(), " on ", r.device());
+  TORCH_CHECK_VALUE(out.dim() == 3 && out.size(0) >= 1, "hookstats.", op,
+                    ": with ring, the buffer is [ring slots, rows, ", int(kNumStatFields), "], got ", out.sizes());
+  v.out2d = out.select(0, 0);
+  v.pos = static_cast<const int64_t*>(first_element(r));
+  v.slots = out.size(0);
+  v.value_bytes = out.stride(0) * out.element_size();
+  if (hist.has_value()) {
+    TORCH_CHECK_VALUE(hist->dim() == 3 && hist->size(0) == out.size(0), "hookstats.", op,
+                      ": with ring, the histogram buffer is [", out.size(0), " ring slots, rows, length], got ",
+                      hist->sizes());
+    v.hist2d = hist->select(0, 0);
+    v.hist_elems = hist->stride(0);
+  }
+  return v;
+}
+
+inline void set_ring(StatsOut& o, const RingView& v) {
+  o.ring = v.pos;
+  o.ring_slots = v.slots;
+  o.ring_value_bytes = v.value_bytes;
+  o.ring_hist_elems = v.hist_elems;
+}
+
+// Note [histogram rows]
+// stats_into writes its histogram row, as it writes its stats row: the row holds the counts of
+// this call's x alone, whatever it held before, so a CUDA graph that replays the call leaves the
+// same row after every replay. With hist_accumulate the counts are added to the row instead
+// (histograms summed over calls or steps); the caller then owns zeroing the row. hookstats.Monitor
+// gives every record its own row.
 template <StatsRunner run>
-void stats_into_op(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
-                   int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi, bool hist_accumulate) {
+void stats_into_op(const at::Tensor& x, const at::Tensor& out_, int64_t slot, const std::optional<at::Tensor>& hist_,
+                   int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi, bool hist_accumulate,
+                   const std::optional<at::Tensor>& ring) {
   check_float_input(x, "stats_into");
+  const RingView rv = ring_view(x, out_, hist_, ring, "stats_into");
+  const at::Tensor& out = rv.out2d;
+  const std::optional<at::Tensor>& hist = rv.hist2d;
   check_stats_buffer(x, out, slot);
   HistSpec spec = make_hist_spec(kHistNone, 0, 0.0, 0.0);
   int64_t* hrow = nullptr;
@@ -61,7 +115,9 @@ void stats_into_op(const at::Tensor& x, const at::Tensor& out, int64_t slot, con
     hrow = hist->data_ptr<int64_t>() + hist_slot * hist->stride(0);
   }
   char* row = static_cast<char*>(out.data_ptr()) + slot * out.stride(0) * out.element_size();
-  run(x, StatsOut{row, nullptr, out.scalar_type() == at::kDouble}, spec, hrow, hlen, hist_accumulate);
+  StatsOut so{row, nullptr, out.scalar_type() == at::kDouble};
+  set_ring(so, rv);
+  run(x, so, spec, hrow, hlen, hist_accumulate);
 }
 
 }  // namespace hookstats

@@ -1,26 +1,38 @@
 // hookstats::stats_multi_into: the statistics (and histogram) of many tensors of one device, one
 // row each, in one call (the Monitor's "grad" kind records every parameter grad this way). A
-// backend supplies the single-tensor runner of bindings.h and a `for_each` that runs
-// body(i) for every tensor index i: the CPU one spreads small tensors over threads (each tensor
-// reduced by one thread, big tensors by all of them, so every row equals what stats_into gives,
-// bit for bit, whatever the thread count); the CUDA one launches them one after another on the
-// current stream from C++.
+// backend gets every checked (tensor, row, histogram row) as a MultiItem and runs them: the CPU
+// one spreads small tensors over threads (each tensor reduced by one thread, big tensors by all of
+// them, so every row equals what stats_into gives, bit for bit, whatever the thread count); the
+// CUDA one packs the flat tensors of a dtype into launches of up to kPackTensors tensors each
+// (Note [multi-tensor stats launches] in cuda/stats_cuda.cu), the others launched one by one.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
 #include <optional>
+#include <vector>
 
 #include "bindings.h"
 #include "checks.h"
 
 namespace hookstats {
 
-template <StatsRunner run, typename ForEach>
-void stats_multi_into_op_impl(at::TensorList xs, const at::Tensor& out, at::IntArrayRef rows,
-                              const std::optional<at::Tensor>& hist, at::IntArrayRef hist_rows, int64_t mode,
-                              int64_t bins, double lo, double hi, bool accumulate, ForEach for_each) {
+struct MultiItem {
+  const at::Tensor* x;
+  StatsOut out;   // the row (and the ring, Note [ring rows])
+  int64_t* hist;  // the histogram row, or nullptr
+};
+
+template <typename Backend>
+void stats_multi_into_op_impl(at::TensorList xs, const at::Tensor& out_, at::IntArrayRef rows,
+                              const std::optional<at::Tensor>& hist_, at::IntArrayRef hist_rows, int64_t mode,
+                              int64_t bins, double lo, double hi, bool accumulate,
+                              const std::optional<at::Tensor>& ring, Backend backend) {
+  if (xs.empty()) return;
+  const RingView rv = ring_view(xs[0], out_, hist_, ring, "stats_multi_into");  // Note [ring rows]
+  const at::Tensor& out = rv.out2d;
+  const std::optional<at::Tensor>& hist = rv.hist2d;
   TORCH_CHECK_VALUE(rows.size() == xs.size(), "hookstats.stats_multi_into: ", xs.size(), " tensors but ",
                     rows.size(), " rows");
   HistSpec spec = make_hist_spec(kHistNone, 0, 0.0, 0.0);
@@ -43,10 +55,14 @@ void stats_multi_into_op_impl(at::TensorList xs, const at::Tensor& out, at::IntA
   const bool dbl = out.scalar_type() == at::kDouble;
   int64_t* hbase = hist.has_value() ? hist->data_ptr<int64_t>() : nullptr;
   const int64_t hstride = hist.has_value() ? hist->stride(0) : 0;
-  for_each(static_cast<int64_t>(xs.size()), [&](int64_t i) {
-    run(xs[i], StatsOut{base + rows[i] * row_bytes, nullptr, dbl}, spec,
-        hbase ? hbase + hist_rows[i] * hstride : nullptr, hlen, accumulate);
-  });
+  std::vector<MultiItem> items;
+  items.reserve(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    StatsOut so{base + rows[i] * row_bytes, nullptr, dbl};
+    set_ring(so, rv);
+    items.push_back(MultiItem{&xs[i], so, hbase ? hbase + hist_rows[i] * hstride : nullptr});
+  }
+  backend(items, spec, hlen, accumulate);
 }
 
 }  // namespace hookstats

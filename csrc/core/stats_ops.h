@@ -342,11 +342,30 @@ HS_HD void finalize(const StatsPartial& p, double* out) {
 
 // Where a finished kernel writes its results: either (values[9] of OutT, counts[4] int64)
 // or one stats_into row of OutT in Note [stats row layout] order.
+// Note [ring rows]
+// A stats_into call can take its row from device memory: with `ring` (an int64 position p,
+// read when the kernel runs, not when it is launched) the row written is slot p mod
+// ring_slots of a [ring_slots, rows, 13] buffer, and the histogram row that of a
+// [ring_slots, hist rows, length] one. A call captured in a CUDA graph then writes the row of
+// whichever step the replay belongs to: something else (the Monitor's captured prologue,
+// csrc/monitor/recorder.cpp, Note [monitor graph replays]) advances p on the device between
+// replays. Without ring, values/hist point at the row itself.
 struct StatsOut {
   void* values;    // kSum..kMax, or the whole row when counts == nullptr
   int64_t* counts; // numel, nan, inf, zero; nullptr for a row
   bool out_double; // OutT is double (else float)
+  const int64_t* ring = nullptr;  // the ring position p, or nullptr
+  int64_t ring_slots = 0;         // rows one slot apart: values + slot * ring_value_bytes,
+  int64_t ring_value_bytes = 0;   //   hist + slot * ring_hist_elems
+  int64_t ring_hist_elems = 0;
 };
+
+// The ring slot of o (0 without a ring): p mod ring_slots, in [0, ring_slots) for any p.
+HS_HD int64_t ring_slot(const StatsOut& o) {
+  if (o.ring == nullptr || o.ring_slots <= 0) return 0;
+  const int64_t r = *o.ring % o.ring_slots;
+  return r < 0 ? r + o.ring_slots : r;
+}
 
 template <typename OutT>
 HS_HD void store_typed(const double* r, OutT* values, int64_t* counts) {
@@ -361,9 +380,11 @@ HS_HD void store_typed(const double* r, OutT* values, int64_t* counts) {
   counts[3] = static_cast<int64_t>(r[kZeroCount]);
 }
 
-HS_HD void store(const StatsPartial& p, const StatsOut& o) {
+HS_HD void store(const StatsPartial& p, const StatsOut& ring_out) {
   double r[kNumStatFields];
   finalize(p, r);
+  StatsOut o = ring_out;
+  if (o.ring != nullptr) o.values = static_cast<char*>(o.values) + ring_slot(o) * o.ring_value_bytes;
   if (o.counts != nullptr) {
     // Counts above 2^53 do not survive a double; take them from the partial directly.
     if (o.out_double) store_typed<double>(r, static_cast<double*>(o.values), o.counts);

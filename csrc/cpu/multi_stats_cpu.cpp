@@ -20,17 +20,23 @@ constexpr int64_t kSmall = 32768;
 
 void stats_multi_into_cpu(at::TensorList xs, const at::Tensor& out, at::IntArrayRef rows,
                           const std::optional<at::Tensor>& hist, at::IntArrayRef hist_rows, int64_t mode, int64_t bins,
-                          double lo, double hi, bool accumulate) {
-  stats_multi_into_op_impl<stats_cpu_runner>(
-      xs, out, rows, hist, hist_rows, mode, bins, lo, hi, accumulate, [&](int64_t n, const auto& body) {
+                          double lo, double hi, bool accumulate, const std::optional<at::Tensor>& ring) {
+  stats_multi_into_op_impl(
+      xs, out, rows, hist, hist_rows, mode, bins, lo, hi, accumulate, ring,
+      [](const std::vector<MultiItem>& items, const HistSpec& spec, int64_t hlen, bool acc) {
+        const int64_t n = static_cast<int64_t>(items.size());
+        auto body = [&](int64_t i) {
+          const MultiItem& it = items[i];
+          stats_cpu_runner(*it.x, it.out, spec, it.hist, hlen, acc);
+        };
         std::vector<int64_t> small;
         small.reserve(static_cast<size_t>(n));
         for (int64_t i = 0; i < n; ++i) {
-          if (xs[i].numel() < kSmall) small.push_back(i);
+          if (items[i].x->numel() < kSmall) small.push_back(i);
           else body(i);
         }
         int64_t elems = 0;
-        for (int64_t i : small) elems += xs[i].numel();
+        for (int64_t i : small) elems += items[i].x->numel();
         const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(small.size()) * kSmall / std::max<int64_t>(elems, 1));
         at::parallel_for(0, static_cast<int64_t>(small.size()), grain, [&](int64_t b, int64_t e) {
           for (int64_t j = b; j < e; ++j) body(small[j]);

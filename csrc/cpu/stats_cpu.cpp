@@ -584,6 +584,7 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
 void run_cpu(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
              bool accumulate) {
   const StridedLayout layout = layout_of(x);
+  if (out.ring != nullptr && hist != nullptr) hist += ring_slot(out) * out.ring_hist_elems;  // Note [ring rows]
   const HistOut ho{hs, hs.mode == kHistNone ? nullptr : hist, hist_len, accumulate};
   StatsPartial p = empty_partial();
   if (x.numel() == 0) {

@@ -1,6 +1,6 @@
 // CUDA implementation of hookstats::stats_multi_into (csrc/core/multi_bindings.h): one call from
-// Python, the tensors' stats kernels launched one after another on the current stream from C++
-// (no Python per tensor, no host sync).
+// Python, the flat tensors of a dtype in one launch per 40 (Note [multi-tensor stats launches] in
+// cuda/stats_cuda.cu), on the current stream, no host sync.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -8,18 +8,15 @@
 
 namespace hookstats {
 
-void stats_cuda_runner(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
-                       bool accumulate);  // cuda/stats_cuda.cu
+void stats_multi_cuda(const std::vector<MultiItem>& items, const HistSpec& hs, int64_t hist_len,
+                      bool accumulate);  // cuda/stats_cuda.cu, Note [multi-tensor stats launches]
 
 namespace {
 
 void stats_multi_into_cuda(at::TensorList xs, const at::Tensor& out, at::IntArrayRef rows,
                            const std::optional<at::Tensor>& hist, at::IntArrayRef hist_rows, int64_t mode,
-                           int64_t bins, double lo, double hi, bool accumulate) {
-  stats_multi_into_op_impl<stats_cuda_runner>(xs, out, rows, hist, hist_rows, mode, bins, lo, hi, accumulate,
-                                              [](int64_t n, const auto& body) {
-                                                for (int64_t i = 0; i < n; ++i) body(i);
-                                              });
+                           int64_t bins, double lo, double hi, bool accumulate, const std::optional<at::Tensor>& ring) {
+  stats_multi_into_op_impl(xs, out, rows, hist, hist_rows, mode, bins, lo, hi, accumulate, ring, &stats_multi_cuda);
 }
 
 }  // namespace

@@ -20,13 +20,17 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "../core/bindings.h"
 #include "../core/checks.h"
 #include "../core/dispatch.h"
 #include "../core/hist_ops.h"
 #include "../core/layout.h"
+#include "../core/multi_bindings.h"
 #include "../core/stats_ops.h"
 #include "cuda_util.cuh"
 
@@ -255,6 +259,7 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
   StatsPartial p = block_merge(thread_partial(share, tid, nthreads, hs, my_hist), smem);  // syncs the block
+  if (out.ring != nullptr && hist_len > 0) hist_out += ring_slot(out) * out.ring_hist_elems;  // Note [ring rows]
   for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
     uint32_t c = 0u;
     for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
@@ -289,6 +294,25 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
   }
 }
 
+// The blocks of a stats launch over n values: one per kThreads * kUnroll packs, at most two per SM.
+template <typename scalar_t>
+int launch_blocks(int64_t n, int device) {
+  const int64_t per_block = static_cast<int64_t>(kThreads) * Share<scalar_t>::kVec * kUnroll;
+  const int64_t wanted = (n + per_block - 1) / per_block;
+  const int64_t cap = 2 * static_cast<int64_t>(sm_count(device));
+  return static_cast<int>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+}
+
+// Zeroes the histogram row of the ring slot read on the device (Note [ring rows]): what
+// cudaMemsetAsync does for a row whose address is known at launch.
+__global__ void zero_ring_row_kernel(unsigned long long* __restrict__ hist, int64_t len, StatsOut out) {
+  unsigned long long* row = hist + ring_slot(out) * out.ring_hist_elems;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < len;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    row[i] = 0ull;
+  }
+}
+
 // hist: int64 counts on x's device (nullptr: no histogram); zeroed first unless accumulate.
 void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
               bool accumulate) {
@@ -298,7 +322,13 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
   const int64_t n = x.numel();
   if (hist == nullptr) hist_len = 0;
   if (hist_len > 0 && !accumulate) {
-    C10_CUDA_CHECK(cudaMemsetAsync(hist, 0, hist_len * sizeof(int64_t), stream));
+    if (out.ring != nullptr) {
+      const int zb = static_cast<int>(hist_len < 4 * 256 ? (hist_len + 255) / 256 : 4);
+      zero_ring_row_kernel<<<zb, 256, 0, stream>>>(reinterpret_cast<unsigned long long*>(hist), hist_len, out);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      C10_CUDA_CHECK(cudaMemsetAsync(hist, 0, hist_len * sizeof(int64_t), stream));
+    }
   }
   HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cuda", [&] {
     Share<scalar_t> share;
@@ -309,10 +339,7 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
     const uintptr_t addr = reinterpret_cast<uintptr_t>(share.x);
     const int64_t head = static_cast<int64_t>(((16 - addr % 16) % 16) / sizeof(scalar_t));
     share.head = head < n ? head : n;
-    const int64_t per_block = static_cast<int64_t>(kThreads) * Share<scalar_t>::kVec * kUnroll;
-    const int64_t wanted = (n + per_block - 1) / per_block;
-    const int64_t cap = 2 * static_cast<int64_t>(sm_count(x.device().index()));
-    const int blocks = static_cast<int>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+    const int blocks = launch_blocks<scalar_t>(n, x.device().index());
     // Workspace: one partial per block and the ticket, from the caching allocator (stream
     // ordered, no cudaMalloc once warm).
     const int64_t ws_bytes = static_cast<int64_t>(blocks) * sizeof(StatsPartial) + 16;
@@ -330,7 +357,179 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
   });
 }
 
+// Note [multi-tensor stats launches]
+// stats_multi_into on CUDA: the flat tensors of one dtype go up to kPackTensors at a time into one
+// launch whose arguments carry each tensor's pointer, length, rows and block range (MultiPack,
+// ~2 KB, under the 4 KB kernel-argument limit of every CUDA version: no table in device memory,
+// so a launch is capture-safe as it is). Each tensor gets the blocks a stats_into launch would
+// give it (launch_blocks), and its blocks run what that launch runs: the same grid-stride shares,
+// the same block merges, and the last of its blocks to finish (a ticket per tensor) merges its
+// block partials in block order. Every row therefore equals stats_into's, bit for bit. A block
+// finds its tensor by binary search over the first blocks. Histogram rows are zeroed by one small
+// launch per pack first (unless accumulating). Tensors that are not flat (rare for gradients) run
+// one stats_into launch each. The parameter gradients of a model: two or three launches per 40.
+constexpr int kPackTensors = 40;
+
+struct PackDesc {
+  const void* x;
+  int64_t n;
+  void* row;      // the stats row (before any ring offset)
+  int64_t* hist;  // the histogram row (before any ring offset), or nullptr
+  int32_t first_block, nblocks;
+  int32_t head;   // scalar elements before the first 16-byte aligned one
+  int32_t pad;
+};
+
+struct MultiPack {
+  PackDesc d[kPackTensors];
+  StatsOut out;  // out_double and the ring; values is each tensor's row
+  int32_t count;
+};
+
+__device__ __forceinline__ int pack_tensor(const MultiPack& pk) {
+  int lo = 0, hi = pk.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (pk.d[mid].first_block <= static_cast<int>(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+__global__ void multi_zero_hist_kernel(const __grid_constant__ MultiPack pk, int64_t hist_len) {
+  const PackDesc& d = pk.d[blockIdx.x];
+  unsigned long long* row = reinterpret_cast<unsigned long long*>(d.hist);
+  if (pk.out.ring != nullptr) row += ring_slot(pk.out) * pk.out.ring_hist_elems;
+  for (int64_t i = threadIdx.x; i < hist_len; i += blockDim.x) row[i] = 0ull;
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+multi_stats_kernel(const __grid_constant__ MultiPack pk, HistSpec hs, int64_t hist_len, int hist_copies,
+                   StatsPartial* __restrict__ block_partials, unsigned int* __restrict__ tickets) {
+  __shared__ StatsPartial smem[kWarps];
+  __shared__ bool is_last;
+  extern __shared__ uint32_t sh_hist[];
+  const int t = pack_tensor(pk);
+  const PackDesc& d = pk.d[t];
+  Share<scalar_t> share;
+  share.x = static_cast<const scalar_t*>(d.x);
+  share.n = d.n;
+  share.head = d.head;
+  share.layout.ndim = 0;
+  share.flat = true;
+  for (int64_t i = threadIdx.x; i < hist_len * hist_copies; i += kThreads) sh_hist[i] = 0u;
+  if (hist_len > 0) __syncthreads();
+  const int local = static_cast<int>(blockIdx.x) - d.first_block;
+  const int64_t nthreads = static_cast<int64_t>(d.nblocks) * kThreads;
+  const int64_t tid = static_cast<int64_t>(local) * kThreads + threadIdx.x;
+  uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
+  StatsPartial p = block_merge(thread_partial(share, tid, nthreads, hs, my_hist), smem);  // syncs the block
+  StatsOut out = pk.out;
+  out.values = d.row;
+  unsigned long long* hist_out = reinterpret_cast<unsigned long long*>(d.hist);
+  if (out.ring != nullptr && hist_len > 0) hist_out += ring_slot(out) * out.ring_hist_elems;
+  for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
+    uint32_t c = 0u;
+    for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
+    if (c != 0u) atomicAdd(hist_out + i, static_cast<unsigned long long>(c));
+  }
+  if (d.nblocks == 1) {
+    if (threadIdx.x == 0) store(p, out);
+    return;
+  }
+  StatsPartial* parts = block_partials + d.first_block;
+  if (threadIdx.x == 0) {
+    parts[local] = p;
+    __threadfence();
+    is_last = atomicAdd(tickets + t, 1u) == static_cast<unsigned int>(d.nblocks) - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  StatsPartial q = empty_partial();
+  for (int b = threadIdx.x; b < d.nblocks; b += kThreads) {
+    const volatile StatsPartial* src = parts + b;
+    StatsPartial r;
+    r.n = src->n; r.nan = src->nan; r.inf = src->inf; r.zero = src->zero;
+    r.sum = src->sum; r.l1 = src->l1; r.mn = src->mn; r.mx = src->mx;
+    r.ssq = src->ssq; r.mean = src->mean; r.m2 = src->m2; r.e = src->e;
+    merge(q, r);
+  }
+  q = block_merge(q, smem);
+  if (threadIdx.x == 0) {
+    store(q, out);
+    tickets[t] = 0u;
+  }
+}
+
+template <typename scalar_t>
+void launch_pack(const std::vector<MultiItem>& items, const std::vector<size_t>& idx, size_t from, size_t to,
+                 const HistSpec& hs, int64_t hist_len, bool accumulate, int device, cudaStream_t stream) {
+  MultiPack pk;
+  std::memset(&pk, 0, sizeof(pk));
+  pk.out = items[idx[from]].out;
+  pk.out.values = nullptr;
+  pk.count = static_cast<int32_t>(to - from);
+  int64_t blocks = 0;
+  for (size_t k = from; k < to; ++k) {
+    const MultiItem& it = items[idx[k]];
+    PackDesc& d = pk.d[k - from];
+    d.x = first_element(*it.x);
+    d.n = it.x->numel();
+    d.row = it.out.values;
+    d.hist = it.hist;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(d.x);
+    const int64_t head = static_cast<int64_t>(((16 - addr % 16) % 16) / sizeof(scalar_t));
+    d.head = static_cast<int32_t>(head < d.n ? head : d.n);
+    d.first_block = static_cast<int32_t>(blocks);
+    d.nblocks = launch_blocks<scalar_t>(d.n, device);
+    blocks += d.nblocks;
+  }
+  if (hist_len > 0 && !accumulate) {
+    multi_zero_hist_kernel<<<pk.count, 256, 0, stream>>>(pk, hist_len);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const int64_t ws_bytes = blocks * static_cast<int64_t>(sizeof(StatsPartial)) + kPackTensors * 4;
+  at::Tensor ws = at::empty({ws_bytes}, items[idx[from]].x->options().dtype(at::kByte));
+  auto* partials = reinterpret_cast<StatsPartial*>(ws.data_ptr());
+  auto* tickets = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + blocks * sizeof(StatsPartial));
+  C10_CUDA_CHECK(cudaMemsetAsync(tickets, 0, kPackTensors * 4, stream));
+  const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
+  const size_t smem = static_cast<size_t>(hist_len) * copies * sizeof(uint32_t);
+  multi_stats_kernel<scalar_t><<<static_cast<unsigned int>(blocks), kThreads, smem, stream>>>(
+      pk, hs, hist_len, copies, partials, tickets);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
+
+// hookstats::stats_multi_into's CUDA backend (cuda/multi_stats_cuda.cu): Note [multi-tensor stats launches].
+void stats_multi_cuda(const std::vector<MultiItem>& items, const HistSpec& hs, int64_t hist_len, bool accumulate) {
+  if (items.empty()) return;
+  const c10::Device device = items[0].x->device();
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+  const int64_t hlen = items[0].hist == nullptr ? 0 : hist_len;
+  const at::ScalarType types[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
+  std::vector<size_t> idx;
+  for (const at::ScalarType st : types) {
+    idx.clear();
+    for (size_t i = 0; i < items.size(); ++i) {
+      const at::Tensor& x = *items[i].x;
+      if (x.scalar_type() == st && layout_of(x).ndim == 0) idx.push_back(i);
+    }
+    for (size_t from = 0; from < idx.size(); from += kPackTensors) {
+      const size_t to = std::min(idx.size(), from + static_cast<size_t>(kPackTensors));
+      HOOKSTATS_DISPATCH_FLOATING_TYPES(st, "hookstats_stats_multi_cuda", [&] {
+        launch_pack<scalar_t>(items, idx, from, to, hs, hlen, accumulate, device.index(), stream);
+      });
+    }
+  }
+  for (const MultiItem& it : items) {  // the others, one launch each
+    if (layout_of(*it.x).ndim != 0) run_cuda(*it.x, it.out, hs, it.hist, hlen, accumulate);
+  }
+}
 
 // The single-tensor runner, for hookstats::stats_multi_into (cuda/multi_stats_cuda.cu).
 void stats_cuda_runner(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,

@@ -291,6 +291,11 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("reset", &Recorder::reset)
       .def_property_readonly("skipped", &Recorder::skipped)
+      .def_property_readonly("dropped_replays", &Recorder::dropped_replays)
+      .def_property_readonly("num_rings", &Recorder::num_rings)
+      .def("_set_test_capture", &Recorder::set_test_capture, py::arg("id"), py::arg("replay") = false,
+           "tests: CPU records while id != 0 behave as records in CUDA graph capture `id` (with replay, as a "
+           "replay of it); Note [monitor graph replays]")
       .def_property_readonly("num_sites", &Recorder::num_sites)
       .def_property_readonly("pending_slots", &Recorder::pending_slots)
       .def("sites_from", [](Recorder& r, int64_t from) { return site_rows(r.sites_from(from)); },

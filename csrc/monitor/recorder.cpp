@@ -14,6 +14,7 @@
 #include "../core/checks.h"
 #include "../core/hist_ops.h"
 #include "../core/stats_ops.h"
+#include "capture.h"
 
 namespace hookstats {
 
@@ -32,13 +33,32 @@ bool is_recordable(const at::Tensor& t) {
 // stats_into through the dispatcher (CPU or CUDA kernel), below autograd: the buffers are
 // not part of any graph, and x may require grad.
 void stats_into(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
-                int64_t hist_slot, const HistConfig& h) {
+                int64_t hist_slot, const HistConfig& h, const std::optional<at::Tensor>& ring = std::nullopt) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookstats::stats_into", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&,
-                                   int64_t, int64_t, int64_t, double, double, bool)>();
+                                   int64_t, int64_t, int64_t, double, double, bool, const std::optional<at::Tensor>&)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  op.call(x, out, slot, hist, hist_slot, hist.has_value() ? h.mode : 0, h.bins, h.lo, h.hi, /*hist_accumulate=*/false);
+  op.call(x, out, slot, hist, hist_slot, hist.has_value() ? h.mode : 0, h.bins, h.lo, h.hi, /*hist_accumulate=*/false,
+          ring);
+}
+
+void ring_advance(const at::Tensor& state, const at::Tensor& steps, const at::Tensor& step) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookstats::_ring_advance", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  op.call(state, steps, step);
+}
+
+// Tensors a replayed graph may still write: kept for the life of the process (Note [monitor graph replays]).
+void keep_forever(std::vector<at::Tensor> ts) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<at::Tensor>();
+  std::lock_guard<std::mutex> g(mu);
+  for (auto& t : ts) {
+    if (t.defined()) kept->push_back(std::move(t));
+  }
 }
 
 void check_backend(const at::Tensor& x) {
@@ -81,12 +101,36 @@ void Recorder::begin_step(int64_t step, bool active, bool hist_on) {
   step_ = step;
   hist_on_ = hist_on;
   active_.store(active && !closed_);
+  // The step a replay enqueued from now on is numbered by (Note [monitor graph replays]): one fill per CUDA device
+  // buffer, on its current stream; none inside a capture (it would be replayed).
+  for (auto& b : devs_) {
+    if (b.device.is_cuda()) {
+      const CaptureIdFn fn = capture_id_fn();
+      if (fn != nullptr && fn(b.device.index()) != 0) continue;
+    } else if (!test_rings_ || test_capture_ != 0) {  // CPU rings exist only in tests (set_test_capture)
+      continue;
+    }
+    b.graph_state.narrow(0, 0, 1).fill_(step);
+  }
 }
 
 void Recorder::close() {
   std::lock_guard<std::mutex> g(mu_);
   closed_ = true;
   active_.store(false);
+  if (!rings_.empty()) {  // graphs may replay on: what they write stays allocated
+    std::vector<at::Tensor> keep;
+    for (auto& r : rings_) {
+      keep.push_back(r.stats);
+      keep.push_back(r.steps);
+      for (auto& h : r.hists) keep.push_back(h);
+    }
+    for (auto& b : devs_) {
+      if (b.num_rings) keep.push_back(b.graph_state);
+    }
+    keep_forever(std::move(keep));
+    rings_.clear();
+  }
   devs_.clear();
   hists_.clear();
   slot_steps_.clear();
@@ -128,6 +172,8 @@ int32_t Recorder::device_index(const c10::Device& d) {
   b.cap = init_rows_;
   b.stats = at::full({slots_ * b.cap, static_cast<int64_t>(kNumStatFields)}, std::nan(""),
                      at::TensorOptions().dtype(at::kDouble).device(d));
+  b.graph_state = at::zeros({2 + 2 * kMaxRings}, at::TensorOptions().dtype(at::kLong).device(d));
+  b.graph_state.narrow(0, 0, 1).fill_(step_);
   devs_.push_back(std::move(b));
   return static_cast<int32_t>(devs_.size() - 1);
 }
@@ -188,7 +234,7 @@ int64_t Recorder::ensure_slot() {
   return cur_slot_;
 }
 
-int32_t Recorder::site_for(int32_t hook, int32_t index, int32_t call, const at::Tensor& t) {
+int32_t Recorder::site_for(int32_t hook, int32_t index, int32_t call, const at::Tensor& t, bool captured) {
   HookState& h = hooks_.at(hook);
   const int64_t key = (static_cast<int64_t>(call) << 32) | static_cast<uint32_t>(index);
   const c10::Device dev = t.device();
@@ -205,12 +251,30 @@ int32_t Recorder::site_for(int32_t hook, int32_t index, int32_t call, const at::
   Site s{hook, index, call, 0, 0, -1, -1, -1, dt};
   s.dev = device_index(dev);
   DeviceBuffer& b = devs_[s.dev];
-  if (b.rows == b.cap) grow_rows(b);
+  // Inside a capture no buffer may grow or be created (Note [monitor graph replays]): its copy would be captured.
+  static const char* warm_up =
+      " inside CUDA graph capture. Run the monitored step once outside capture first (the usual warm-up), or give "
+      "the Monitor more rows (rows=) so that the captured step's tensors fit the buffers it has.";
+  if (b.rows == b.cap) {
+    TORCH_CHECK(!captured, "hookstats.Monitor: a new tensor on ", dev, " needs more rows than the buffer has (",
+                b.cap, ")", warm_up);
+    grow_rows(b);
+  }
   s.row = static_cast<int32_t>(b.rows++);
   if (hist_.mode != 0) {
-    s.hgroup = hist_group(s.dev, hist_len_of(dt, hist_));
+    const int64_t len = hist_len_of(dt, hist_);
+    if (captured) {
+      bool found = false;
+      for (const auto& h : hists_) found = found || (h.dev == s.dev && h.len == len);
+      TORCH_CHECK(found, "hookstats.Monitor: the first ", dt, " histogram on ", dev, " is recorded", warm_up);
+    }
+    s.hgroup = hist_group(s.dev, len);
     HistBuffer& hb = hists_[s.hgroup];
-    if (hb.rows == hb.cap) grow_hist_rows(hb);
+    if (hb.rows == hb.cap) {
+      TORCH_CHECK(!captured, "hookstats.Monitor: a new histogram on ", dev, " needs more rows than the buffer has (",
+                  hb.cap, ")", warm_up);
+      grow_hist_rows(hb);
+    }
     s.hrow = static_cast<int32_t>(hb.rows++);
   }
   const int32_t id = static_cast<int32_t>(sites_.size());
@@ -256,6 +320,11 @@ void Recorder::record(int32_t hook, int32_t index, int32_t call, const at::Tenso
   check_backend(t);
   std::lock_guard<std::mutex> g(mu_);
   if (!active_.load() || closed_) return;
+  if (const uint64_t cap = capture_of(t)) {
+    Ring& r = ring_for(cap, t);
+    write_ring(r, site_for(hook, index, call, t, /*captured=*/true), t);
+    return;
+  }
   const int32_t s = site_for(hook, index, call, t);
   const int64_t slot = ensure_slot();
   write(s, t, slot, hist_on_);
@@ -271,10 +340,16 @@ void Recorder::record_many(int32_t hook, int32_t call, const std::vector<std::pa
   if (static_cast<int64_t>(ts.size()) == skipped) return;
   std::lock_guard<std::mutex> g(mu_);
   if (!active_.load() || closed_) return;
-  const int64_t slot = ensure_slot();
+  int64_t slot = -1;  // taken at the first eager write: captured ones take none
   for (const auto& p : ts) {
     if (!is_recordable(p.second)) continue;
+    if (const uint64_t cap = capture_of(p.second)) {
+      Ring& r = ring_for(cap, p.second);
+      write_ring(r, site_for(hook, p.first, call, p.second, /*captured=*/true), p.second);
+      continue;
+    }
     const int32_t s = site_for(hook, p.first, call, p.second);
+    if (slot < 0) slot = ensure_slot();
     write(s, p.second, slot, hist_on_);
   }
 }
@@ -284,56 +359,270 @@ void Recorder::record_calls(const std::vector<std::tuple<int32_t, int32_t, at::T
                           .findSchemaOrThrow("hookstats::stats_multi_into", "")
                           .typed<void(at::TensorList, const at::Tensor&, at::IntArrayRef,
                                       const std::optional<at::Tensor>&, at::IntArrayRef, int64_t, int64_t, double,
-                                      double, bool)>();
+                                      double, bool, const std::optional<at::Tensor>&)>();
   for (const auto& [hook, call, t] : calls) {
     if (!is_recordable(t)) skipped_.fetch_add(1);
     else check_backend(t);
   }
   std::lock_guard<std::mutex> g(mu_);
   if (!active_.load() || closed_) return;
-  const int64_t slot = ensure_slot();
-  // One stats_multi_into call per (device, histogram group): every grad of a device in one call.
+  // One stats_multi_into call per (device, histogram group, ring): every grad of a device in one call; captured
+  // grads into their capture's ring (Note [monitor graph replays]).
   struct Group {
-    int32_t dev, hgroup;
+    int32_t dev, hgroup, ring;
     std::vector<at::Tensor> xs;
     std::vector<int64_t> rows, hrows;
   };
-  std::vector<int32_t> ids(calls.size(), -1);
+  std::vector<int32_t> ids(calls.size(), -1), ring_of(calls.size(), -1);
   for (size_t i = 0; i < calls.size(); ++i) {  // every site first: a new one may grow (re-lay) a buffer
     const auto& [hook, call, t] = calls[i];
-    if (is_recordable(t)) ids[i] = site_for(hook, 0, call, t);
+    if (!is_recordable(t)) continue;
+    if (const uint64_t cap = capture_of(t)) {
+      Ring& r = ring_for(cap, t);
+      ring_of[i] = static_cast<int32_t>(&r - rings_.data());
+    }
+    ids[i] = site_for(hook, 0, call, t, /*captured=*/ring_of[i] >= 0);
   }
+  int64_t slot = -1;
   std::vector<Group> groups;
   for (size_t i = 0; i < calls.size(); ++i) {
     if (ids[i] < 0) continue;
     const at::Tensor& t = std::get<2>(calls[i]);
     const int32_t id = ids[i];
-    order_slots_.push_back(static_cast<int32_t>(slot));
-    order_sites_.push_back(id);
     const Site& s = sites_[id];
-    const int32_t hg = hist_on_ ? s.hgroup : -1;
+    const int32_t ri = ring_of[i];
+    int32_t hg = s.hgroup;
+    if (ri >= 0) {
+      Ring& r = rings_[ri];
+      note_ring_site(r, id);
+      if (!r.hist_on) hg = -1;
+      if (hg >= 0) ring_hist(r, hg);
+    } else {
+      if (slot < 0) slot = ensure_slot();
+      order_slots_.push_back(static_cast<int32_t>(slot));
+      order_sites_.push_back(id);
+      if (!hist_on_) hg = -1;
+    }
     Group* grp = nullptr;
     for (auto& gr : groups) {
-      if (gr.dev == s.dev && gr.hgroup == hg) grp = &gr;
+      if (gr.dev == s.dev && gr.hgroup == hg && gr.ring == ri) grp = &gr;
     }
     if (grp == nullptr) {
-      groups.push_back(Group{s.dev, hg, {}, {}, {}});
+      groups.push_back(Group{s.dev, hg, ri, {}, {}, {}});
       grp = &groups.back();
     }
     grp->xs.push_back(t);
-    grp->rows.push_back(slot * devs_[s.dev].cap + s.row);
-    if (hg >= 0) grp->hrows.push_back(slot * hists_[hg].cap + s.hrow);
+    grp->rows.push_back(ri >= 0 ? s.row : slot * devs_[s.dev].cap + s.row);
+    if (hg >= 0) grp->hrows.push_back(ri >= 0 ? s.hrow : slot * hists_[hg].cap + s.hrow);
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   for (const auto& gr : groups) {
     const DeviceBuffer& b = devs_[gr.dev];
-    if (gr.hgroup >= 0) {
+    if (gr.ring >= 0) {
+      const Ring& r = rings_[gr.ring];
+      const at::Tensor pos = ring_pos(r);
+      if (gr.hgroup >= 0) {
+        multi.call(gr.xs, r.stats, gr.rows, r.hists[gr.hgroup], gr.hrows, hist_.mode, hist_.bins, hist_.lo, hist_.hi,
+                   false, pos);
+      } else {
+        multi.call(gr.xs, r.stats, gr.rows, std::nullopt, {}, 0, 0, 0.0, 0.0, false, pos);
+      }
+    } else if (gr.hgroup >= 0) {
       multi.call(gr.xs, b.stats, gr.rows, hists_[gr.hgroup].counts, gr.hrows, hist_.mode, hist_.bins, hist_.lo,
-                 hist_.hi, false);
+                 hist_.hi, false, std::nullopt);
     } else {
-      multi.call(gr.xs, b.stats, gr.rows, std::nullopt, {}, 0, 0, 0.0, 0.0, false);
+      multi.call(gr.xs, b.stats, gr.rows, std::nullopt, {}, 0, 0, 0.0, 0.0, false, std::nullopt);
     }
   }
+}
+
+// -- captured steps (Note [monitor graph replays]) ----------------------------------------------------------------
+
+uint64_t Recorder::capture_of(const at::Tensor& t) const {
+  if (t.is_cuda()) {
+    const CaptureIdFn fn = capture_id_fn();
+    return fn != nullptr ? fn(t.device().index()) : 0;
+  }
+  return t.is_cpu() ? test_capture_ : 0;
+}
+
+void Recorder::set_test_capture(uint64_t id, bool replay) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (test_capture_ != 0 && !test_replay_) {
+    // The test capture ran its kernels (CPU); a real capture runs none: its rows count from the first replay.
+    for (auto& r : rings_) {
+      if (r.capture == test_capture_) devs_[r.dev].graph_state.narrow(0, 2 + 2 * r.index, 1).fill_(0);
+    }
+  }
+  test_capture_ = id;
+  test_replay_ = id != 0 && replay;
+  test_rings_ = true;
+  for (auto& r : rings_) r.advanced = false;
+}
+
+at::Tensor Recorder::ring_pos(const Ring& r) const {
+  return devs_[r.dev].graph_state.narrow(0, 3 + 2 * r.index, 1);
+}
+
+Ring& Recorder::ring_for(uint64_t capture, const at::Tensor& t) {
+  const c10::Device d = t.device();
+  for (auto& r : rings_) {
+    if (r.capture != capture || devs_[r.dev].device != d) continue;
+    if (test_replay_ && !r.advanced) {  // a test replay: the prologue a real replay runs first
+      const at::Tensor& st = devs_[r.dev].graph_state;
+      ring_advance(st.narrow(0, 2 + 2 * r.index, 2), r.steps, st.narrow(0, 0, 1));
+      r.advanced = true;
+    }
+    return r;
+  }
+  TORCH_CHECK(!test_replay_, "hookstats.Monitor: a test replay of capture ", capture, " that was never captured");
+  int32_t dev = -1;
+  for (size_t i = 0; i < devs_.size(); ++i) {
+    if (devs_[i].device == d) dev = static_cast<int32_t>(i);
+  }
+  TORCH_CHECK(dev >= 0, "hookstats.Monitor: the first record on ", d,
+              " happened inside CUDA graph capture. Run the monitored step once outside capture first (CUDA graphs "
+              "need that warm-up anyway), so that the Monitor's buffers on ", d, " exist before the capture.");
+  DeviceBuffer& b = devs_[dev];
+  TORCH_CHECK(b.num_rings < kMaxRings, "hookstats.Monitor: more than ", kMaxRings, " CUDA graphs captured on ", d,
+              " with one Monitor; use a new Monitor");
+  Ring r;
+  r.capture = capture;
+  r.dev = dev;
+  r.index = b.num_rings++;
+  r.cap = b.cap;
+  r.slots = slots_;
+  const auto opts = b.stats.options();
+  // Allocated inside the capture (from the graph's pool) and never initialised: every replay writes every row of
+  // its slot that a flush reads.
+  r.stats = at::empty({r.slots, b.cap, static_cast<int64_t>(kNumStatFields)}, opts);
+  r.steps = at::empty({r.slots}, opts.dtype(at::kLong));
+  r.hist_on = hist_on_;
+  const at::Tensor& st = b.graph_state;
+  ring_advance(st.narrow(0, 2 + 2 * r.index, 2), r.steps, st.narrow(0, 0, 1));  // captured: each replay's prologue
+  r.advanced = true;
+  rings_.push_back(std::move(r));
+  return rings_.back();
+}
+
+void Recorder::note_ring_site(Ring& r, int32_t site) {
+  if (static_cast<int64_t>(r.has_site.size()) <= site) r.has_site.resize(site + 1, 0);
+  if (test_replay_) {
+    TORCH_CHECK(r.has_site[site], "hookstats.Monitor: a test replay recorded a site its capture did not");
+    return;
+  }
+  TORCH_CHECK(!r.has_site[site], "hookstats.Monitor: one CUDA graph capture recorded the same hook call twice: a "
+              "captured graph holds one monitored step. Call mon.step() outside the graph, after each replay (not "
+              "inside the captured region).");
+  r.has_site[site] = 1;
+  r.order.push_back(site);
+}
+
+const at::Tensor& Recorder::ring_hist(Ring& r, int32_t hgroup) {
+  if (static_cast<int32_t>(r.hists.size()) <= hgroup) {
+    r.hists.resize(hgroup + 1);
+    r.hcaps.resize(hgroup + 1, 0);
+  }
+  if (!r.hists[hgroup].defined()) {
+    const HistBuffer& h = hists_[hgroup];
+    r.hists[hgroup] = at::empty({r.slots, h.cap, h.len}, h.counts.options());
+    r.hcaps[hgroup] = h.cap;
+  }
+  return r.hists[hgroup];
+}
+
+void Recorder::write_ring(Ring& r, int32_t site, const at::Tensor& x) {
+  note_ring_site(r, site);
+  const Site& s = sites_[site];
+  const at::Tensor pos = ring_pos(r);
+  if (r.hist_on && s.hgroup >= 0) {
+    stats_into(x, r.stats, s.row, ring_hist(r, s.hgroup), s.hrow, hist_, pos);
+  } else {
+    stats_into(x, r.stats, s.row, std::nullopt, 0, hist_, pos);
+  }
+}
+
+int64_t Recorder::num_rings() {
+  std::lock_guard<std::mutex> g(mu_);
+  return static_cast<int64_t>(rings_.size());
+}
+
+// The replays since the last flush, as slots after the eager ones: every device block (and histogram block) is
+// re-laid into [eager + replayed slots, rows, ...] on its device, and the records are ordered by step (eager first
+// within a step). Reads each ring's k: a flush waits for the device anyway.
+void Recorder::append_rings(Taken& out) {
+  const int64_t used = static_cast<int64_t>(out.steps.size());
+  struct Emit {
+    int32_t ring;
+    int64_t first, n;
+    std::vector<int64_t> steps;
+  };
+  std::vector<Emit> emits;
+  int64_t total = 0;
+  for (size_t i = 0; i < rings_.size(); ++i) {
+    Ring& r = rings_[i];
+    const int64_t S = r.slots;
+    const int64_t k = devs_[r.dev].graph_state.narrow(0, 2 + 2 * r.index, 1).to(at::kCPU).item<int64_t>();
+    r.taken = k;
+    const int64_t first = std::max(r.emitted, k - S);
+    if (k <= first) continue;
+    at::Tensor steps = r.steps.to(at::kCPU);
+    Emit e{static_cast<int32_t>(i), first, k - first, {}};
+    for (int64_t j = first; j < k; ++j) e.steps.push_back(steps.data_ptr<int64_t>()[j % S]);
+    total += e.n;
+    emits.push_back(std::move(e));
+  }
+  if (total == 0) return;
+  const int64_t F = kNumStatFields;
+  for (size_t d = 0; d < out.stats.size(); ++d) {
+    at::Tensor& blk = out.stats[d].second;
+    at::Tensor n = at::full({used + total, blk.size(1), F}, std::nan(""), blk.options());
+    n.narrow(0, 0, used).copy_(blk);
+    blk = n;
+  }
+  for (auto& [dev, len, blk] : out.hists) {
+    at::Tensor n = at::zeros({used + total, blk.size(1), len}, blk.options());
+    n.narrow(0, 0, used).copy_(blk);
+    blk = n;
+  }
+  int64_t off = used;
+  for (const Emit& e : emits) {
+    const Ring& r = rings_[e.ring];
+    std::vector<int64_t> idx;
+    for (int64_t j = e.first; j < e.first + e.n; ++j) idx.push_back(j % r.slots);
+    const at::Tensor sel = at::tensor(idx, at::TensorOptions().dtype(at::kLong)).to(r.stats.device());
+    at::Tensor& blk = out.stats[r.dev].second;
+    const int64_t m = std::min(r.cap, blk.size(1));
+    blk.narrow(0, off, e.n).narrow(1, 0, m).copy_(r.stats.index_select(0, sel).narrow(1, 0, m));
+    for (size_t g = 0; g < r.hists.size(); ++g) {
+      if (!r.hists[g].defined()) continue;
+      at::Tensor& hb = std::get<2>(out.hists[g]);
+      const int64_t hm = std::min(r.hcaps[g], hb.size(1));
+      hb.narrow(0, off, e.n).narrow(1, 0, hm).copy_(r.hists[g].index_select(0, sel).narrow(1, 0, hm));
+    }
+    for (int64_t i = 0; i < e.n; ++i) {
+      out.steps.push_back(e.steps[i]);
+      out.hist_on.push_back(r.hist_on ? 1 : 0);
+      for (int32_t site : r.order) {
+        out.order_slots.push_back(static_cast<int32_t>(off + i));
+        out.order_sites.push_back(site);
+      }
+    }
+    off += e.n;
+  }
+  // Records by step, eager ones first within a step (a stable sort of the write order).
+  std::vector<size_t> perm(out.order_slots.size());
+  for (size_t i = 0; i < perm.size(); ++i) perm[i] = i;
+  std::stable_sort(perm.begin(), perm.end(), [&](size_t a, size_t b) {
+    return out.steps[out.order_slots[a]] < out.steps[out.order_slots[b]];
+  });
+  std::vector<int32_t> sl(perm.size()), si(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) {
+    sl[i] = out.order_slots[perm[i]];
+    si[i] = out.order_sites[perm[i]];
+  }
+  out.order_slots.swap(sl);
+  out.order_sites.swap(si);
 }
 
 Recorder::Taken Recorder::take() {
@@ -351,6 +640,7 @@ Recorder::Taken Recorder::take() {
   out.hist_on = slot_hist_;
   out.order_slots = order_slots_;
   out.order_sites = order_sites_;
+  if (!rings_.empty()) append_rings(out);
   return out;
 }
 
@@ -366,6 +656,11 @@ void Recorder::reset() {
   slot_hist_.clear();
   order_slots_.clear();
   order_sites_.clear();
+  for (auto& r : rings_) {  // the replays read by take(): handed over; older ones overwritten are counted
+    const int64_t lost = std::max<int64_t>(0, r.taken - r.emitted - r.slots);
+    if (lost) dropped_replays_.fetch_add(lost);
+    r.emitted = std::max(r.emitted, r.taken);
+  }
   slot_epoch_ = -1;  // the step in progress takes a new slot at its next record
   cur_slot_ = -1;
 }

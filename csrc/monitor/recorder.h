@@ -19,6 +19,28 @@
 // step for tensor hooks, at the time the hook runs: gradient accumulation and retain_graph give
 // one site per backward call, as they give one PyTorch hook call each.
 // Tensor hooks run on autograd threads without the GIL: every state change is under one mutex.
+//
+// Note [monitor graph replays]
+// A record made while its CUDA stream is being captured into a graph (the recorder asks
+// capture.h's query before each write) does not take a host slot: kernels that run only at replay
+// cannot fill rows the host has already accounted for. Each capture (by the id CUDA gives it) and
+// device gets a Ring: a [slots, cap, 13] stats block (and [slots, hcap, len] histogram blocks)
+// allocated at its first record, cap that of the device's block then, and (k, p) in the
+// device's graph_state, an int64 tensor allocated with the device's block (so zeroed outside any
+// capture). The ring's first record also captures hookstats::_ring_advance: every replay first
+// sets p = k mod slots, steps[p] = the current step, k += 1, and then each captured stats call
+// writes its site's row of ring slot p (Note [ring rows] in csrc/core/stats_ops.h). The current
+// step lives in graph_state[0], set by begin_step() (a fill on the device's current stream,
+// outside capture), so a replay is numbered by the mon.step() calls enqueued before it. The host
+// keeps the ring's write order (the sites of one replay); a flush reads k, gathers the replays
+// since the last flush in order, and appends them as slots after the eager ones (ordered by
+// step). A ring holds `slots` replays: replays beyond it before a flush overwrite the oldest,
+// which are counted in dropped_replays(). Rules: a captured step must have been recorded eagerly
+// once (warm-up), so that its device's buffers exist and no buffer grows inside the capture
+// (growing would copy rows inside the graph); one capture holds one monitored step (a site
+// twice is an error: call mon.step() outside the graph); `every`/histogram_every are decided at
+// capture. Ring memory and graph_state are kept for the life of the process once captured: a
+// graph may replay after the Monitor is gone.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -53,10 +75,30 @@ struct Site {
   at::ScalarType dtype;
 };
 
+constexpr int32_t kMaxRings = 64;  // captured graphs per device and Monitor
+
 struct DeviceBuffer {
   c10::Device device;
   at::Tensor stats;  // [slots * cap, 13] float64: row (slot, r) at slot * cap + r
   int64_t cap = 0, rows = 0;
+  at::Tensor graph_state;  // int64 [2 + 2 * kMaxRings]: the current step, unused, then (k, p) per ring
+  int32_t num_rings = 0;
+};
+
+// A captured step's rows on one device (Note [monitor graph replays]).
+struct Ring {
+  uint64_t capture;
+  int32_t dev, index;  // device buffer; (k, p) at graph_state[2 + 2 * index]
+  int64_t cap, slots;
+  at::Tensor stats;                // [slots, cap, 13] float64
+  std::vector<at::Tensor> hists;   // per histogram group: [slots, hcap, len] int64, or undefined
+  std::vector<int64_t> hcaps;
+  at::Tensor steps;                // [slots] int64
+  bool hist_on;
+  bool advanced = false;           // test replays: the prologue of this pass ran
+  std::vector<int32_t> order;      // the sites of one replay, in write order
+  std::vector<uint8_t> has_site;   // by site id
+  int64_t emitted = 0, taken = 0;  // replays handed to flushes; read by the last take()
 };
 
 struct HistBuffer {
@@ -105,6 +147,11 @@ class Recorder {
   void reset();  // NaN/zero the used rows and forget the slots (after the host copy is enqueued)
 
   int64_t skipped() const { return skipped_.load(); }
+  int64_t dropped_replays() const { return dropped_replays_.load(); }
+  int64_t num_rings();
+  // Tests: CPU tensors recorded while id != 0 are treated as captured under that id; with replay,
+  // as a replay of that capture (its prologue and rows run again, the write order is kept).
+  void set_test_capture(uint64_t id, bool replay);
   int64_t num_sites();
   // Sites [from, num_sites()): (hook, index, call, dtype name, device string, dev, row, hgroup, hrow).
   std::vector<Site> sites_from(int64_t from);
@@ -112,7 +159,14 @@ class Recorder {
   int64_t pending_slots();
 
  private:
-  int32_t site_for(int32_t hook, int32_t index, int32_t call, const at::Tensor& t);
+  int32_t site_for(int32_t hook, int32_t index, int32_t call, const at::Tensor& t, bool captured = false);
+  uint64_t capture_of(const at::Tensor& t) const;
+  Ring& ring_for(uint64_t capture, const at::Tensor& t);
+  void write_ring(Ring& r, int32_t site, const at::Tensor& x);
+  void note_ring_site(Ring& r, int32_t site);
+  const at::Tensor& ring_hist(Ring& r, int32_t hgroup);
+  at::Tensor ring_pos(const Ring& r) const;
+  void append_rings(Taken& out);
   int32_t device_index(const c10::Device& d);
   int32_t hist_group(int32_t dev, int64_t len);
   int64_t ensure_slot();
@@ -146,7 +200,12 @@ class Recorder {
   std::vector<uint8_t> slot_hist_;
   std::vector<int32_t> order_slots_, order_sites_;
   std::atomic<int64_t> skipped_{0};
+  std::vector<Ring> rings_;
+  std::atomic<int64_t> dropped_replays_{0};
+  uint64_t test_capture_ = 0;
+  bool test_replay_ = false, test_rings_ = false;
 };
+
 
 }  // namespace monitor
 }  // namespace hookstats

@@ -10,6 +10,7 @@ asked for (`Monitor.records()`, exporters).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -220,6 +221,10 @@ class Buffers:
         return self.rec.skipped
 
     @property
+    def dropped_replays(self) -> int:
+        return self.rec.dropped_replays
+
+    @property
     def pending(self) -> int:
         return self.rec.pending_slots + self.scalars.pending
 
@@ -234,7 +239,14 @@ class Buffers:
             stats_blocks, hist_blocks = self._merge(stats_blocks, hist_blocks, steps)
         host_stats = [to_host(b).numpy() for b in stats_blocks]
         host_hists = [(dev, to_host(b).numpy()) for dev, _, b in hist_blocks]
+        dropped = self.rec.dropped_replays
         self.rec.reset()
+        dropped = self.rec.dropped_replays - dropped
+        if dropped:
+            warnings.warn(f"hookstats.Monitor: {dropped} replays of a captured CUDA graph were overwritten before "
+                          f"this flush: a captured step keeps the rows of its last `slots` replays. Flush at least "
+                          f"every `slots` replays (flush_every=), or give the Monitor more slots (slots=).",
+                          RuntimeWarning, stacklevel=3)
         block = self._columns(host_stats, host_hists, np.asarray(steps, dtype=np.int64),
                               np.asarray(hist_on, dtype=bool), order_slots.astype(np.int64),
                               order_sites.astype(np.int64))

@@ -314,6 +314,12 @@ class Monitor:
         """Non-floating tensors (token ids, masks) the hooks saw and did not record."""
         return self._buf.skipped
 
+    @property
+    def dropped_replays(self) -> int:
+        """Replays of a captured CUDA graph whose rows were overwritten before a flush read them (a captured step
+        keeps its last `slots` replays; Note [monitor graph replays] in csrc/monitor/recorder.h)."""
+        return self._buf.dropped_replays
+
     def flush(self) -> list[dict]:
         """Copies the recorded rows to the host: one copy per buffer (non-blocking into pinned memory on CUDA), and
         hands the new block and scalars to the export thread (Note [export off the training thread]), waiting only
