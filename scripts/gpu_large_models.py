@@ -139,6 +139,44 @@ def captured(name: str, dev, quick: bool, replays: int = 30) -> list[str]:
             f"each flush of {FLUSH_EVERY} replays: {steps_seen} steps, {recs_per_replay} records a replay", ""]
 
 
+def multi_vs_loop(dev, quick: bool, reps: int = 50) -> list[str]:
+    """Every parameter grad of the GPT: one stats_multi_into call (one launch per 40 flat grads of a dtype, Note
+    [multi-tensor stats launches]) vs a loop of stats_into (one launch each), with a 514-bin exponent histogram;
+    rows compared bit for bit."""
+    model, idx, loss_fn = make("gpt", dev, quick)
+    loss_fn(model(idx)).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    n = len(grads)
+    a, b = hookstats.stats_buffer(n, device=dev), hookstats.stats_buffer(n, device=dev)
+    ha = hookstats.histogram_buffer(n, "exp", dtype=grads[0].dtype, device=dev)
+    hb = ha.clone()
+
+    def multi():
+        hookstats.stats_multi_into(grads, a, range(n), ha, None, "exp")
+
+    def loop():
+        for i, g in enumerate(grads):
+            hookstats.stats_into(g, b, i, hb, i, "exp")
+
+    out = {}
+    for f in (multi, loop, multi, loop):
+        f()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f()
+        torch.cuda.synchronize()
+        out[f.__name__] = min(out.get(f.__name__, 1e9), (time.perf_counter() - t0) / reps)
+    same = torch.equal(a.view(torch.int64), b.view(torch.int64)) and torch.equal(ha, hb)
+    del model
+    torch.cuda.empty_cache()
+    return [f"### every GPT grad ({n} tensors, {sum(g.numel() for g in grads) / 1e6:.0f} M values), exp histogram",
+            "", "| call | µs | |", "|---|---:|---:|",
+            f"| stats_multi_into | {out['multi'] * 1e6:.0f} | {out['loop'] / out['multi']:.2f}x faster |",
+            f"| loop of stats_into | {out['loop'] * 1e6:.0f} | |", "",
+            f"rows bit-equal: {same}", ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="large_models.md")
@@ -147,37 +185,48 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     lines = [f"## Monitor on large models ({torch.cuda.get_device_name(dev)})", ""]
-    for name in ("gpt", "mlp1000"):
-        cases = {c: Case(name, c, dev, args.quick) for c in ("none", "monitor", "monitor_grads")}
-        for c in cases.values():
-            c.period()  # warm
-        times = {c: [] for c in cases}
-        for _ in range(args.rounds):
-            for c, obj in cases.items():
-                times[c].append(obj.period())
-        med = {c: statistics.median(v) for c, v in times.items()}
-        recs = cases["monitor_grads"].mon.records()
-        per_step = sum(1 for r in recs if r["step"] == recs[-1]["step"]) if recs else 0
-        lines += [f"### {name}: {len(list(cases['none'].model.modules()))} modules", "",
-                  "| case | step ms | vs no hooks |", "|---|---:|---:|"]
-        for c, t in med.items():
-            lines.append(f"| {c} | {t * 1e3:.2f} | {t / med['none']:.3f}x |")
-        lines += ["", f"records a step (with grads): {per_step}; "
-                  + no_sync_between_flushes(cases["monitor"]), ""]
-        for c in cases.values():
-            if c.mon is not None:
-                c.mon.detach()
-        del cases
-        torch.cuda.empty_cache()
-    for name in ("mlp1000", "gpt"):
+
+    def emit(new: list[str]) -> None:  # the report so far, rewritten after each section: a timeout loses none
+        lines.extend(new)
+        print("\n".join(new), flush=True)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    emit([])
+    sections = [("mlp1000, captured", lambda: captured("mlp1000", dev, args.quick)),
+                ("stats_multi_into vs a loop", lambda: multi_vs_loop(dev, args.quick))]
+    sections += [(name, (lambda name=name: eager(name, dev, args))) for name in ("gpt", "mlp1000")]
+    sections += [("gpt, captured", lambda: captured("gpt", dev, args.quick))]
+    for title, run in sections:
         try:
-            lines += captured(name, dev, args.quick)
+            emit(run())
         except Exception as e:  # report, do not lose the rest of the report
-            lines += [f"### {name}, captured: FAILED: {type(e).__name__}: {e}", ""]
-    text = "\n".join(lines)
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+            emit([f"### {title}: FAILED: {type(e).__name__}: {e}", ""])
+            torch.cuda.empty_cache()
+
+
+def eager(name: str, dev, args) -> list[str]:
+    cases = {c: Case(name, c, dev, args.quick) for c in ("none", "monitor", "monitor_grads")}
+    for c in cases.values():
+        c.period()  # warm
+    times = {c: [] for c in cases}
+    for _ in range(args.rounds):
+        for c, obj in cases.items():
+            times[c].append(obj.period())
+    med = {c: statistics.median(v) for c, v in times.items()}
+    recs = cases["monitor_grads"].mon.records()
+    per_step = sum(1 for r in recs if r["step"] == recs[-1]["step"]) if recs else 0
+    lines = [f"### {name}: {len(list(cases['none'].model.modules()))} modules", "",
+             "| case | step ms | vs no hooks |", "|---|---:|---:|"]
+    for c, t in med.items():
+        lines.append(f"| {c} | {t * 1e3:.2f} | {t / med['none']:.3f}x |")
+    lines += ["", f"records a step (with grads): {per_step}; " + no_sync_between_flushes(cases["monitor"]), ""]
+    for c in cases.values():
+        if c.mon is not None:
+            c.mon.detach()
+    del cases
+    torch.cuda.empty_cache()
+    return lines
 
 
 if __name__ == "__main__":
