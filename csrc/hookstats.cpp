@@ -25,7 +25,15 @@ TORCH_LIBRARY(hookstats, m) {
   // is given, the histogram written into row `hist_slot` of hist (int64), or added to it when
   // hist_accumulate (Note [histogram rows] in csrc/core/bindings.h).
   m.def("stats_into(Tensor x, Tensor(a!) out, int slot, Tensor(b!)? hist=None, int hist_slot=0, int hist_mode=0, "
-        "int bins=0, float lo=0., float hi=0., bool hist_accumulate=False) -> ()");
+        "int bins=0, float lo=0., float hi=0., bool hist_accumulate=False, Tensor(c!)? loc=None, int loc_slot=0) "
+        "-> ()");
+  // (With loc: the element locations, two int64 (argmax_abs, first_nonfinite), written into row loc_slot of
+  // loc ([rows, 2] int64): csrc/core/loc_ops.h, Note [element locations].)
+  // The statistics, element locations (int64 [2]: flat index of the first largest |x|, of the first NaN/Inf;
+  // -1 where none; Note [element locations]) and, with hist_mode != 0, the histogram (else an empty int64
+  // tensor), in one read: (values, counts, locations, histogram).
+  m.def("stats_loc(Tensor x, int hist_mode=0, int bins=0, float lo=0., float hi=0.) -> (Tensor, Tensor, Tensor, "
+        "Tensor)");
   // stats_into for many tensors of one device in one call: xs[i] into row rows[i] of out, and,
   // when hist is given, its histogram written into (or, with hist_accumulate, added to) row hist_rows[i] of hist (one histogram length:
   // group the tensors by dtype for exponent histograms). csrc/core/multi_bindings.h.

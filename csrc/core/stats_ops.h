@@ -346,6 +346,7 @@ struct StatsOut {
   void* values;    // kSum..kMax, or the whole row when counts == nullptr
   int64_t* counts; // numel, nan, inf, zero; nullptr for a row
   bool out_double; // OutT is double (else float)
+  int64_t* loc = nullptr;  // (argmax_abs, first_nonfinite) int64 when asked (Note [element locations], core/loc_ops.h)
 };
 
 template <typename OutT>

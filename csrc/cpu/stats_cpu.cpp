@@ -24,6 +24,7 @@
 #include "../core/dispatch.h"
 #include "../core/hist_ops.h"
 #include "../core/layout.h"
+#include "../core/loc_ops.h"
 #include "../core/stats_ops.h"
 #include "cpu_common.h"
 #include "simd.h"
@@ -504,8 +505,27 @@ struct HistOut {
   bool accumulate;
 };
 
+// Note [cpu locations]
+// A task's chunks come in increasing logical order, and each chunk's partial has its exact NaN-free
+// min and max and its NaN/Inf counts (whichever pass made it). So the task's first largest |x| can
+// only move to a chunk whose max(-min, max) is strictly larger than the task's so far, and its first
+// NaN/Inf is in the first chunk that counts one: only those chunks are re-read (still in L1), by
+// loc_add (core/loc_ops.h, shared with the CUDA kernel). Random data re-reads about ln(chunks) chunks
+// of a task; a tensor whose |x| grows along it (a ramp) re-reads every chunk. Tasks merge in order.
 template <typename scalar_t>
-StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const StridedLayout& layout, const HistOut& ho) {
+HS_INLINE void locate_chunk(const scalar_t* p, int64_t n, int64_t start, const StatsPartial& cp,
+                            LocAcc<acc_of<scalar_t>>& l) {
+  using acc_t = acc_of<scalar_t>;
+  const double camax = hs_fmax(-cp.mn, cp.mx);  // -inf for an all-NaN chunk
+  const bool amax = camax > static_cast<double>(l.amax);
+  const bool nf = l.nf_i < 0 && (cp.nan > 0 || cp.inf > 0);
+  if (!amax && !nf) return;
+  for (int64_t i = 0; i < n; ++i) loc_add<acc_t>(l, static_cast<acc_t>(p[i]), start + i);
+}
+
+template <typename scalar_t, bool LOC = false>
+StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const StridedLayout& layout, const HistOut& ho,
+                               LocPartial* loc_out = nullptr) {
   const int mode = ho.counts != nullptr ? ho.spec.mode : kHistNone;
   const chunk_fn<scalar_t> chunk = pick_chunk_fn<scalar_t>(mode);
   const BinPlan plan = mode != kHistNone ? bin_plan<scalar_t>(ho.spec) : BinPlan{ho.spec, RangeConsts{}};
@@ -536,8 +556,11 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   // The lambda below runs on worker threads: it reaches the caches only through `counters`,
   // never through the thread_locals' names (those would be each worker's own, empty, vectors).
   StatsPartial task_partials[kMaxTasks];
+  LocPartial task_locs[LOC ? kMaxTasks : 1];
   auto run_task = [&](int64_t t, int64_t thread) {
     StatsPartial acc = empty_partial();
+    LocAcc<acc_of<scalar_t>> loc;
+    loc_init(loc);
     // Float inputs only: their partials hold no double that could be subnormal (products of
     // float magnitudes stay above 2^-298); fp64 keeps gradual underflow.
     const simd::FlushToZero ftz(std::is_same<acc_of<scalar_t>, float>::value);
@@ -554,9 +577,16 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
         p = buf;
       }
       if (c == t * chunks_per_task) k = initial_state(p, clen);
-      merge(acc, chunk(p, clen, k, hist, &plan));
+      if constexpr (LOC) {
+        const StatsPartial cp = chunk(p, clen, k, hist, &plan);
+        locate_chunk(p, clen, start, cp, loc);  // Note [cpu locations]
+        merge(acc, cp);
+      } else {
+        merge(acc, chunk(p, clen, k, hist, &plan));
+      }
     }
     task_partials[t] = acc;
+    if constexpr (LOC) task_locs[t] = loc_to_partial(loc);
   };
   if (ntasks == 1) {
     run_task(0, 0);
@@ -568,6 +598,11 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   }
   StatsPartial total = empty_partial();
   for (int64_t t = 0; t < ntasks; ++t) merge(total, task_partials[t]);
+  if constexpr (LOC) {
+    LocPartial l = empty_loc();
+    for (int64_t t = 0; t < ntasks; ++t) loc_merge(l, task_locs[t]);
+    *loc_out = l;
+  }
   if (mode != kHistNone) {
     for (int64_t t = 0; t < nthreads; ++t) flush_counters(counters[t]);
     const bool ordinal = mode == kHistRange && plan.rc.T != nullptr;  // Note [exact bin thresholds]
@@ -583,17 +618,22 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
 
 void run_cpu(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
              bool accumulate) {
-  const StridedLayout layout = layout_of(x);
+  const bool want_loc = out.loc != nullptr;
+  const StridedLayout layout = want_loc ? logical_layout_of(x) : layout_of(x);  // Note [element locations]
   const HistOut ho{hs, hs.mode == kHistNone ? nullptr : hist, hist_len, accumulate};
   StatsPartial p = empty_partial();
+  LocPartial l = empty_loc();
   if (x.numel() == 0) {
     if (ho.counts != nullptr && !accumulate) std::fill(ho.counts, ho.counts + hist_len, 0);
   } else {
     HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cpu", [&] {
-      p = stats_partial_cpu<scalar_t>(static_cast<const scalar_t*>(first_element(x)), x.numel(), layout, ho);
+      const auto* base = static_cast<const scalar_t*>(first_element(x));
+      if (want_loc) p = stats_partial_cpu<scalar_t, true>(base, x.numel(), layout, ho, &l);
+      else p = stats_partial_cpu<scalar_t>(base, x.numel(), layout, ho);
     });
   }
   store(p, out);
+  if (want_loc) store_loc(l, out.loc);
 }
 
 }  // namespace
@@ -616,6 +656,7 @@ TORCH_LIBRARY_IMPL(hookstats, CPU, m) {
   m.impl("stats", &stats_op<run_cpu>);
   m.impl("stats_into", &stats_into_op<run_cpu>);
   m.impl("stats_hist", &stats_hist_op<run_cpu>);
+  m.impl("stats_loc", &stats_loc_op<run_cpu>);
 }
 
 }  // namespace hookstats

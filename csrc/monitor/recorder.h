@@ -18,6 +18,12 @@
 // Call numbers count per hook and step for forward-side hooks, and per (hook, tensor index) and
 // step for tensor hooks, at the time the hook runs: gradient accumulation and retain_graph give
 // one site per backward call, as they give one PyTorch hook call each.
+// With locations (Recorder(..., locations=true)), each device also has a location block of
+// [slots * cap, 2] int64 rows beside its stats block (same row index, grown and reset with it, -1
+// until written): the flat indices of each record's first largest |x| and first NaN/Inf (Note
+// [element locations] in csrc/core/loc_ops.h), written by the same stats_into call; and the host
+// keeps each record's shape (the shape of a site's tensor may change between steps), so a flush
+// can turn indices into coordinates. Without locations none of this exists.
 // Tensor hooks run on autograd threads without the GIL: every state change is under one mutex.
 #pragma once
 
@@ -57,6 +63,7 @@ struct DeviceBuffer {
   c10::Device device;
   at::Tensor stats;  // [slots * cap, 13] float64: row (slot, r) at slot * cap + r
   int64_t cap = 0, rows = 0;
+  at::Tensor loc;    // [slots * cap, 2] int64, the same rows; only with locations
 };
 
 struct HistBuffer {
@@ -68,7 +75,8 @@ struct HistBuffer {
 
 class Recorder {
  public:
-  Recorder(int64_t slots, HistConfig hist, int64_t init_rows);
+  Recorder(int64_t slots, HistConfig hist, int64_t init_rows, bool locations = false);
+  bool locations() const { return locations_; }
 
   // A new hook id (hooks are numbered from 0; Python keeps their names and kinds).
   int32_t add_hook();
@@ -100,6 +108,11 @@ class Recorder {
     std::vector<int64_t> steps;
     std::vector<uint8_t> hist_on;
     std::vector<int32_t> order_slots, order_sites;  // every written (slot, site), in the order written
+    // With locations: per device its [slots, rows, 2] location block, and every written record's shape
+    // (shape_ndim[i] dims of record i, one after another in shape_dims), in the order written.
+    std::vector<at::Tensor> locs;
+    std::vector<int32_t> shape_ndim;
+    std::vector<int64_t> shape_dims;
   };
   Taken take();
   void reset();  // NaN/zero the used rows and forget the slots (after the host copy is enqueued)
@@ -146,6 +159,9 @@ class Recorder {
   std::vector<uint8_t> slot_hist_;
   std::vector<int32_t> order_slots_, order_sites_;
   std::atomic<int64_t> skipped_{0};
+  bool locations_ = false;
+  std::vector<int32_t> shape_ndim_;
+  std::vector<int64_t> shape_dims_;
 };
 
 }  // namespace monitor
