@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 #include <type_traits>
@@ -509,18 +510,74 @@ struct HistOut {
 // A task's chunks come in increasing logical order, and each chunk's partial has its exact NaN-free
 // min and max and its NaN/Inf counts (whichever pass made it). So the task's first largest |x| can
 // only move to a chunk whose max(-min, max) is strictly larger than the task's so far, and its first
-// NaN/Inf is in the first chunk that counts one: only those chunks are re-read (still in L1), by
-// loc_add (core/loc_ops.h, shared with the CUDA kernel). Random data re-reads about ln(chunks) chunks
-// of a task; a tensor whose |x| grows along it (a ramp) re-reads every chunk. Tasks merge in order.
+// NaN/Inf is in the first chunk that counts one: only those chunks are searched again (still in L1),
+// on the raw bits (|x| == the chunk's max: the bits without the sign are equal; NaN/Inf: the exponent
+// bits all set), in blocks of 64 that the compiler vectorizes; the first block that holds a match is
+// handed to loc_add (core/loc_ops.h, the CUDA kernel's per-element step). Random data searches about
+// ln(chunks) chunks of a task; a tensor whose |x| grows along it (a ramp) searches every chunk.
+// Tasks merge in order (loc_merge): the result does not depend on the thread count.
+template <typename scalar_t> struct RawBits;
+template <> struct RawBits<float> {
+  using U = uint32_t;
+  static constexpr U abs = 0x7fffffffu, exp = 0x7f800000u;
+};
+template <> struct RawBits<double> {
+  using U = uint64_t;
+  static constexpr U abs = 0x7fffffffffffffffull, exp = 0x7ff0000000000000ull;
+};
+template <> struct RawBits<c10::Half> {
+  using U = uint16_t;
+  static constexpr U abs = 0x7fff, exp = 0x7c00;
+};
+template <> struct RawBits<c10::BFloat16> {
+  using U = uint16_t;
+  static constexpr U abs = 0x7fff, exp = 0x7f80;
+};
+
+constexpr int64_t kLocBlock = 64;
+
+// The first block of kLocBlock elements (from 0) that holds an element whose masked bits equal t (NAN_INF
+// false) or are >= t (NAN_INF true: t is the exponent mask); -1 when none.
+template <typename scalar_t, bool NAN_INF>
+HS_INLINE int64_t first_block(const scalar_t* p, int64_t n, typename RawBits<scalar_t>::U t) {
+  using U = typename RawBits<scalar_t>::U;
+  constexpr U mask = RawBits<scalar_t>::abs;
+  U buf[kLocBlock];
+  for (int64_t b = 0; b < n; b += kLocBlock) {
+    const int64_t m = std::min(kLocBlock, n - b);
+    std::memcpy(buf, p + b, static_cast<size_t>(m) * sizeof(U));
+    U hit = 0;
+    if (m == kLocBlock) {
+      for (int64_t j = 0; j < kLocBlock; ++j) hit |= NAN_INF ? U((buf[j] & mask) >= t) : U((buf[j] & mask) == t);
+    } else {
+      for (int64_t j = 0; j < m; ++j) hit |= NAN_INF ? U((buf[j] & mask) >= t) : U((buf[j] & mask) == t);
+    }
+    if (hit) return b;
+  }
+  return -1;
+}
+
 template <typename scalar_t>
 HS_INLINE void locate_chunk(const scalar_t* p, int64_t n, int64_t start, const StatsPartial& cp,
                             LocAcc<acc_of<scalar_t>>& l) {
   using acc_t = acc_of<scalar_t>;
+  using U = typename RawBits<scalar_t>::U;
   const double camax = hs_fmax(-cp.mn, cp.mx);  // -inf for an all-NaN chunk
-  const bool amax = camax > static_cast<double>(l.amax);
-  const bool nf = l.nf_i < 0 && (cp.nan > 0 || cp.inf > 0);
-  if (!amax && !nf) return;
-  for (int64_t i = 0; i < n; ++i) loc_add<acc_t>(l, static_cast<acc_t>(p[i]), start + i);
+  auto add_block = [&](int64_t b) {
+    const int64_t e = std::min(n, b + kLocBlock);
+    for (int64_t i = b; i < e; ++i) loc_add<acc_t>(l, static_cast<acc_t>(p[i]), start + i);
+  };
+  if (camax > static_cast<double>(l.amax)) {
+    const scalar_t t = static_cast<scalar_t>(static_cast<acc_t>(camax));  // exact: a value of the chunk
+    U tb;
+    std::memcpy(&tb, &t, sizeof tb);
+    const int64_t b = first_block<scalar_t, false>(p, n, tb & RawBits<scalar_t>::abs);
+    if (b >= 0) add_block(b);
+  }
+  if (l.nf_i < 0 && (cp.nan > 0 || cp.inf > 0)) {
+    const int64_t b = first_block<scalar_t, true>(p, n, RawBits<scalar_t>::exp);
+    if (b >= 0) add_block(b);
+  }
 }
 
 template <typename scalar_t, bool LOC = false>
