@@ -275,6 +275,8 @@ def test_compile_fullgraph():
     x[321] = 55.0
     loc, _ = torch.compile(f, fullgraph=True)(x)
     assert loc.tolist() == [642, -2]
+    g = torch.compile(lambda x: hookstats.stats(x, locations=True).argmax_abs_index + 1, fullgraph=True)
+    assert int(g(x)) == 322
 
 
 @pytest.mark.slow

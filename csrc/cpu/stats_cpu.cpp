@@ -508,14 +508,14 @@ struct HistOut {
 
 // Note [cpu locations]
 // A task's chunks come in increasing logical order, and each chunk's partial has its exact NaN-free
-// min and max and its NaN/Inf counts (whichever pass made it). So the task's first largest |x| can
-// only move to a chunk whose max(-min, max) is strictly larger than the task's so far, and its first
-// NaN/Inf is in the first chunk that counts one: only those chunks are searched again (still in L1),
-// on the raw bits (|x| == the chunk's max: the bits without the sign are equal; NaN/Inf: the exponent
-// bits all set), in blocks of 64 that the compiler vectorizes; the first block that holds a match is
-// handed to loc_add (core/loc_ops.h, the CUDA kernel's per-element step). Random data searches about
-// ln(chunks) chunks of a task; a tensor whose |x| grows along it (a ramp) searches every chunk.
-// Tasks merge in order (loc_merge): the result does not depend on the thread count.
+// min and max and its NaN/Inf counts (whichever pass made it). So the task's first largest |x| is in
+// the first chunk whose max(-min, max) is the task's largest, and its first NaN/Inf in the first chunk
+// that counts one: the task notes those two chunks as it goes (a compare per chunk) and, at its end,
+// searches only them again, on the raw bits (|x| == that max: the bits without the sign are equal;
+// NaN/Inf: the exponent bits all set), in blocks of 64 that the compiler vectorizes; the first block
+// that holds a match is handed to loc_add (core/loc_ops.h, the CUDA kernel's per-element step). So a
+// task reads at most two of its chunks a second time (from L2/L3; a strided chunk is gathered again),
+// whatever the data. Tasks merge in order (loc_merge): the result does not depend on the thread count.
 template <typename scalar_t> struct RawBits;
 template <> struct RawBits<float> {
   using U = uint32_t;
@@ -536,45 +536,51 @@ template <> struct RawBits<c10::BFloat16> {
 
 constexpr int64_t kLocBlock = 64;
 
-// The first block of kLocBlock elements (from 0) that holds an element whose masked bits equal t (NAN_INF
-// false) or are >= t (NAN_INF true: t is the exponent mask); -1 when none.
+template <typename U, bool NAN_INF>
+HS_INLINE bool block_hit(const U* buf, int64_t m, U t) {
+  constexpr U mask = static_cast<U>(~(U(1) << (8 * sizeof(U) - 1)));
+  U hit = 0;
+  for (int64_t j = 0; j < m; ++j) hit |= NAN_INF ? U((buf[j] & mask) >= t) : U((buf[j] & mask) == t);
+  return hit != 0;
+}
+
+// The first block of kLocBlock elements (from 0) that holds an element whose bits without the sign equal t
+// (NAN_INF false) or are >= t (NAN_INF true: t is the exponent mask); -1 when none.
 template <typename scalar_t, bool NAN_INF>
 HS_INLINE int64_t first_block(const scalar_t* p, int64_t n, typename RawBits<scalar_t>::U t) {
   using U = typename RawBits<scalar_t>::U;
-  constexpr U mask = RawBits<scalar_t>::abs;
   U buf[kLocBlock];
-  for (int64_t b = 0; b < n; b += kLocBlock) {
-    const int64_t m = std::min(kLocBlock, n - b);
-    std::memcpy(buf, p + b, static_cast<size_t>(m) * sizeof(U));
-    U hit = 0;
-    if (m == kLocBlock) {
-      for (int64_t j = 0; j < kLocBlock; ++j) hit |= NAN_INF ? U((buf[j] & mask) >= t) : U((buf[j] & mask) == t);
-    } else {
-      for (int64_t j = 0; j < m; ++j) hit |= NAN_INF ? U((buf[j] & mask) >= t) : U((buf[j] & mask) == t);
-    }
-    if (hit) return b;
+  int64_t b = 0;
+  for (; b + kLocBlock <= n; b += kLocBlock) {
+    std::memcpy(buf, p + b, sizeof buf);
+    if (block_hit<U, NAN_INF>(buf, kLocBlock, t)) return b;
+  }
+  if (b < n) {
+    std::memcpy(buf, p + b, static_cast<size_t>(n - b) * sizeof(U));
+    if (block_hit<U, NAN_INF>(buf, n - b, t)) return b;
   }
   return -1;
 }
 
+// Searches one chunk (elements start .. start + n of the tensor, at p) for the first element of |x| == amax
+// (when amax >= 0) and for the first NaN/Inf (when nf), into l (Note [cpu locations]).
 template <typename scalar_t>
-HS_INLINE void locate_chunk(const scalar_t* p, int64_t n, int64_t start, const StatsPartial& cp,
+HS_INLINE void search_chunk(const scalar_t* p, int64_t n, int64_t start, double amax, bool nf,
                             LocAcc<acc_of<scalar_t>>& l) {
   using acc_t = acc_of<scalar_t>;
   using U = typename RawBits<scalar_t>::U;
-  const double camax = hs_fmax(-cp.mn, cp.mx);  // -inf for an all-NaN chunk
   auto add_block = [&](int64_t b) {
     const int64_t e = std::min(n, b + kLocBlock);
     for (int64_t i = b; i < e; ++i) loc_add<acc_t>(l, static_cast<acc_t>(p[i]), start + i);
   };
-  if (camax > static_cast<double>(l.amax)) {
-    const scalar_t t = static_cast<scalar_t>(static_cast<acc_t>(camax));  // exact: a value of the chunk
+  if (amax >= 0.0) {
+    const scalar_t t = static_cast<scalar_t>(static_cast<acc_t>(amax));  // exact: a value of the chunk
     U tb;
     std::memcpy(&tb, &t, sizeof tb);
     const int64_t b = first_block<scalar_t, false>(p, n, tb & RawBits<scalar_t>::abs);
     if (b >= 0) add_block(b);
   }
-  if (l.nf_i < 0 && (cp.nan > 0 || cp.inf > 0)) {
+  if (nf) {
     const int64_t b = first_block<scalar_t, true>(p, n, RawBits<scalar_t>::exp);
     if (b >= 0) add_block(b);
   }
@@ -616,8 +622,8 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   LocPartial task_locs[LOC ? kMaxTasks : 1];
   auto run_task = [&](int64_t t, int64_t thread) {
     StatsPartial acc = empty_partial();
-    LocAcc<acc_of<scalar_t>> loc;
-    loc_init(loc);
+    double best = -1.0;                   // the task's largest |x| so far (Note [cpu locations])
+    int64_t best_c = -1, nf_c = -1;       // the first chunk holding it, the first chunk holding a NaN/Inf
     // Float inputs only: their partials hold no double that could be subnormal (products of
     // float magnitudes stay above 2^-298); fp64 keeps gradual underflow.
     const simd::FlushToZero ftz(std::is_same<acc_of<scalar_t>, float>::value);
@@ -636,14 +642,35 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
       if (c == t * chunks_per_task) k = initial_state(p, clen);
       if constexpr (LOC) {
         const StatsPartial cp = chunk(p, clen, k, hist, &plan);
-        locate_chunk(p, clen, start, cp, loc);  // Note [cpu locations]
+        const double camax = hs_fmax(-cp.mn, cp.mx);  // -inf for an all-NaN chunk
+        if (camax > best) {
+          best = camax;
+          best_c = c;
+        }
+        if (nf_c < 0 && (cp.nan > 0 || cp.inf > 0)) nf_c = c;
         merge(acc, cp);
       } else {
         merge(acc, chunk(p, clen, k, hist, &plan));
       }
     }
     task_partials[t] = acc;
-    if constexpr (LOC) task_locs[t] = loc_to_partial(loc);
+    if constexpr (LOC) {
+      LocAcc<acc_of<scalar_t>> loc;
+      loc_init(loc);
+      auto search = [&](int64_t c, bool amax, bool nf) {
+        const int64_t start = c * kChunk;
+        const int64_t clen = std::min(kChunk, numel - start);
+        const scalar_t* p = base + start;
+        if (layout.ndim != 0) {
+          gather(base, layout, start, clen, buf);
+          p = buf;
+        }
+        search_chunk(p, clen, start, amax ? best : -1.0, nf, loc);
+      };
+      if (best_c >= 0) search(best_c, true, best_c == nf_c);
+      if (nf_c >= 0 && nf_c != best_c) search(nf_c, false, true);
+      task_locs[t] = loc_to_partial(loc);
+    }
   };
   if (ntasks == 1) {
     run_task(0, 0);
