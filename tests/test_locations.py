@@ -431,3 +431,24 @@ def test_table_jsonl_and_report(tmp_path):
     out = make_report(tmp_path, fmt="md")
     text = open(out["report.md"]).read()
     assert "step 2, module `embed`, kind forward, element (1, 4, 7) of a (3, 8, 12) tensor" in text
+
+
+def test_parquet_log_and_report(tmp_path):
+    pytest.importorskip("pyarrow")
+    from hookstats.export import ParquetWriter, read_log
+
+    model = TinyLM()
+    mon = hookstats.Monitor(model, include=["embed"], kinds=("forward",), locations=True, flush_every=2,
+                            exporters=[ParquetWriter(tmp_path / "log.parquet")])
+    _run(mon, model)
+    recs = mon.records()
+    mon.detach()
+    t = read_log(tmp_path / "log.parquet")
+    assert t.column("first_nonfinite_index").to_pylist() == [None, None, [1, 4, 7]]
+    assert t.column("shape").to_pylist() == [list(r["shape"]) for r in recs]
+    assert t.column("argmax_abs_index").to_pylist() == [list(r["argmax_abs_index"]) for r in recs]
+    pytest.importorskip("matplotlib")
+    from hookstats.export.report import make_report
+
+    text = open(make_report(tmp_path, fmt="md")["report.md"]).read()
+    assert "element (1, 4, 7) of a (3, 8, 12) tensor" in text
