@@ -414,8 +414,9 @@ def _located(values: torch.Tensor, counts: torch.Tensor, loc: torch.Tensor, shap
     v = values.unbind(0)
     c = counts.unbind(0)
     a, f = loc.unbind(0)
-    return LocatedStats(c[0], v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], c[1], c[2], c[3],
-                        argmax_abs_index=a, first_nonfinite_index=f, shape=shape)
+    out = tuple.__new__(LocatedStats, (c[0], *v, c[1], c[2], c[3]))  # the fields in STATS_FIELDS order
+    out.argmax_abs_index, out.first_nonfinite_index, out.shape = a, f, tuple(shape)
+    return out
 
 
 def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
@@ -438,7 +439,7 @@ def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
     check_tensor(x, "stats")
     if locations:
         h = as_histogram(histogram) if histogram is not None else None
-        if not HAVE_EXTENSION or not uses_kernels(x):
+        if not HAVE_EXTENSION:
             from . import reference
 
             st, loc = reference.stats(x), reference.locations(x)
