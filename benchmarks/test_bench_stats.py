@@ -211,7 +211,7 @@ def test_locations_on_off(benchmark, hookstats, device, dtype_name, size_log2, d
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        reps = 2 if benchmark.disabled else (300 if size_log2 <= 20 else 40)
+        reps = 2 if benchmark.disabled else (300 if size_log2 <= 20 else 60)
         for f in fns.values():
             f()
         for r in range(reps):
