@@ -365,9 +365,9 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
-  LocAcc<acc_t> tl;
+  LocAcc<acc_t> tl;  // unused without LOC (and its address not taken)
   loc_init(tl);
-  StatsPartial p = block_merge(thread_partial<scalar_t, LOC>(share, tid, nthreads, hs, my_hist, &tl),
+  StatsPartial p = block_merge(thread_partial<scalar_t, LOC>(share, tid, nthreads, hs, my_hist, LOC ? &tl : nullptr),
                                smem);  // syncs the block
   LocPartial bl = empty_loc();
   if constexpr (LOC) bl = block_merge_loc(loc_to_partial(tl), smem_loc);

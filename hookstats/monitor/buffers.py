@@ -5,7 +5,9 @@ a [slots, sites, 13] float64 block, per (device, histogram length) a [slots, sit
 until written. `Buffers.flush()` copies each used block to the host in one copy (non-blocking into pinned memory on
 CUDA, one wait), resets the device rows, and turns the copies into one `Block`: numpy columns (step, site, the 13
 statistics, histogram rows), in the order the rows were written (hook-call order). Nothing is built per record until `Block.records()` is
-asked for (`Monitor.records()`, exporters).
+asked for (`Monitor.records()`, exporters). With locations (Monitor(locations=True)) each device also has a
+[slots, sites, 2] int64 block of flat indices (first largest |x|, first NaN/Inf; -1: none), and the recorder keeps
+every record's shape: the Block gets a `loc` column and the shapes, and records their coordinates.
 """
 from __future__ import annotations
 
