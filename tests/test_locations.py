@@ -452,3 +452,33 @@ def test_parquet_log_and_report(tmp_path):
 
     text = open(make_report(tmp_path, fmt="md")["report.md"]).read()
     assert "element (1, 4, 7) of a (3, 8, 12) tensor" in text
+
+
+def test_locations_without_extension_use_the_reference():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys, warnings
+        sys.modules["hookstats._C"] = None
+        warnings.simplefilter("ignore")
+        import hookstats, torch
+        assert not hookstats.HAVE_EXTENSION
+        x = torch.zeros(3, 4)
+        x[2, 1] = float("nan")
+        x[1, 3] = -7.0
+        s = hookstats.stats(x, locations=True)
+        assert isinstance(s, hookstats.LocatedStats) and int(s.numel) == 12 and int(s.nan_count) == 1
+        assert s.coordinates() == {"argmax_abs": (1, 3), "first_nonfinite": (2, 1)}, s.coordinates()
+        s, h = hookstats.stats(x, "exp", locations=True)
+        assert int(s.first_nonfinite_index) == 9 and int(h.sum()) == 12
+        buf, loc = hookstats.stats_buffer(2), hookstats.location_buffer(2)
+        hookstats.stats_into(x, buf, 1, loc=loc)
+        assert loc.tolist() == [[-1, -1], [7, 9]], loc.tolist()
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
