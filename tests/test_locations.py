@@ -165,6 +165,14 @@ def test_stats_unchanged_and_thread_independent(device, restore_threads):
             a, b = getattr(s, f), getattr(plain, f)
             assert torch.equal(a, b) or (a != a and b != b), f
     assert results == [(123, -1)] * 3
+    x[2_900_000] = NAN  # in a late task
+    x[1_500_000] = -INF  # in a middle one: the largest |x| and the first non-finite
+    x[2_000_001] = INF
+    got = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        got.append(got_locations(x))
+    assert got == [(1_500_000, 1_500_000)] * 3 == [torch_locations(x)] * 3
 
 
 @pytest.mark.parametrize("device", DEVICES)
