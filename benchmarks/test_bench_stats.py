@@ -173,3 +173,61 @@ def test_stats_by_data(benchmark, measure, hookstats, device, dtype_name, data, 
         torch_threads=torch.get_num_threads(),
     )
     measure(op, case, device, kind="hist")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Element locations on vs off (Note [element locations]). Group `locations-{device}-{dtype}-2^{k}-{data}`:
+# hookstats.stats(x) and hookstats.stats(x, locations=True) timed call by call, alternately, on one torch thread,
+# medians in extra_info (off_us, on_us, ratio = on / off; target <= 1.10 at 2^24 on the CPU). data: randn, and
+# randn with one NaN and a few growing maxima late in the tensor (the chunks that are re-read).
+# ---------------------------------------------------------------------------------------------------------
+
+LOC_SIZES = (20, 24)
+LOC_DATA = ("randn", "late_nan")
+
+
+@pytest.mark.parametrize("data", LOC_DATA)
+@pytest.mark.parametrize("size_log2", LOC_SIZES, ids=[f"2^{k}" for k in LOC_SIZES])
+def test_locations_on_off(benchmark, hookstats, device, dtype_name, size_log2, data):
+    import statistics
+    import time
+
+    from conftest import DTYPES as _DT
+
+    n = 2**size_log2
+    g = torch.Generator().manual_seed(SEED + size_log2)
+    x = torch.randn(n, generator=g)
+    if data == "late_nan":
+        x[n // 2] = float("nan")
+        for k, i in enumerate(range(n - 4096 * 4, n, 4096)):
+            x[i] = 10.0 + k
+    x = x.to(device=device, dtype=_DT[dtype_name])
+    s = hookstats.stats(x, locations=True)
+    want = torch.where(torch.isnan(x.double()), -1.0, x.double().abs())
+    assert int(s.argmax_abs_index) == int((want == want.max()).nonzero()[0, 0])
+    assert int(s.first_nonfinite_index) == (n // 2 if data == "late_nan" else -1)
+    fns = {"off": lambda: hookstats.stats(x), "on": lambda: hookstats.stats(x, locations=True)}
+    times = {c: [] for c in fns}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reps = 2 if benchmark.disabled else (300 if size_log2 <= 20 else 60)
+        for f in fns.values():
+            f()
+        for r in range(reps):
+            for c in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fns[c]()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times[c].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    med = {c: statistics.median(ts) for c, ts in times.items()}
+    benchmark.group = f"locations-{device}-{dtype_name}-2^{size_log2}-{data}"
+    benchmark.extra_info.update(family="locations", device=device, dtype=dtype_name, data=data, numel=n,
+                                size_log2=size_log2, torch_threads=1, off_us=round(med["off"] * 1e6, 1),
+                                on_us=round(med["on"] * 1e6, 1), ratio=med["on"] / med["off"])
+    benchmark.pedantic(fns["on"], rounds=1, iterations=1)

@@ -28,7 +28,15 @@ TORCH_LIBRARY(hookstats, m) {
   // rows, length], and row `slot` of ring slot p mod ring slots is written (Note [ring rows] in
   // csrc/core/stats_ops.h): how a call captured in a CUDA graph writes a new row every replay.
   m.def("stats_into(Tensor x, Tensor(a!) out, int slot, Tensor(b!)? hist=None, int hist_slot=0, int hist_mode=0, "
-        "int bins=0, float lo=0., float hi=0., bool hist_accumulate=False, Tensor? ring=None) -> ()");
+        "int bins=0, float lo=0., float hi=0., bool hist_accumulate=False, Tensor? ring=None, Tensor(c!)? loc=None, "
+        "int loc_slot=0) -> ()");
+  // (With loc: the element locations, two int64 (argmax_abs, first_nonfinite), written into row loc_slot of
+  // loc ([rows, 2] int64, or [ring slots, rows, 2] with ring): csrc/core/loc_ops.h, Note [element locations].)
+  // The statistics, element locations (int64 [2]: flat index of the first largest |x|, of the first NaN/Inf;
+  // -1 where none; Note [element locations]) and, with hist_mode != 0, the histogram (else an empty int64
+  // tensor), in one read: (values, counts, locations, histogram).
+  m.def("stats_loc(Tensor x, int hist_mode=0, int bins=0, float lo=0., float hi=0.) -> (Tensor, Tensor, Tensor, "
+        "Tensor)");
   // stats_into for many tensors of one device in one call: xs[i] into row rows[i] of out, and,
   // when hist is given, its histogram written into (or, with hist_accumulate, added to) row hist_rows[i] of hist (one histogram length:
   // group the tensors by dtype for exponent histograms), ring as in stats_into. csrc/core/multi_bindings.h.

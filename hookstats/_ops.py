@@ -66,6 +66,51 @@ class Stats(NamedTuple):
         return {k: (int(v) if k in COUNT_FIELDS and v == v else v) for k, v in zip(STATS_FIELDS, packed)}
 
 
+class LocatedStats(Stats):
+    """`Stats` with element locations (`hookstats.stats(x, locations=True)`; Note [element locations] in
+    csrc/core/loc_ops.h). Besides the 13 statistics (it is a `Stats`, and unpacks as one):
+
+    argmax_abs_index: flat index (into `x.flatten()`) of the first element of largest |x|: ties go to the smallest
+        index, NaN is never a candidate, +-Inf counts as the largest; -1 when x has no non-NaN element.
+    first_nonfinite_index: flat index of the first NaN or +-Inf, -1 when there is none.
+    shape: x's shape, for `coordinates()`.
+
+    Both indices are 0-d int64 tensors on x's device (no host sync)."""
+
+    def __new__(cls, *fields, argmax_abs_index: torch.Tensor, first_nonfinite_index: torch.Tensor, shape=()):
+        self = super().__new__(cls, *fields)
+        self.argmax_abs_index = argmax_abs_index
+        self.first_nonfinite_index = first_nonfinite_index
+        self.shape = tuple(shape)
+        return self
+
+    def coordinates(self) -> dict:
+        """{"argmax_abs": coordinates, "first_nonfinite": coordinates}: tuples of ints into x's shape (None where
+        the index is -1). One host copy."""
+        a, f = torch.stack([self.argmax_abs_index, self.first_nonfinite_index]).tolist()
+        return {"argmax_abs": unravel(a, self.shape), "first_nonfinite": unravel(f, self.shape)}
+
+
+def unravel(index, shape) -> Optional[tuple]:
+    """The coordinates of flat index `index` (row-major, as `x.flatten()` indexes x) in a tensor of `shape`: a tuple
+    of ints, () for a 0-d tensor, None for -1 (no such element). `index` may be an int or a 0-d tensor (read on the
+    host). Raises ValueError when the index is outside the shape."""
+    if isinstance(index, torch.Tensor):
+        index = int(index.item())
+    index = int(index)
+    shape = tuple(int(d) for d in shape)
+    if index == -1:
+        return None
+    numel = math.prod(shape)
+    if not 0 <= index < numel:
+        raise ValueError(f"hookstats.unravel: index {index} is outside a tensor of shape {shape} ({numel} elements)")
+    out = []
+    for d in reversed(shape):
+        out.append(index % d)
+        index //= d
+    return tuple(reversed(out))
+
+
 def result_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -112,9 +157,18 @@ if HAVE_EXTENSION:
         rt = result_dtype(x.dtype)
         return x.new_empty((9,), dtype=rt), x.new_empty((4,), dtype=torch.int64)
 
+    @torch.library.register_fake("hookstats::stats_loc")
+    def _stats_loc_fake(x, hist_mode=0, bins=0, lo=0.0, hi=0.0):
+        values, counts = _stats_fake(x)
+        n = _hist_length(x.dtype, hist_mode, bins) if hist_mode else 0
+        return values, counts, x.new_empty((2,), dtype=torch.int64), x.new_empty((n,), dtype=torch.int64)
+
     @torch.library.register_fake("hookstats::stats_into")
     def _stats_into_fake(x, out, slot, hist=None, hist_slot=0, hist_mode=0, bins=0, lo=0.0, hi=0.0,
-                         hist_accumulate=False, ring=None):
+                         hist_accumulate=False, ring=None, loc=None, loc_slot=0):
+        if loc is not None and loc.device != x.device:
+            raise ValueError(f"hookstats.stats_into: the location buffer is on {loc.device} but the tensor is on "
+                             f"{x.device}")
         if out.device != x.device or (hist is not None and hist.device != x.device):
             raise ValueError(
                 f"hookstats.stats_into: the buffers must be on the tensor's device {x.device}, got {out.device}"
@@ -356,11 +410,25 @@ def _stats_from_parts(values: torch.Tensor, counts: torch.Tensor) -> Stats:
     return Stats(c[0], v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], c[1], c[2], c[3])
 
 
-def stats(x: torch.Tensor, histogram=None):
+def _located(values: torch.Tensor, counts: torch.Tensor, loc: torch.Tensor, shape) -> LocatedStats:
+    v = values.unbind(0)
+    c = counts.unbind(0)
+    a, f = loc.unbind(0)
+    out = tuple.__new__(LocatedStats, (c[0], *v, c[1], c[2], c[3]))  # the fields in STATS_FIELDS order
+    out.argmax_abs_index, out.first_nonfinite_index, out.shape = a, f, tuple(shape)
+    return out
+
+
+def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
     """All statistics of `x` in one fused read, as a `Stats` of 0-d tensors on `x.device`. No host sync.
 
     With `histogram` (a `Histogram`, `"exp"` or `(bins, (lo, hi))`), returns `(Stats, counts)` where `counts` is
     the int64 histogram computed in the same read.
+
+    With `locations=True` the `Stats` is a `LocatedStats`: it also carries `argmax_abs_index` (flat index of the
+    first largest |x|, NaN ignored) and `first_nonfinite_index` (of the first NaN/Inf), 0-d int64, -1 where there
+    is none, found in the same read; `hookstats.unravel(i, x.shape)` or `.coordinates()` turn them into
+    coordinates. Without it the kernels are exactly the ones without locations (they cost nothing).
 
     Semantics match PyTorch's (`sum`, `mean`, `var(correction=1)`, `std`, `linalg.vector_norm` for l1/l2/linf,
     `amin`/`amax`, `isnan/isinf/== 0` counts) with these deliberate differences: results are float32 for
@@ -369,6 +437,19 @@ def stats(x: torch.Tensor, histogram=None):
     linf 0 and NaN for mean/var/std/min/max instead of raising.
     """
     check_tensor(x, "stats")
+    if locations:
+        h = as_histogram(histogram) if histogram is not None else None
+        if not HAVE_EXTENSION:
+            from . import reference
+
+            st, loc = reference.stats(x), reference.locations(x)
+            out = LocatedStats(*st, argmax_abs_index=loc[0], first_nonfinite_index=loc[1], shape=x.shape)
+            return out if h is None else (out, reference.histogram_of(x, h))
+        check_device(x, "stats")
+        values, counts, loc, hist = torch.ops.hookstats.stats_loc.default(
+            x.detach(), h.mode if h else 0, h.bins if h else 0, h.lo if h else 0.0, h.hi if h else 0.0)
+        out = _located(values, counts, loc, x.shape)
+        return out if h is None else (out, hist)
     if histogram is not None:
         h = as_histogram(histogram)
         if not HAVE_EXTENSION:
@@ -422,9 +503,18 @@ def stats_buffer(slots: int, device=None, dtype: torch.dtype = torch.float64) ->
     return torch.full((slots, len(STATS_FIELDS)), float("nan"), dtype=dtype, device=device)
 
 
+def location_buffer(slots: int, device=None) -> torch.Tensor:
+    """A buffer for `stats_into(..., loc=...)`: `slots` rows of (argmax_abs, first_nonfinite) flat indices, int64,
+    -1 until written (Note [element locations])."""
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        raise ValueError(f"hookstats.location_buffer needs slots >= 1, got {slots!r}")
+    return torch.full((slots, 2), -1, dtype=torch.int64, device=device)
+
+
 def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[torch.Tensor] = None,
                hist_slot: Optional[int] = None, histogram=None, *, accumulate: bool = False,
-               ring: Optional[torch.Tensor] = None) -> None:
+               ring: Optional[torch.Tensor] = None, loc: Optional[torch.Tensor] = None,
+               loc_slot: Optional[int] = None) -> None:
     """Writes the statistics of `x` into row `slot` of `out` (see `stats_buffer`), on the device, no host sync.
 
     With `hist` (an int64 buffer from `histogram_buffer`) and `histogram`, the histogram of `x` from the same read
@@ -432,6 +522,9 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
     a CUDA graph that replays the call leaves the same rows after every replay. With `accumulate=True` the counts
     are *added* to the row instead, so histograms sum over calls and steps (zero the row yourself to restart).
     Many hooks can fill one preallocated buffer; read it back once with `out.cpu()`.
+    With `loc` (an int64 [slots, 2] buffer from `location_buffer`), row `loc_slot` (default: `slot`) gets the flat
+    indices of x's first largest |x| and first NaN/Inf (-1 where none; see `hookstats.stats(x, locations=True)`),
+    found in the same read.
 
     With `ring` (an int64 tensor on x's device whose first element p is read when the kernel runs, not when it is
     launched), `out` is a [ring slots, rows, 13] buffer (and `hist` [ring slots, rows, length]) and the call writes
@@ -440,6 +533,11 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
     in csrc/core/stats_ops.h).
     """
     check_tensor(x, "stats_into")
+    if loc is not None:
+        if not isinstance(loc, torch.Tensor):
+            raise TypeError(f"hookstats.stats_into: loc must be a tensor (hookstats.location_buffer), got "
+                            f"{type(loc).__name__}")
+        loc_slot = slot if loc_slot is None else int(loc_slot)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"hookstats.stats_into needs a buffer tensor, got {type(out).__name__}")
     mode = bins = 0
@@ -457,13 +555,20 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
 
         if ring is not None:
             p, out, hist = reference.ring_rows(ring, out, hist, "stats_into")
+            loc = None if loc is None else loc[p]
         reference.stats_into(x, out, slot)
         if hist is not None:
             reference.hist_into(x, h, hist, hist_slot, accumulate)
+        if loc is not None:
+            reference.locations_into(x, loc, loc_slot)
         return
     check_device(x, "stats_into")
     # The op checks the buffers (dtype: TypeError; shape, device, slot: ValueError), see csrc/core/checks.h.
-    if hist is None and ring is None:
+    if loc is not None or ring is not None:
+        torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, 0 if hist_slot is None else hist_slot,
+                                               mode, bins, lo, hi, bool(accumulate), ring, loc,
+                                               slot if loc_slot is None else loc_slot)
+    elif hist is None:
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot)
     else:
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, 0 if hist_slot is None else hist_slot,

@@ -95,6 +95,40 @@ def ring_rows(ring: torch.Tensor, out: torch.Tensor, hist: Optional[torch.Tensor
     return p, out[p], None if hist is None else hist[p]
 
 
+def locations(x: torch.Tensor) -> torch.Tensor:
+    """(argmax_abs, first_nonfinite) flat indices of x as int64 [2] (Note [element locations] in
+    csrc/core/loc_ops.h): the smallest index of the largest |x| over the non-NaN elements (+-Inf is the largest;
+    -1 when every element is NaN or x is empty), and the smallest index of a NaN or +-Inf (-1 when none). Plain
+    torch.argmax would return a NaN's index; NaN is taken out first here."""
+    check_tensor(x, "reference.locations")
+    xd = x.detach().to(torch.float64).reshape(-1)
+    out = torch.full((2,), -1, dtype=torch.int64, device=xd.device)
+    if xd.numel() == 0:
+        return out
+    a = xd.abs()
+    notnan = ~torch.isnan(xd)
+    if bool(notnan.any()):
+        a = torch.where(notnan, a, torch.full_like(a, -1.0))
+        amax = a.max()
+        out[0] = torch.nonzero(a == amax)[0, 0]  # the first of the ties (argmax does not promise which)
+    bad = torch.isfinite(xd).logical_not().nonzero()
+    if bad.numel():
+        out[1] = bad[0, 0]
+    return out
+
+
+def locations_into(x: torch.Tensor, loc: torch.Tensor, slot: int) -> None:
+    """Row `slot` of `loc` ([slots, 2] int64) gets `locations(x)`, as `hookstats.stats_into(..., loc=...)` does."""
+    if loc.dtype != torch.int64:
+        raise TypeError(f"hookstats.stats_into needs an int64 location buffer, got {loc.dtype}")
+    if loc.dim() != 2 or loc.shape[1] != 2:
+        raise ValueError(f"hookstats.stats_into needs a location buffer of shape [slots, 2], got {tuple(loc.shape)}")
+    if not (0 <= slot < loc.shape[0]):
+        raise ValueError(f"hookstats.stats_into: location slot {slot} is out of range for a buffer of "
+                         f"{loc.shape[0]} slots")
+    loc[slot] = locations(x).to(loc.device)
+
+
 def hist_into(x: torch.Tensor, h: Histogram, hist: torch.Tensor, hist_slot: int, accumulate: bool = False) -> None:
     """Row `hist_slot` of `hist` gets histogram_of(x, h) (written, or added to it with `accumulate`), as
     `hookstats.stats_into(..., hist=...)` does (Note [histogram rows] in csrc/core/bindings.h)."""

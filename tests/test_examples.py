@@ -19,7 +19,8 @@ import hookstats
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = ["grad_norm_logging", "clip_by_norm", "clip_by_value", "capture_activations", "modify_inputs",
-           "scale_gradient", "grad_cam", "nan_hunting", "calibrate_linear", "find_bad_sample"]
+           "scale_gradient", "grad_cam", "nan_hunting", "calibrate_linear", "find_bad_sample",
+           "find_bad_token"]
 
 
 @lru_cache(maxsize=None)
@@ -433,6 +434,26 @@ def test_find_bad_sample(tmp_path):
     want = torch.stack([v.reshape(v.shape[0], -1).square().sum(1) for v in g.values()]).sum(0).sqrt()
     torch.testing.assert_close(res["totals"][0], want.double(), rtol=1e-5, atol=1e-8)
     assert steps[0]["top_samples"][0][0] == int(want.argmax())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_find_bad_token(tmp_path):
+    mod = load("find_bad_token")
+    res = mod.main(["--steps", "6", "--bad-step", "3", "--out", str(tmp_path)])
+    bad = res["first_nonfinite"]
+    assert (bad["step"], bad["module"], bad["kind"]) == (3, "embed", "forward")
+    assert bad["element"] == [*mod.BAD_AT, mod.BAD_CHANNEL] and bad["token"] == mod.BAD_TOKEN
+    assert bad["shape"] == [mod.BATCH, mod.TOKENS, mod.DIM] and bad["nan_count"] == 1
+    assert bad["text"] == f"step 3, module embed, kind forward, index 0, element {(*mod.BAD_AT, mod.BAD_CHANNEL)}"
+    huge = res["huge"]
+    assert huge["step"] == mod.HUGE_STEP and huge["element"] == [*mod.HUGE_AT, mod.HUGE_CHANNEL]
+    assert huge["token"] == mod.HUGE_TOKEN and huge["linf"] == 1e4
+    assert math.isnan(res["losses"][3]) and all(math.isfinite(v) for i, v in enumerate(res["losses"]) if i != 3)
+    # the same element by plain PyTorch: the embedding output of the bad step's batch
+    model = mod.build_model()
+    ids, _ = list(mod.batches(4, bad_step=3))[3]
+    e = model.embed(ids).detach()
+    assert tuple(torch.isnan(e).nonzero()[0].tolist()) == (*mod.BAD_AT, mod.BAD_CHANNEL)
 
 
 @pytest.fixture(scope="module", autouse=True)

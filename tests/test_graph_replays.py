@@ -256,3 +256,30 @@ def test_eager_monitor_without_captures_is_unchanged():
             m(torch.randn(2, 8)); mon.step()
         assert mon._buf.rec.num_rings == 0
         assert len(mon.flush()) == 12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stats_into_ring_with_locations(device):
+    x = torch.randn(3000, device=device)
+    x[1234] = 50.0
+    x[2000] = float("inf")
+    out = torch.full((3, 2, 13), float("nan"), dtype=torch.float64, device=device)
+    loc = torch.full((3, 2, 2), -7, dtype=torch.int64, device=device)
+    hookstats.stats_into(x, out, 1, ring=torch.tensor([4], device=device), loc=loc)
+    assert loc[1, 1].tolist() == [2000, 2000]  # +inf is the largest |x|, and the first non-finite
+    assert (loc[[0, 2]] == -7).all() and (loc[1, 0] == -7).all()
+    with pytest.raises(ValueError, match="location buffer is"):
+        hookstats.stats_into(x, out, 1, ring=torch.tensor([4], device=device), loc=loc[0])
+
+
+def test_locations_monitor_refuses_capture_clearly():
+    m = _net()
+    mon = hookstats.Monitor(m, kinds=("forward",), locations=True)
+    rec = mon._buf.rec
+    rec._set_test_capture(0)
+    m(torch.randn(2, 8)); mon.step()
+    rec._set_test_capture(9)
+    with pytest.raises(RuntimeError, match=r"locations=True\) does not record inside CUDA graph capture"):
+        m(torch.randn(2, 8))
+    rec._set_test_capture(0)
+    mon.detach()

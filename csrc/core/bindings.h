@@ -13,6 +13,7 @@
 
 #include "checks.h"
 #include "hist_ops.h"
+#include "layout.h"
 #include "stats_ops.h"
 
 namespace hookstats {
@@ -90,6 +91,50 @@ inline void set_ring(StatsOut& o, const RingView& v) {
   o.ring_hist_elems = v.hist_elems;
 }
 
+// A location buffer of stats_into(..., loc=): [rows, 2] int64, unit-stride rows, on x's device, slot in range.
+inline void check_loc_buffer(const at::Tensor& x, const at::Tensor& loc, int64_t slot) {
+  TORCH_CHECK_TYPE(loc.layout() == at::kStrided && loc.scalar_type() == at::kLong,
+                   "hookstats.stats_into needs an int64 location buffer (see hookstats.location_buffer), got ",
+                   loc.scalar_type());
+  TORCH_CHECK_VALUE(loc.dim() == 2 && loc.size(1) == 2 && loc.stride(1) == 1,
+                    "hookstats.stats_into needs a location buffer of shape [slots, 2] with unit-stride rows (see "
+                    "hookstats.location_buffer), got ", loc.sizes());
+  TORCH_CHECK_VALUE(loc.device() == x.device(), "hookstats.stats_into: the location buffer is on ", loc.device(),
+                    " but the tensor is on ", x.device());
+  TORCH_CHECK_VALUE(slot >= 0 && slot < loc.size(0), "hookstats.stats_into: location slot ", slot,
+                    " is out of range for a buffer of ", loc.size(0), " slots");
+}
+
+// The layout a kernel reads x in when it also finds locations (Note [element locations]): logical
+// order, so a dense but permuted tensor (channels_last, a transpose) is read through its strides
+// instead of as one flat span of memory.
+inline StridedLayout logical_layout_of(const at::Tensor& x) {
+  StridedLayout l;
+  l.ndim = 0;
+  if (x.is_contiguous()) return l;
+  const bool ok = make_layout(static_cast<int>(x.dim()), x.sizes().data(), x.strides().data(), l);
+  TORCH_CHECK_VALUE(ok, "hookstats: tensor has more than ", kMaxDims,
+                    " non-mergeable dimensions; reshape it or pass .contiguous()");
+  return l;
+}
+
+// Statistics, locations (int64 [2]: argmax_abs, first_nonfinite) and, with mode != 0, the histogram
+// (an empty int64 tensor without one), in one read.
+template <StatsRunner run>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats_loc_op(const at::Tensor& x, int64_t mode,
+                                                                        int64_t bins, double lo, double hi) {
+  check_float_input(x, "stats");
+  HistSpec spec = make_hist_spec(kHistNone, 0, 0.0, 0.0);
+  if (mode != 0) spec = checked_hist_spec(x, mode, bins, lo, hi);
+  auto [values, counts] = stats_outputs(x);
+  at::Tensor loc = at::empty({2}, x.options().dtype(at::kLong));
+  at::Tensor hist = at::empty({mode != 0 ? hist_length(x.scalar_type(), spec) : 0}, x.options().dtype(at::kLong));
+  StatsOut o{values.data_ptr(), counts.data_ptr<int64_t>(), values.scalar_type() == at::kDouble};
+  o.loc = loc.data_ptr<int64_t>();
+  run(x, o, spec, mode != 0 ? hist.data_ptr<int64_t>() : nullptr, hist.numel(), false);
+  return {values, counts, loc, hist};
+}
+
 // Note [histogram rows]
 // stats_into writes its histogram row, as it writes its stats row: the row holds the counts of
 // this call's x alone, whatever it held before, so a CUDA graph that replays the call leaves the
@@ -99,7 +144,8 @@ inline void set_ring(StatsOut& o, const RingView& v) {
 template <StatsRunner run>
 void stats_into_op(const at::Tensor& x, const at::Tensor& out_, int64_t slot, const std::optional<at::Tensor>& hist_,
                    int64_t hist_slot, int64_t mode, int64_t bins, double lo, double hi, bool hist_accumulate,
-                   const std::optional<at::Tensor>& ring) {
+                   const std::optional<at::Tensor>& ring, const std::optional<at::Tensor>& loc_,
+                   int64_t loc_slot) {
   check_float_input(x, "stats_into");
   const RingView rv = ring_view(x, out_, hist_, ring, "stats_into");
   const at::Tensor& out = rv.out2d;
@@ -117,6 +163,17 @@ void stats_into_op(const at::Tensor& x, const at::Tensor& out_, int64_t slot, co
   char* row = static_cast<char*>(out.data_ptr()) + slot * out.stride(0) * out.element_size();
   StatsOut so{row, nullptr, out.scalar_type() == at::kDouble};
   set_ring(so, rv);
+  if (loc_.has_value()) {
+    at::Tensor loc = *loc_;
+    if (ring.has_value()) {  // Note [ring rows]: [ring slots, rows, 2]
+      TORCH_CHECK_VALUE(loc.dim() == 3 && loc.size(0) == out_.size(0), "hookstats.stats_into: with ring, the "
+                        "location buffer is [", out_.size(0), " ring slots, rows, 2], got ", loc.sizes());
+      so.ring_loc_elems = loc.stride(0);
+      loc = loc.select(0, 0);
+    }
+    check_loc_buffer(x, loc, loc_slot);
+    so.loc = loc.data_ptr<int64_t>() + loc_slot * loc.stride(0);
+  }
   run(x, so, spec, hrow, hlen, hist_accumulate);
 }
 

@@ -358,6 +358,8 @@ struct StatsOut {
   int64_t ring_slots = 0;         // rows one slot apart: values + slot * ring_value_bytes,
   int64_t ring_value_bytes = 0;   //   hist + slot * ring_hist_elems
   int64_t ring_hist_elems = 0;
+  int64_t ring_loc_elems = 0;     //   loc + slot * ring_loc_elems
+  int64_t* loc = nullptr;  // (argmax_abs, first_nonfinite) int64 when asked (Note [element locations], core/loc_ops.h)
 };
 
 // The ring slot of o (0 without a ring): p mod ring_slots, in [0, ring_slots) for any p.
@@ -365,6 +367,11 @@ HS_HD int64_t ring_slot(const StatsOut& o) {
   if (o.ring == nullptr || o.ring_slots <= 0) return 0;
   const int64_t r = *o.ring % o.ring_slots;
   return r < 0 ? r + o.ring_slots : r;
+}
+
+// The location row of o (Note [element locations]), in its ring slot when it has a ring.
+HS_HD int64_t* ring_loc(const StatsOut& o) {
+  return o.ring == nullptr ? o.loc : o.loc + ring_slot(o) * o.ring_loc_elems;
 }
 
 template <typename OutT>

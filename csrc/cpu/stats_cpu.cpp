@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 #include <type_traits>
@@ -24,6 +25,7 @@
 #include "../core/dispatch.h"
 #include "../core/hist_ops.h"
 #include "../core/layout.h"
+#include "../core/loc_ops.h"
 #include "../core/stats_ops.h"
 #include "cpu_common.h"
 #include "simd.h"
@@ -504,8 +506,89 @@ struct HistOut {
   bool accumulate;
 };
 
+// Note [cpu locations]
+// A task's chunks come in increasing logical order, and each chunk's partial has its exact NaN-free
+// min and max and its NaN/Inf counts (whichever pass made it). So the task's first largest |x| is in
+// the first chunk whose max(-min, max) is the task's largest, and its first NaN/Inf in the first chunk
+// that counts one: the task notes those two chunks as it goes (a compare per chunk) and, at its end,
+// searches only them again, on the raw bits (|x| == that max: the bits without the sign are equal;
+// NaN/Inf: the exponent bits all set), in blocks of 64 that the compiler vectorizes; the first block
+// that holds a match is handed to loc_add (core/loc_ops.h, the CUDA kernel's per-element step). So a
+// task reads at most two of its chunks a second time (from L2/L3; a strided chunk is gathered again),
+// whatever the data. Tasks merge in order (loc_merge): the result does not depend on the thread count.
+template <typename scalar_t> struct RawBits;
+template <> struct RawBits<float> {
+  using U = uint32_t;
+  static constexpr U abs = 0x7fffffffu, exp = 0x7f800000u;
+};
+template <> struct RawBits<double> {
+  using U = uint64_t;
+  static constexpr U abs = 0x7fffffffffffffffull, exp = 0x7ff0000000000000ull;
+};
+template <> struct RawBits<c10::Half> {
+  using U = uint16_t;
+  static constexpr U abs = 0x7fff, exp = 0x7c00;
+};
+template <> struct RawBits<c10::BFloat16> {
+  using U = uint16_t;
+  static constexpr U abs = 0x7fff, exp = 0x7f80;
+};
+
+constexpr int64_t kLocBlock = 64;
+
+template <typename U, bool NAN_INF>
+HS_INLINE bool block_hit(const U* buf, int64_t m, U t) {
+  constexpr U mask = static_cast<U>(~(U(1) << (8 * sizeof(U) - 1)));
+  U hit = 0;
+  for (int64_t j = 0; j < m; ++j) hit |= NAN_INF ? U((buf[j] & mask) >= t) : U((buf[j] & mask) == t);
+  return hit != 0;
+}
+
+// The first block of kLocBlock elements (from 0) that holds an element whose bits without the sign equal t
+// (NAN_INF false) or are >= t (NAN_INF true: t is the exponent mask); -1 when none.
+template <typename scalar_t, bool NAN_INF>
+HS_INLINE int64_t first_block(const scalar_t* p, int64_t n, typename RawBits<scalar_t>::U t) {
+  using U = typename RawBits<scalar_t>::U;
+  U buf[kLocBlock];
+  int64_t b = 0;
+  for (; b + kLocBlock <= n; b += kLocBlock) {
+    std::memcpy(buf, p + b, sizeof buf);
+    if (block_hit<U, NAN_INF>(buf, kLocBlock, t)) return b;
+  }
+  if (b < n) {
+    std::memcpy(buf, p + b, static_cast<size_t>(n - b) * sizeof(U));
+    if (block_hit<U, NAN_INF>(buf, n - b, t)) return b;
+  }
+  return -1;
+}
+
+// Searches one chunk (elements start .. start + n of the tensor, at p) for the first element of |x| == amax
+// (when amax >= 0) and for the first NaN/Inf (when nf), into l (Note [cpu locations]).
 template <typename scalar_t>
-StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const StridedLayout& layout, const HistOut& ho) {
+HS_INLINE void search_chunk(const scalar_t* p, int64_t n, int64_t start, double amax, bool nf,
+                            LocAcc<acc_of<scalar_t>>& l) {
+  using acc_t = acc_of<scalar_t>;
+  using U = typename RawBits<scalar_t>::U;
+  auto add_block = [&](int64_t b) {
+    const int64_t e = std::min(n, b + kLocBlock);
+    for (int64_t i = b; i < e; ++i) loc_add<acc_t>(l, static_cast<acc_t>(p[i]), start + i);
+  };
+  if (amax >= 0.0) {
+    const scalar_t t = static_cast<scalar_t>(static_cast<acc_t>(amax));  // exact: a value of the chunk
+    U tb;
+    std::memcpy(&tb, &t, sizeof tb);
+    const int64_t b = first_block<scalar_t, false>(p, n, tb & RawBits<scalar_t>::abs);
+    if (b >= 0) add_block(b);
+  }
+  if (nf) {
+    const int64_t b = first_block<scalar_t, true>(p, n, RawBits<scalar_t>::exp);
+    if (b >= 0) add_block(b);
+  }
+}
+
+template <typename scalar_t, bool LOC = false>
+StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const StridedLayout& layout, const HistOut& ho,
+                               LocPartial* loc_out = nullptr) {
   const int mode = ho.counts != nullptr ? ho.spec.mode : kHistNone;
   const chunk_fn<scalar_t> chunk = pick_chunk_fn<scalar_t>(mode);
   const BinPlan plan = mode != kHistNone ? bin_plan<scalar_t>(ho.spec) : BinPlan{ho.spec, RangeConsts{}};
@@ -536,8 +619,11 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   // The lambda below runs on worker threads: it reaches the caches only through `counters`,
   // never through the thread_locals' names (those would be each worker's own, empty, vectors).
   StatsPartial task_partials[kMaxTasks];
+  LocPartial task_locs[LOC ? kMaxTasks : 1];
   auto run_task = [&](int64_t t, int64_t thread) {
     StatsPartial acc = empty_partial();
+    double best = -1.0;                   // the task's largest |x| so far (Note [cpu locations])
+    int64_t best_c = -1, nf_c = -1;       // the first chunk holding it, the first chunk holding a NaN/Inf
     // Float inputs only: their partials hold no double that could be subnormal (products of
     // float magnitudes stay above 2^-298); fp64 keeps gradual underflow.
     const simd::FlushToZero ftz(std::is_same<acc_of<scalar_t>, float>::value);
@@ -554,9 +640,37 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
         p = buf;
       }
       if (c == t * chunks_per_task) k = initial_state(p, clen);
-      merge(acc, chunk(p, clen, k, hist, &plan));
+      if constexpr (LOC) {
+        const StatsPartial cp = chunk(p, clen, k, hist, &plan);
+        const double camax = hs_fmax(-cp.mn, cp.mx);  // -inf for an all-NaN chunk
+        if (camax > best) {
+          best = camax;
+          best_c = c;
+        }
+        if (nf_c < 0 && (cp.nan > 0 || cp.inf > 0)) nf_c = c;
+        merge(acc, cp);
+      } else {
+        merge(acc, chunk(p, clen, k, hist, &plan));
+      }
     }
     task_partials[t] = acc;
+    if constexpr (LOC) {
+      LocAcc<acc_of<scalar_t>> loc;
+      loc_init(loc);
+      auto search = [&](int64_t c, bool amax, bool nf) {
+        const int64_t start = c * kChunk;
+        const int64_t clen = std::min(kChunk, numel - start);
+        const scalar_t* p = base + start;
+        if (layout.ndim != 0) {
+          gather(base, layout, start, clen, buf);
+          p = buf;
+        }
+        search_chunk(p, clen, start, amax ? best : -1.0, nf, loc);
+      };
+      if (best_c >= 0) search(best_c, true, best_c == nf_c);
+      if (nf_c >= 0 && nf_c != best_c) search(nf_c, false, true);
+      task_locs[t] = loc_to_partial(loc);
+    }
   };
   if (ntasks == 1) {
     run_task(0, 0);
@@ -568,6 +682,11 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   }
   StatsPartial total = empty_partial();
   for (int64_t t = 0; t < ntasks; ++t) merge(total, task_partials[t]);
+  if constexpr (LOC) {
+    LocPartial l = empty_loc();
+    for (int64_t t = 0; t < ntasks; ++t) loc_merge(l, task_locs[t]);
+    *loc_out = l;
+  }
   if (mode != kHistNone) {
     for (int64_t t = 0; t < nthreads; ++t) flush_counters(counters[t]);
     const bool ordinal = mode == kHistRange && plan.rc.T != nullptr;  // Note [exact bin thresholds]
@@ -583,18 +702,23 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
 
 void run_cpu(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
              bool accumulate) {
-  const StridedLayout layout = layout_of(x);
+  const bool want_loc = out.loc != nullptr;
+  const StridedLayout layout = want_loc ? logical_layout_of(x) : layout_of(x);  // Note [element locations]
   if (out.ring != nullptr && hist != nullptr) hist += ring_slot(out) * out.ring_hist_elems;  // Note [ring rows]
   const HistOut ho{hs, hs.mode == kHistNone ? nullptr : hist, hist_len, accumulate};
   StatsPartial p = empty_partial();
+  LocPartial l = empty_loc();
   if (x.numel() == 0) {
     if (ho.counts != nullptr && !accumulate) std::fill(ho.counts, ho.counts + hist_len, 0);
   } else {
     HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cpu", [&] {
-      p = stats_partial_cpu<scalar_t>(static_cast<const scalar_t*>(first_element(x)), x.numel(), layout, ho);
+      const auto* base = static_cast<const scalar_t*>(first_element(x));
+      if (want_loc) p = stats_partial_cpu<scalar_t, true>(base, x.numel(), layout, ho, &l);
+      else p = stats_partial_cpu<scalar_t>(base, x.numel(), layout, ho);
     });
   }
   store(p, out);
+  if (want_loc) store_loc(l, ring_loc(out));
 }
 
 }  // namespace
@@ -617,6 +741,7 @@ TORCH_LIBRARY_IMPL(hookstats, CPU, m) {
   m.impl("stats", &stats_op<run_cpu>);
   m.impl("stats_into", &stats_into_op<run_cpu>);
   m.impl("stats_hist", &stats_hist_op<run_cpu>);
+  m.impl("stats_loc", &stats_loc_op<run_cpu>);
 }
 
 }  // namespace hookstats

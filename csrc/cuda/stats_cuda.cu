@@ -12,6 +12,12 @@
 //   * the last block to finish (atomic ticket) merges the block partials in block order and
 //     writes the results. No float atomics: results are bitwise reproducible on a device.
 // Non-dense layouts are read element by element through StridedLayout (Note [layouts]).
+// With locations (Note [element locations]) a second instantiation of the kernel (LOC = true) also
+// keeps, per thread, the first largest |x| and first NaN/Inf of its share with their flat indices
+// (loc_add of core/loc_ops.h, in the share's first read), merged like the partials: warp shuffles,
+// shared memory, one slot per block, the last block in block order (loc_merge: larger |x|, then
+// smaller index; smaller first-NaN/Inf index). Every non-contiguous tensor is then read in logical
+// order. The kernel without locations is the same code as before.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,6 +36,7 @@
 #include "../core/dispatch.h"
 #include "../core/hist_ops.h"
 #include "../core/layout.h"
+#include "../core/loc_ops.h"
 #include "../core/multi_bindings.h"
 #include "../core/stats_ops.h"
 #include "cuda_util.cuh"
@@ -82,6 +89,29 @@ __device__ StatsPartial block_merge(StatsPartial p, StatsPartial* smem) {
   return p;
 }
 
+__device__ __forceinline__ LocPartial shfl_down(const LocPartial& l, int offset) {
+  LocPartial q;
+  q.amax = __shfl_down_sync(0xffffffffu, l.amax, offset);
+  q.amax_i = __shfl_down_sync(0xffffffffu, l.amax_i, offset);
+  q.nf_i = __shfl_down_sync(0xffffffffu, l.nf_i, offset);
+  return q;
+}
+
+// Block-wide location merge (Note [element locations]); the result is valid in thread 0.
+__device__ LocPartial block_merge_loc(LocPartial l, LocPartial* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int offset = 16; offset > 0; offset >>= 1) loc_merge(l, shfl_down(l, offset));
+  if (lane == 0) smem[warp] = l;
+  __syncthreads();
+  if (warp == 0) {
+    l = lane < kWarps ? smem[lane] : empty_loc();
+    for (int offset = 16; offset > 0; offset >>= 1) loc_merge(l, shfl_down(l, offset));
+  }
+  __syncthreads();
+  return l;
+}
+
 // What one thread reads: its grid-stride share of the tensor.
 template <typename scalar_t>
 struct Share {
@@ -123,6 +153,40 @@ struct Share {
     }
     const int64_t t = head + npacks * kVec + tid;
     if (t < n) f(x[t]);
+  }
+
+  // visit() with each element's flat index: f(value, index). The same elements in the same order.
+  template <typename F>
+  __device__ __forceinline__ void visit_i(int64_t tid, int64_t nthreads, F&& f) const {
+    if (!flat) {
+      for (int64_t i = tid; i < n; i += nthreads) f(x[element_offset(layout, i)], i);
+      return;
+    }
+    if (tid < head) f(x[tid], tid);
+    const int64_t npacks = (n - head) / kVec;
+    const uint4* packs = reinterpret_cast<const uint4*>(x + head);
+    int64_t p = tid;
+    for (; p + (kUnroll - 1) * nthreads < npacks; p += kUnroll * nthreads) {
+      uint4 r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(packs + p + u * nthreads);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const scalar_t* v = reinterpret_cast<const scalar_t*>(&r[u]);
+        const int64_t i0 = head + (p + u * nthreads) * kVec;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) f(v[j], i0 + j);
+      }
+    }
+    for (; p < npacks; p += nthreads) {
+      const uint4 r = __ldg(packs + p);
+      const scalar_t* v = reinterpret_cast<const scalar_t*>(&r);
+      const int64_t i0 = head + p * kVec;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) f(v[j], i0 + j);
+    }
+    const int64_t t = head + npacks * kVec + tid;
+    if (t < n) f(x[t], t);
   }
 
   // What the share's first pack suggests: a shift (its mean, in scaled units), a scale exponent
@@ -210,23 +274,65 @@ __device__ __forceinline__ void visit_counting(const Share<scalar_t>& share, int
   }
 }
 
+// visit_counting() that also passes each element to loc_add (the LOC kernel's first read).
+template <typename scalar_t, typename F>
+__device__ __forceinline__ void visit_counting_loc(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
+                                                   const HistSpec& hs, uint32_t* h,
+                                                   LocAcc<typename AccOf<scalar_t>::type>& loc, F&& f) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  if (hs.mode == kHistRange) {
+    share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
+      const acc_t v = static_cast<acc_t>(r);
+      f(v);
+      loc_add<acc_t>(loc, v, i);
+      hist_inc(h, fixed_slot<acc_t>(v, hs));
+    });
+  } else if (hs.mode == kHistExp) {
+    share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
+      const acc_t v = static_cast<acc_t>(r);
+      f(v);
+      loc_add<acc_t>(loc, v, i);
+      hist_inc(h, exp_slot_raw(r));
+    });
+  } else {
+    share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
+      const acc_t v = static_cast<acc_t>(r);
+      f(v);
+      loc_add<acc_t>(loc, v, i);
+    });
+  }
+}
+
+// The first read of a share: visit_counting, and with LOC the locations too.
+template <bool LOC, typename scalar_t, typename F>
+__device__ __forceinline__ void first_visit(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
+                                            const HistSpec& hs, uint32_t* h,
+                                            LocAcc<typename AccOf<scalar_t>::type>& loc, F&& f) {
+  if constexpr (LOC) visit_counting_loc(share, tid, nthreads, hs, h, loc, f);
+  else visit_counting(share, tid, nthreads, hs, h, f);
+}
+
 // The histogram is counted in the first visit only; re-reads only redo statistics. A share whose
 // first pack holds NaN/Inf is only counted (Note [stats nonfinite]); a share whose magnitudes do
 // not fit the first pack's scale is read again with its own (Note [stats scaling]).
-template <typename scalar_t>
+// With LOC, loc receives the share's locations (from the first read).
+template <typename scalar_t, bool LOC = false>
 __device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
-                                       const HistSpec& hs, uint32_t* sh_hist) {
+                                       const HistSpec& hs, uint32_t* sh_hist,
+                                       LocAcc<typename AccOf<scalar_t>::type>* loc = nullptr) {
   using acc_t = typename AccOf<scalar_t>::type;
   const typename Share<scalar_t>::Guess g = share.first_guess(tid);
+  LocAcc<acc_t> none;
+  LocAcc<acc_t>& l = LOC ? *loc : none;
   if (g.nonfinite) {
     NonfiniteAcc<acc_t> c;
     nonfinite_init<acc_t>(c);
-    visit_counting(share, tid, nthreads, hs, sh_hist, [&](acc_t v) { nonfinite_add<acc_t>(c, v); });
+    first_visit<LOC>(share, tid, nthreads, hs, sh_hist, l, [&](acc_t v) { nonfinite_add<acc_t>(c, v); });
     return nonfinite_to_partial<acc_t>(c);
   }
   FastAcc<acc_t> f;
   fast_init<acc_t>(f, g.k, g.e);
-  visit_counting(share, tid, nthreads, hs, sh_hist, [&](acc_t v) { fast_add<acc_t>(f, v); });
+  first_visit<LOC>(share, tid, nthreads, hs, sh_hist, l, [&](acc_t v) { fast_add<acc_t>(f, v); });
   if (fast_nonfinite<acc_t>(f)) {
     NonfiniteAcc<acc_t> c;
     nonfinite_init<acc_t>(c);
@@ -245,20 +351,30 @@ __device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid
   return fast_to_partial<acc_t>(f);
 }
 
-template <typename scalar_t>
+// block_locs: one LocPartial per block (LOC only).
+template <typename scalar_t, bool LOC = false>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
              unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len, int hist_copies,
-             unsigned long long* __restrict__ hist_out) {
+             unsigned long long* __restrict__ hist_out, LocPartial* __restrict__ block_locs) {
+  using acc_t = typename AccOf<scalar_t>::type;
   __shared__ StatsPartial smem[kWarps];
   __shared__ bool is_last;
+  // The location merges reuse smem once block_merge is done with it (it ends with a barrier).
+  static_assert(sizeof(LocPartial) <= sizeof(StatsPartial), "smem holds kWarps LocPartials");
+  LocPartial* const smem_loc = reinterpret_cast<LocPartial*>(smem);
   extern __shared__ uint32_t sh_hist[];  // hist_copies sub-histograms (Note [cuda block histograms])
   for (int64_t i = threadIdx.x; i < hist_len * hist_copies; i += kThreads) sh_hist[i] = 0u;
   if (hist_len > 0) __syncthreads();
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
-  StatsPartial p = block_merge(thread_partial(share, tid, nthreads, hs, my_hist), smem);  // syncs the block
+  LocAcc<acc_t> tl;  // unused without LOC (and its address not taken)
+  loc_init(tl);
+  StatsPartial p = block_merge(thread_partial<scalar_t, LOC>(share, tid, nthreads, hs, my_hist, LOC ? &tl : nullptr),
+                               smem);  // syncs the block
+  LocPartial bl = empty_loc();
+  if constexpr (LOC) bl = block_merge_loc(loc_to_partial(tl), smem_loc);
   if (out.ring != nullptr && hist_len > 0) hist_out += ring_slot(out) * out.ring_hist_elems;  // Note [ring rows]
   for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
     uint32_t c = 0u;
@@ -266,11 +382,15 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
     if (c != 0u) atomicAdd(hist_out + i, static_cast<unsigned long long>(c));
   }
   if (gridDim.x == 1) {
-    if (threadIdx.x == 0) store(p, out);
+    if (threadIdx.x == 0) {
+      store(p, out);
+      if constexpr (LOC) store_loc(bl, ring_loc(out));
+    }
     return;
   }
   if (threadIdx.x == 0) {
     block_partials[blockIdx.x] = p;
+    if constexpr (LOC) block_locs[blockIdx.x] = bl;
     __threadfence();
     is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
   }
@@ -288,8 +408,19 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
     merge(q, r);
   }
   q = block_merge(q, smem);
+  LocPartial ql = empty_loc();
+  if constexpr (LOC) {
+    for (unsigned int b = threadIdx.x; b < gridDim.x; b += kThreads) {
+      const volatile LocPartial* src = block_locs + b;
+      LocPartial r;
+      r.amax = src->amax; r.amax_i = src->amax_i; r.nf_i = src->nf_i;
+      loc_merge(ql, r);
+    }
+    ql = block_merge_loc(ql, smem_loc);
+  }
   if (threadIdx.x == 0) {
     store(q, out);
+    if constexpr (LOC) store_loc(ql, ring_loc(out));
     *ticket = 0u;
   }
 }
@@ -318,7 +449,8 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
               bool accumulate) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
-  const StridedLayout layout = layout_of(x);
+  const bool want_loc = out.loc != nullptr;
+  const StridedLayout layout = want_loc ? logical_layout_of(x) : layout_of(x);  // Note [element locations]
   const int64_t n = x.numel();
   if (hist == nullptr) hist_len = 0;
   if (hist_len > 0 && !accumulate) {
@@ -342,17 +474,26 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
     const int blocks = launch_blocks<scalar_t>(n, x.device().index());
     // Workspace: one partial per block and the ticket, from the caching allocator (stream
     // ordered, no cudaMalloc once warm).
-    const int64_t ws_bytes = static_cast<int64_t>(blocks) * sizeof(StatsPartial) + 16;
+    // With locations, one LocPartial per block follows the partials.
+    const int64_t loc_bytes = want_loc ? static_cast<int64_t>(blocks) * sizeof(LocPartial) : 0;
+    const int64_t ws_bytes = static_cast<int64_t>(blocks) * sizeof(StatsPartial) + loc_bytes + 16;
     at::Tensor ws = at::empty({ws_bytes}, x.options().dtype(at::kByte));
     auto* partials = reinterpret_cast<StatsPartial*>(ws.data_ptr());
+    auto* locs = reinterpret_cast<LocPartial*>(static_cast<char*>(ws.data_ptr()) +
+                                               static_cast<int64_t>(blocks) * sizeof(StatsPartial));
     auto* ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes - 16);
     C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
     // Note [cuda block histograms]: a sub-histogram per warp when they fit, else one per block
     // (<= 8192 + 3 bins or 4098 exponent slots: at most 32 KB).
     const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
     const size_t smem = static_cast<size_t>(hist_len) * copies * sizeof(uint32_t);
-    stats_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
-        share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist));
+    if (want_loc) {
+      stats_kernel<scalar_t, true><<<blocks, kThreads, smem, stream>>>(
+          share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), locs);
+    } else {
+      stats_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
+          share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), nullptr);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -424,7 +565,7 @@ multi_stats_kernel(const __grid_constant__ MultiPack pk, HistSpec hs, int64_t hi
   const int64_t nthreads = static_cast<int64_t>(d.nblocks) * kThreads;
   const int64_t tid = static_cast<int64_t>(local) * kThreads + threadIdx.x;
   uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
-  StatsPartial p = block_merge(thread_partial(share, tid, nthreads, hs, my_hist), smem);  // syncs the block
+  StatsPartial p = block_merge(thread_partial<scalar_t, false>(share, tid, nthreads, hs, my_hist, nullptr), smem);
   StatsOut out = pk.out;
   out.values = d.row;
   unsigned long long* hist_out = reinterpret_cast<unsigned long long*>(d.hist);
@@ -517,7 +658,7 @@ void stats_multi_cuda(const std::vector<MultiItem>& items, const HistSpec& hs, i
     idx.clear();
     for (size_t i = 0; i < items.size(); ++i) {
       const at::Tensor& x = *items[i].x;
-      if (x.scalar_type() == st && layout_of(x).ndim == 0) idx.push_back(i);
+      if (x.scalar_type() == st && items[i].out.loc == nullptr && layout_of(x).ndim == 0) idx.push_back(i);
     }
     for (size_t from = 0; from < idx.size(); from += kPackTensors) {
       const size_t to = std::min(idx.size(), from + static_cast<size_t>(kPackTensors));
@@ -527,7 +668,7 @@ void stats_multi_cuda(const std::vector<MultiItem>& items, const HistSpec& hs, i
     }
   }
   for (const MultiItem& it : items) {  // the others, one launch each
-    if (layout_of(*it.x).ndim != 0) run_cuda(*it.x, it.out, hs, it.hist, hlen, accumulate);
+    if (it.out.loc != nullptr || layout_of(*it.x).ndim != 0) run_cuda(*it.x, it.out, hs, it.hist, hlen, accumulate);
   }
 }
 
@@ -541,6 +682,7 @@ TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {
   m.impl("stats", &stats_op<run_cuda>);
   m.impl("stats_into", &stats_into_op<run_cuda>);
   m.impl("stats_hist", &stats_hist_op<run_cuda>);
+  m.impl("stats_loc", &stats_loc_op<run_cuda>);
 }
 
 }  // namespace hookstats

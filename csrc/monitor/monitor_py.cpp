@@ -234,11 +234,13 @@ PYBIND11_MODULE(_C, m) {
   using namespace hookstats::monitor;
   m.doc() = "hookstats kernels (torch.ops.hookstats) and the Monitor's C++ hook path";
   py::class_<Recorder, std::shared_ptr<Recorder>>(m, "Recorder")
-      .def(py::init([](int64_t slots, int64_t mode, int64_t bins, double lo, double hi, int64_t rows) {
-             return std::make_shared<Recorder>(slots, HistConfig{mode, bins, lo, hi}, rows);
+      .def(py::init([](int64_t slots, int64_t mode, int64_t bins, double lo, double hi, int64_t rows,
+                       bool locations) {
+             return std::make_shared<Recorder>(slots, HistConfig{mode, bins, lo, hi}, rows, locations);
            }),
            py::arg("slots"), py::arg("hist_mode") = 0, py::arg("bins") = 0, py::arg("lo") = 0.0,
-           py::arg("hi") = 0.0, py::arg("rows") = 64)
+           py::arg("hi") = 0.0, py::arg("rows") = 64, py::arg("locations") = false)
+      .def_property_readonly("locations", &Recorder::locations)
       .def("add_hook", &Recorder::add_hook)
       .def("begin_step", &Recorder::begin_step, py::arg("step"), py::arg("active"), py::arg("hist_on"))
       .def_property_readonly("active", &Recorder::active)
@@ -286,8 +288,20 @@ PYBIND11_MODULE(_C, m) {
                if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(int32_t));
                return a;
              };
-             return py::make_tuple(stats, hists, t.steps, std::vector<bool>(t.hist_on.begin(), t.hist_on.end()),
-                                   arr(t.order_slots), arr(t.order_sites));
+             if (!r.locations()) {
+               return py::object(py::make_tuple(stats, hists, t.steps, std::vector<bool>(t.hist_on.begin(), t.hist_on.end()),
+                                     arr(t.order_slots), arr(t.order_sites)));
+             }
+             // With locations: also the location blocks and the records' shapes (Note [monitor sites]).
+             py::list locs;
+             for (auto& l : t.locs) locs.append(l);
+             py::array_t<int64_t> dims(static_cast<py::ssize_t>(t.shape_dims.size()));
+             if (!t.shape_dims.empty()) {
+               std::memcpy(dims.mutable_data(), t.shape_dims.data(), t.shape_dims.size() * sizeof(int64_t));
+             }
+             return py::object(py::make_tuple(stats, hists, t.steps,
+                                              std::vector<bool>(t.hist_on.begin(), t.hist_on.end()),
+                                              arr(t.order_slots), arr(t.order_sites), locs, arr(t.shape_ndim), dims));
            })
       .def("reset", &Recorder::reset)
       .def_property_readonly("skipped", &Recorder::skipped)

@@ -33,14 +33,16 @@ bool is_recordable(const at::Tensor& t) {
 // stats_into through the dispatcher (CPU or CUDA kernel), below autograd: the buffers are
 // not part of any graph, and x may require grad.
 void stats_into(const at::Tensor& x, const at::Tensor& out, int64_t slot, const std::optional<at::Tensor>& hist,
-                int64_t hist_slot, const HistConfig& h, const std::optional<at::Tensor>& ring = std::nullopt) {
+                int64_t hist_slot, const HistConfig& h, const std::optional<at::Tensor>& loc = std::nullopt,
+                const std::optional<at::Tensor>& ring = std::nullopt) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookstats::stats_into", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&,
-                                   int64_t, int64_t, int64_t, double, double, bool, const std::optional<at::Tensor>&)>();
+                                   int64_t, int64_t, int64_t, double, double, bool, const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&, int64_t)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   op.call(x, out, slot, hist, hist_slot, hist.has_value() ? h.mode : 0, h.bins, h.lo, h.hi, /*hist_accumulate=*/false,
-          ring);
+          ring, loc, slot);
 }
 
 void ring_advance(const at::Tensor& state, const at::Tensor& steps, const at::Tensor& step) {
@@ -78,13 +80,14 @@ int64_t hist_len_of(at::ScalarType t, const HistConfig& h) {
 
 }  // namespace
 
-Recorder::Recorder(int64_t slots, HistConfig hist, int64_t init_rows)
+Recorder::Recorder(int64_t slots, HistConfig hist, int64_t init_rows, bool locations)
     : slots_(slots),
       init_rows_(init_rows),
       hist_(hist),
       hist_spec_(make_hist_spec(static_cast<int>(hist.mode), hist.mode == kHistRange ? hist.bins : 0, hist.lo,
                                 hist.hi)),
-      no_hist_(make_hist_spec(kHistNone, 0, 0.0, 0.0)) {
+      no_hist_(make_hist_spec(kHistNone, 0, 0.0, 0.0)),
+      locations_(locations) {
   TORCH_CHECK_VALUE(slots >= 1, "hookstats.Monitor: slots must be >= 1, got ", slots);
   TORCH_CHECK_VALUE(init_rows >= 1, "hookstats.Monitor: rows must be >= 1, got ", init_rows);
 }
@@ -137,6 +140,8 @@ void Recorder::close() {
   slot_hist_.clear();
   order_slots_.clear();
   order_sites_.clear();
+  shape_ndim_.clear();
+  shape_dims_.clear();
   cur_slot_ = -1;
   slot_epoch_ = -1;
 }
@@ -174,6 +179,7 @@ int32_t Recorder::device_index(const c10::Device& d) {
                      at::TensorOptions().dtype(at::kDouble).device(d));
   b.graph_state = at::zeros({2 + 2 * kMaxRings}, at::TensorOptions().dtype(at::kLong).device(d));
   b.graph_state.narrow(0, 0, 1).fill_(step_);
+  if (locations_) b.loc = at::full({slots_ * b.cap, 2}, -1, at::TensorOptions().dtype(at::kLong).device(d));
   devs_.push_back(std::move(b));
   return static_cast<int32_t>(devs_.size() - 1);
 }
@@ -195,6 +201,11 @@ void Recorder::grow_rows(DeviceBuffer& b) {
   at::Tensor n = at::full({slots_ * 2 * b.cap, F}, std::nan(""), b.stats.options());
   n.view({slots_, 2 * b.cap, F}).narrow(1, 0, b.cap).copy_(b.stats.view({slots_, b.cap, F}));
   b.stats = n;
+  if (locations_) {
+    at::Tensor nl = at::full({slots_ * 2 * b.cap, 2}, -1, b.loc.options());
+    nl.view({slots_, 2 * b.cap, 2}).narrow(1, 0, b.cap).copy_(b.loc.view({slots_, b.cap, 2}));
+    b.loc = nl;
+  }
   b.cap *= 2;
 }
 
@@ -214,6 +225,11 @@ void Recorder::grow_slots(int64_t need) {
     at::Tensor n = at::full({s * b.cap, F}, std::nan(""), b.stats.options());
     n.narrow(0, 0, slots_ * b.cap).copy_(b.stats);
     b.stats = n;
+    if (locations_) {
+      at::Tensor nl = at::full({s * b.cap, 2}, -1, b.loc.options());
+      nl.narrow(0, 0, slots_ * b.cap).copy_(b.loc);
+      b.loc = nl;
+    }
   }
   for (auto& h : hists_) {
     at::Tensor n = at::zeros({s * h.cap, h.len}, h.counts.options());
@@ -292,23 +308,30 @@ void Recorder::write(int32_t site, const at::Tensor& x, int64_t slot, bool hist)
   const DeviceBuffer& b = devs_[s.dev];
   order_slots_.push_back(static_cast<int32_t>(slot));
   order_sites_.push_back(site);
+  if (locations_) {  // the record's shape, for its coordinates (Note [monitor sites])
+    shape_ndim_.push_back(static_cast<int32_t>(x.dim()));
+    for (const int64_t d : x.sizes()) shape_dims_.push_back(d);
+  }
   if (x.is_cpu() && !x.unsafeGetTensorImpl()->is_python_dispatch()) {  // the CPU runner directly: the buffers are ours, their checks done once, when allocated
     RECORD_FUNCTION("hookstats::stats_into", c10::ArrayRef<const c10::IValue>{});  // the profiler still sees it
     double* row = b.stats.data_ptr<double>() + (slot * b.cap + s.row) * static_cast<int64_t>(kNumStatFields);
+    StatsOut o{row, nullptr, true};
+    if (locations_) o.loc = b.loc.data_ptr<int64_t>() + (slot * b.cap + s.row) * 2;
     if (hist && s.hgroup >= 0) {
       const HistBuffer& hb = hists_[s.hgroup];
-      stats_cpu_runner(x, StatsOut{row, nullptr, true}, hist_spec_, hb.counts.data_ptr<int64_t>() +
-                       (slot * hb.cap + s.hrow) * hb.len, hb.len, /*accumulate=*/false);
+      stats_cpu_runner(x, o, hist_spec_, hb.counts.data_ptr<int64_t>() + (slot * hb.cap + s.hrow) * hb.len, hb.len,
+                       /*accumulate=*/false);
     } else {
-      stats_cpu_runner(x, StatsOut{row, nullptr, true}, no_hist_, nullptr, 0, false);
+      stats_cpu_runner(x, o, no_hist_, nullptr, 0, false);
     }
     return;
   }
+  const std::optional<at::Tensor> loc = locations_ ? std::optional<at::Tensor>(b.loc) : std::nullopt;
   if (hist && s.hgroup >= 0) {
     const HistBuffer& hb = hists_[s.hgroup];
-    stats_into(x, b.stats, slot * b.cap + s.row, hb.counts, slot * hb.cap + s.hrow, hist_);
+    stats_into(x, b.stats, slot * b.cap + s.row, hb.counts, slot * hb.cap + s.hrow, hist_, loc);
   } else {
-    stats_into(x, b.stats, slot * b.cap + s.row, std::nullopt, 0, hist_);
+    stats_into(x, b.stats, slot * b.cap + s.row, std::nullopt, 0, hist_, loc);
   }
 }
 
@@ -382,6 +405,15 @@ void Recorder::record_calls(const std::vector<std::tuple<int32_t, int32_t, at::T
       ring_of[i] = static_cast<int32_t>(&r - rings_.data());
     }
     ids[i] = site_for(hook, 0, call, t, /*captured=*/ring_of[i] >= 0);
+  }
+  if (locations_) {  // stats_multi_into has no locations: one stats_into per tensor, each with its location row
+    int64_t slot = -1;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (ids[i] < 0) continue;
+      if (slot < 0) slot = ensure_slot();
+      write(ids[i], std::get<2>(calls[i]), slot, hist_on_);
+    }
+    return;
   }
   int64_t slot = -1;
   std::vector<Group> groups;
@@ -476,6 +508,9 @@ Ring& Recorder::ring_for(uint64_t capture, const at::Tensor& t) {
     return r;
   }
   TORCH_CHECK(!test_replay_, "hookstats.Monitor: a test replay of capture ", capture, " that was never captured");
+  TORCH_CHECK(!locations_, "hookstats.Monitor(locations=True) does not record inside CUDA graph capture yet (a "
+              "record's shape and location rows are host-side per record); use a Monitor without locations for the "
+              "captured step, or record that step eagerly");
   int32_t dev = -1;
   for (size_t i = 0; i < devs_.size(); ++i) {
     if (devs_[i].device == d) dev = static_cast<int32_t>(i);
@@ -536,9 +571,9 @@ void Recorder::write_ring(Ring& r, int32_t site, const at::Tensor& x) {
   const Site& s = sites_[site];
   const at::Tensor pos = ring_pos(r);
   if (r.hist_on && s.hgroup >= 0) {
-    stats_into(x, r.stats, s.row, ring_hist(r, s.hgroup), s.hrow, hist_, pos);
+    stats_into(x, r.stats, s.row, ring_hist(r, s.hgroup), s.hrow, hist_, std::nullopt, pos);
   } else {
-    stats_into(x, r.stats, s.row, std::nullopt, 0, hist_, pos);
+    stats_into(x, r.stats, s.row, std::nullopt, 0, hist_, std::nullopt, pos);
   }
 }
 
@@ -640,6 +675,11 @@ Recorder::Taken Recorder::take() {
   out.hist_on = slot_hist_;
   out.order_slots = order_slots_;
   out.order_sites = order_sites_;
+  if (locations_) {
+    for (const auto& b : devs_) out.locs.push_back(b.loc.view({slots_, b.cap, 2}).narrow(0, 0, used).narrow(1, 0, b.rows));
+    out.shape_ndim = shape_ndim_;
+    out.shape_dims = shape_dims_;
+  }
   if (!rings_.empty()) append_rings(out);
   return out;
 }
@@ -651,7 +691,12 @@ void Recorder::reset() {
   // slot are read from it.
   if (used) {
     for (auto& b : devs_) b.stats.narrow(0, 0, used * b.cap).fill_(std::nan(""));
+    if (locations_) {
+      for (auto& b : devs_) b.loc.narrow(0, 0, used * b.cap).fill_(-1);
+    }
   }
+  shape_ndim_.clear();
+  shape_dims_.clear();
   slot_steps_.clear();
   slot_hist_.clear();
   order_slots_.clear();

@@ -18,6 +18,12 @@
 // Call numbers count per hook and step for forward-side hooks, and per (hook, tensor index) and
 // step for tensor hooks, at the time the hook runs: gradient accumulation and retain_graph give
 // one site per backward call, as they give one PyTorch hook call each.
+// With locations (Recorder(..., locations=true)), each device also has a location block of
+// [slots * cap, 2] int64 rows beside its stats block (same row index, grown and reset with it, -1
+// until written): the flat indices of each record's first largest |x| and first NaN/Inf (Note
+// [element locations] in csrc/core/loc_ops.h), written by the same stats_into call; and the host
+// keeps each record's shape (the shape of a site's tensor may change between steps), so a flush
+// can turn indices into coordinates. Without locations none of this exists.
 // Tensor hooks run on autograd threads without the GIL: every state change is under one mutex.
 //
 // Note [monitor graph replays]
@@ -83,6 +89,7 @@ struct DeviceBuffer {
   int64_t cap = 0, rows = 0;
   at::Tensor graph_state;  // int64 [2 + 2 * kMaxRings]: the current step, unused, then (k, p) per ring
   int32_t num_rings = 0;
+  at::Tensor loc;    // [slots * cap, 2] int64, the same rows; only with locations
 };
 
 // A captured step's rows on one device (Note [monitor graph replays]).
@@ -110,7 +117,8 @@ struct HistBuffer {
 
 class Recorder {
  public:
-  Recorder(int64_t slots, HistConfig hist, int64_t init_rows);
+  Recorder(int64_t slots, HistConfig hist, int64_t init_rows, bool locations = false);
+  bool locations() const { return locations_; }
 
   // A new hook id (hooks are numbered from 0; Python keeps their names and kinds).
   int32_t add_hook();
@@ -142,6 +150,11 @@ class Recorder {
     std::vector<int64_t> steps;
     std::vector<uint8_t> hist_on;
     std::vector<int32_t> order_slots, order_sites;  // every written (slot, site), in the order written
+    // With locations: per device its [slots, rows, 2] location block, and every written record's shape
+    // (shape_ndim[i] dims of record i, one after another in shape_dims), in the order written.
+    std::vector<at::Tensor> locs;
+    std::vector<int32_t> shape_ndim;
+    std::vector<int64_t> shape_dims;
   };
   Taken take();
   void reset();  // NaN/zero the used rows and forget the slots (after the host copy is enqueued)
@@ -204,6 +217,9 @@ class Recorder {
   std::atomic<int64_t> dropped_replays_{0};
   uint64_t test_capture_ = 0;
   bool test_replay_ = false, test_rings_ = false;
+  bool locations_ = false;
+  std::vector<int32_t> shape_ndim_;
+  std::vector<int64_t> shape_dims_;
 };
 
 

@@ -101,6 +101,24 @@ class Columns:
             return np.empty((0, len(STATS_FIELDS)))
         return np.stack([self.stat(f) for f in STATS_FIELDS], axis=1)
 
+    def coordinates(self, name: str, row: int):
+        """Row's location column `name` ("argmax_abs_index", "first_nonfinite_index", "shape": runs recorded with
+        Monitor(locations=True)) as a tuple, or None where the row has none or the run has no such column."""
+        if self._table is not None:
+            if name not in self._table.column_names:
+                return None
+            v = self._table.column(name)[int(row)].as_py()
+        else:
+            v = self._records[int(row)].get(name)
+        return None if v is None else tuple(v)
+
+    def first_nonfinite_row(self) -> int:
+        """The row of the first record (by step, then seq) whose tensor held a NaN or Inf; -1 when none."""
+        rows = np.flatnonzero((self.stat("nan_count") > 0) | (self.stat("inf_count") > 0))
+        if not len(rows):
+            return -1
+        return int(rows[np.lexsort((rows, self.seq[rows], self.step[rows]))[0]])
+
     def code(self, which: str, name: str) -> int:
         """The code of a module / kind name, -1 when absent."""
         names = self.module_names if which == "module" else self.kind_names

@@ -53,11 +53,17 @@ def _dense(h) -> Optional[list]:
     return out
 
 
+_LOCATION_KEYS = ("shape", "argmax_abs_index", "first_nonfinite_index")
+
+
 def encode_record(r: dict) -> dict:
     out = {"type": "record", "seq": r["seq"], "step": r["step"], "module": r["module"], "kind": r["kind"],
            "index": r["index"], "dtype": r.get("dtype")}
     out["stats"] = {k: _enc_float(v) if isinstance(v, float) else v for k, v in r["stats"].items()}
     out["histogram"] = _sparse(r.get("histogram"))
+    for k in _LOCATION_KEYS:  # Monitor(locations=True) records only
+        if k in r:
+            out[k] = None if r[k] is None else list(r[k])
     return out
 
 
@@ -65,6 +71,9 @@ def decode_record(d: dict) -> dict:
     r = {k: d[k] for k in ("seq", "step", "module", "kind", "index", "dtype") if k in d}
     r["stats"] = {k: _dec_float(v) for k, v in d["stats"].items()}
     r["histogram"] = _dense(d.get("histogram"))
+    for k in _LOCATION_KEYS:
+        if k in d:
+            r[k] = None if d[k] is None else tuple(d[k])
     return r
 
 
@@ -93,6 +102,8 @@ def encode_block(block) -> str:
     tmpl = _row_template()
     stats = block.stats
     finite = np.isfinite(stats).all(axis=1)
+    if getattr(block, "loc", None) is not None:  # records with locations: each through encode_record
+        finite[:] = False
     rows = stats.tolist()
     steps = block.steps.tolist()
     inv = inv.tolist()

@@ -161,10 +161,16 @@ class _Content:
         self.events = events
         ev = self.events
         self.first_event = ev[0] if ev else None
+        self.first_element = ""  # runs with Monitor(locations=True): where in the first bad tensor
         if ev:
+            r = cols.first_nonfinite_row()
+            where = cols.coordinates("first_nonfinite_index", r) if r >= 0 else None
+            if where is not None:
+                shape = cols.coordinates("shape", r)
+                self.first_element = f", element {where}" + (f" of a {tuple(shape)} tensor" if shape else "")
             e = ev[0]
-            self.first = (f"First non-finite value: step {e.step}, module {_name(e.module)}, kind {e.kind} "
-                          f"({e.nan_count} NaN, {e.inf_count} Inf)")
+            self.first = (f"First non-finite value: step {e.step}, module {_name(e.module)}, kind {e.kind}"
+                          f"{self.first_element} ({e.nan_count} NaN, {e.inf_count} Inf)")
             nsteps = len({x.step for x in ev})
             self.events_note = f"{len(ev)} non-finite (step, module, kind) events in {nsteps} step(s)" + (
                 f"; the first {MAX_EVENTS} are shown" if len(ev) > MAX_EVENTS else "")
@@ -188,8 +194,8 @@ def _markdown(c: _Content) -> str:
     first = c.first
     if c.first_event is not None:
         e = c.first_event
-        first = (f"First non-finite value: step {e.step}, module `{_name(e.module)}`, kind {e.kind} "
-                 f"({e.nan_count} NaN, {e.inf_count} Inf)")
+        first = (f"First non-finite value: step {e.step}, module `{_name(e.module)}`, kind {e.kind}"
+                 f"{c.first_element} ({e.nan_count} NaN, {e.inf_count} Inf)")
     out += ["", "## Non-finite values", "", f"**{first}**", ""]
     if c.event_rows:
         out += [c.events_note + ":", ""]

@@ -5,7 +5,9 @@ a [slots, sites, 13] float64 block, per (device, histogram length) a [slots, sit
 until written. `Buffers.flush()` copies each used block to the host in one copy (non-blocking into pinned memory on
 CUDA, one wait), resets the device rows, and turns the copies into one `Block`: numpy columns (step, site, the 13
 statistics, histogram rows), in the order the rows were written (hook-call order). Nothing is built per record until `Block.records()` is
-asked for (`Monitor.records()`, exporters).
+asked for (`Monitor.records()`, exporters). With locations (Monitor(locations=True)) each device also has a
+[slots, sites, 2] int64 block of flat indices (first largest |x|, first NaN/Inf; -1: none), and the recorder keeps
+every record's shape: the Block gets a `loc` column and the shapes, and records their coordinates.
 """
 from __future__ import annotations
 
@@ -48,18 +50,68 @@ def _extension():
     return _C
 
 
+class Record(dict):
+    """A record dict that prints where it is: `step 90, module embed, kind forward, index 0, element (3, 17, 250)`
+    (the element: the first NaN/Inf when the tensor held one, else the first largest |x|; only with locations)."""
+
+    def __str__(self) -> str:
+        out = f"step {self['step']}, module {self['module'] or '<model>'}, kind {self['kind']}, index {self['index']}"
+        where = self.get("first_nonfinite_index")
+        if where is None:
+            where = self.get("argmax_abs_index")
+        if where is not None:
+            out += f", element {tuple(where)}"
+        return out
+
+
+def unravel_rows(flat: np.ndarray, ndim: np.ndarray, dims: np.ndarray) -> list:
+    """Coordinates (tuples, None for -1) of flat indices flat[i] in record i's shape (ndim[i] sizes in dims)."""
+    off = np.zeros(len(ndim) + 1, dtype=np.int64)
+    np.cumsum(ndim, out=off[1:])
+    out = []
+    for i, f in enumerate(flat.tolist()):
+        if f < 0:
+            out.append(None)
+            continue
+        c = []
+        for d in reversed(dims[off[i]:off[i + 1]].tolist()):
+            c.append(f % d)
+            f //= d
+        out.append(tuple(reversed(c)))
+    return out
+
+
 class Block:
     """The records of one flush, as columns. Row i: steps[i], sites[i] (ids into the site table), stats[i] (the 13
     STATS_FIELDS, float64), and its histogram counts hists[hist_group[i]][hist_row[i]] where hist_group[i] >= 0.
-    `seq0` is the seq of row 0 (records are numbered on in flush order)."""
+    `seq0` is the seq of row 0 (records are numbered on in flush order). With locations (Monitor(locations=True)):
+    loc[i] = (argmax_abs, first_nonfinite) flat indices (-1: none) and the record's shape, shape_ndim[i] sizes
+    starting at shape_dims[shape_off[i]]; otherwise loc is None."""
 
     def __init__(self, table: SiteTable, steps: np.ndarray, sites: np.ndarray, stats: np.ndarray,
-                 hist_group: np.ndarray, hist_row: np.ndarray, hists: list, seq0: int):
+                 hist_group: np.ndarray, hist_row: np.ndarray, hists: list, seq0: int,
+                 loc: Optional[np.ndarray] = None, shape_ndim: Optional[np.ndarray] = None,
+                 shape_dims: Optional[np.ndarray] = None):
         self.table = table
         self.steps, self.sites, self.stats = steps, sites, stats
         self.hist_group, self.hist_row, self.hists = hist_group, hist_row, hists
         self.seq0 = seq0
+        self.loc, self.shape_ndim, self.shape_dims = loc, shape_ndim, shape_dims
+        if loc is not None:
+            self.shape_off = np.zeros(len(shape_ndim) + 1, dtype=np.int64)
+            np.cumsum(shape_ndim, out=self.shape_off[1:])
         self._records: Optional[list] = None
+        self._coords: Optional[tuple] = None
+
+    def shape(self, i: int) -> tuple:
+        """Record i's tensor shape (with locations)."""
+        return tuple(self.shape_dims[self.shape_off[i]:self.shape_off[i + 1]].tolist())
+
+    def coordinates(self) -> tuple:
+        """(argmax_abs, first_nonfinite) coordinate lists over the rows (tuples, None for -1), with locations."""
+        if self._coords is None:
+            self._coords = tuple(unravel_rows(self.loc[:, j], self.shape_ndim, self.shape_dims) for j in (0, 1))
+        return self._coords
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -80,9 +132,15 @@ class Block:
         for k in COUNT_FIELDS:
             st[k] = int(st[k])
         g = int(self.hist_group[i])
-        return {"seq": self.seq0 + i, "step": int(self.steps[i]), "module": module, "kind": kind,
-                "index": int(t.index[s]), "dtype": t.dtypes[s], "stats": st,
-                "histogram": self.hists[g][int(self.hist_row[i])].tolist() if g >= 0 else None}
+        r = {"seq": self.seq0 + i, "step": int(self.steps[i]), "module": module, "kind": kind,
+             "index": int(t.index[s]), "dtype": t.dtypes[s], "stats": st,
+             "histogram": self.hists[g][int(self.hist_row[i])].tolist() if g >= 0 else None}
+        if self.loc is not None:
+            a, f = self.coordinates()
+            r["shape"] = self.shape(i)
+            r["argmax_abs_index"] = a[i]
+            r["first_nonfinite_index"] = f[i]
+        return r
 
     def records(self) -> list[dict]:
         """The rows as record dicts (built once, on first call)."""
@@ -179,14 +237,15 @@ class Buffers:
     histogram: a Histogram spec (or None); slots: step slots a buffer holds before it grows; rows: sites per device
     a buffer holds before it grows."""
 
-    def __init__(self, histogram=None, slots: int = 16, rows: int = 64):
+    def __init__(self, histogram=None, slots: int = 16, rows: int = 64, locations: bool = False):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"hookstats: slots must be an int >= 1, got {slots!r}")
         C = _extension()
         self.histogram: Optional[Histogram] = as_histogram(histogram) if histogram is not None else None
         h = self.histogram
+        self.locations = bool(locations)
         self.rec = C.Recorder(slots, h.mode if h else 0, h.bins if h else 0, h.lo if h else 0.0, h.hi if h else 0.0,
-                              rows)
+                              rows, self.locations)
         self.table = SiteTable()
         self.blocks: list[Block] = []
         self.scalars = ScalarBuffer(64)
@@ -233,12 +292,14 @@ class Buffers:
         """One host copy per buffer, the device rows reset, and the copied rows as a Block (kept in `blocks` unless
         keep is False). With a process group the rows are merged across ranks first (Note [merging records across
         ranks] in hookstats.distributed), and this is a collective."""
-        stats_blocks, hist_blocks, steps, hist_on, order_slots, order_sites = self.rec.take()
+        taken = self.rec.take()
+        stats_blocks, hist_blocks, steps, hist_on, order_slots, order_sites = taken[:6]
         self.table.sync(self.rec)
         if self.group is not None:
             stats_blocks, hist_blocks = self._merge(stats_blocks, hist_blocks, steps)
         host_stats = [to_host(b).numpy() for b in stats_blocks]
         host_hists = [(dev, to_host(b).numpy()) for dev, _, b in hist_blocks]
+        host_locs = [to_host(b).numpy() for b in taken[6]] if self.locations else None
         dropped = self.rec.dropped_replays
         self.rec.reset()
         dropped = self.rec.dropped_replays - dropped
@@ -250,6 +311,17 @@ class Buffers:
         block = self._columns(host_stats, host_hists, np.asarray(steps, dtype=np.int64),
                               np.asarray(hist_on, dtype=bool), order_slots.astype(np.int64),
                               order_sites.astype(np.int64))
+        if host_locs is not None:  # Note [monitor sites]: location rows beside the stats rows, shapes per record
+            slot, site = order_slots.astype(np.int64), order_sites.astype(np.int64)
+            loc = np.full((len(site), 2), -1, dtype=np.int64)
+            dev, row = self.table.dev[site], self.table.row[site]
+            for d, b in enumerate(host_locs):
+                sel = np.flatnonzero(dev == d)
+                if len(sel):
+                    loc[sel] = b[slot[sel], row[sel]]
+            block.loc, block.shape_ndim, block.shape_dims = loc, taken[7].astype(np.int64), taken[8]
+            block.shape_off = np.zeros(len(site) + 1, dtype=np.int64)
+            np.cumsum(block.shape_ndim, out=block.shape_off[1:])
         self._seq += len(block)
         if self.keep and len(block):
             self.blocks.append(block)
@@ -313,7 +385,7 @@ class Buffers:
         for b in self.blocks:
             rows = b.nonfinite_rows()
             if len(rows):
-                return b.record(int(rows[0]))
+                return Record(b.record(int(rows[0])))
         return None
 
     def columns(self):

@@ -58,6 +58,10 @@ class Monitor:
     `channel_results()` reads them. per_sample=True: each sample's gradient norm per Linear/Conv/Embedding/LayerNorm
     layer, every recorded step (hookstats.PerSampleGradNorms); `top_samples(k)`, `first_nonfinite_sample()`,
     `sample_norms()` read them.
+    locations=True: each record also gets the coordinates of its tensor's first largest |x| and first NaN/Inf
+    (`argmax_abs_index`, `first_nonfinite_index`: tuples into the record's `shape`, None where there is none), found
+    by the same kernel call (Note [element locations]); `first_nonfinite()` then names the element (`print(rec)`:
+    "step 90, module embed, kind forward, index 0, element (3, 17, 250)"). Off by default: it then costs nothing.
     histogram: a histogram spec recorded with every tensor ((bins, (lo, hi)), Histogram.range(...), "exp");
     histogram_every=M: statistics every recorded step, the histogram every M-th of them.
     Each hook call is one C++ call: the stats kernel runs once per tensor into the tensor's row of a device buffer
@@ -85,7 +89,7 @@ class Monitor:
                  keep_records: bool = True, process_group=None, export_rank: int = 0,
                  histogram_every: int = 1, optimizer: Optional[torch.optim.Optimizer] = None,
                  channel_stats: Optional[dict] = None, per_sample: bool = False,
-                 export_queue: int = 8):
+                 export_queue: int = 8, locations: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"hookstats.Monitor needs a torch.nn.Module, got {type(model).__name__}")
         self.every = _positive("every", every)
@@ -106,8 +110,13 @@ class Monitor:
         if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
             raise TypeError(f"hookstats.Monitor: optimizer= needs a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        if not isinstance(locations, bool):
+            raise TypeError(f"hookstats.Monitor: locations must be True or False, got {locations!r}")
+        if locations and process_group is not None:
+            raise ValueError("hookstats.Monitor: locations=True does not merge across ranks yet; use it without "
+                             "process_group= (each rank's Monitor then names its own elements)")
         self.exporters = exporters
-        self._buf = Buffers(histogram, slots)
+        self._buf = Buffers(histogram, slots, locations=locations)
         self._buf.keep = keep_records
         self.rank = 0
         self._exporting = True
@@ -274,9 +283,12 @@ class Monitor:
         h = self._buf.histogram
         hist = None if h is None else ({"kind": "exp"} if h.kind == "exp" else
                                        {"kind": "range", "bins": h.bins, "lo": h.lo, "hi": h.hi})
-        return {"hookstats": __version__, "torch": torch.__version__, "histogram": hist,
+        info = {"hookstats": __version__, "torch": torch.__version__, "histogram": hist,
                 "stats_fields": list(STATS_FIELDS), "kinds": list(self.kinds), "modules": list(self.modules),
                 "every": self.every, "histogram_every": self.histogram_every}
+        if self._buf.locations:
+            info["locations"] = True
+        return info
 
     # -- control --------------------------------------------------------------------------------------------------
     def _begin_step(self) -> None:
@@ -397,7 +409,9 @@ class Monitor:
 
     def first_nonfinite(self) -> Optional[dict]:
         """The first record (by step and hook order) whose tensor held a NaN or Inf: NaN hunting without
-        torch.autograd.detect_anomaly. None if there was none."""
+        torch.autograd.detect_anomaly. None if there was none. With locations=True it names the element too
+        (`first_nonfinite_index`; `str(record)` reads "step 90, module embed, kind forward, index 0, element
+        (3, 17, 250)")."""
         self._read()
         return self._buf.first_nonfinite()
 

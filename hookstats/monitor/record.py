@@ -17,13 +17,14 @@ class record(_Forms):
     changes nothing. Register the object (full backward hook: grad_input and grad_output are both recorded) or one
     of its forms (see hookstats.hooks); read with `records()` (which flushes: one host copy). Records carry
     `step`: set `rec.step` (or call `rec.next_step()`) to number them; every call within a step is its own site
-    (Note [monitor sites]), in call order."""
+    (Note [monitor sites]), in call order. locations=True: records also name the elements of largest |x| and first
+    NaN/Inf, as Monitor(locations=True) does."""
 
     _name = "hookstats.record"
 
-    def __init__(self, name: str = "", *, histogram=None, slots: int = 16):
+    def __init__(self, name: str = "", *, histogram=None, slots: int = 16, locations: bool = False):
         self.name = name
-        self._buf = Buffers(histogram, slots)
+        self._buf = Buffers(histogram, slots, locations=locations)
         self._hooks = {label: self._buf.hook(name, label) for label in _RECORD_LABELS}
         self._step = 0
         self._buf.rec.begin_step(0, True, True)

@@ -7,6 +7,10 @@ Schema (RECORD_COLUMNS, then the histogram columns):
   index int32                                -- the tensor's position in what the hook saw
   numel .. zero_count                        -- one column per STATS_FIELDS statistic: the COUNT_FIELDS as int64,
                                                 the others float64 (or float32 when asked: ParquetWriter)
+  shape, argmax_abs_index, first_nonfinite_index: list<int64>
+                                             -- only in runs with Monitor(locations=True): the record's tensor shape
+                                                and the coordinates of its first largest |x| / first NaN/Inf (null
+                                                where there is none; Note [element locations])
   histogram_{L}: list<int64>                 -- one per histogram length L in the run (a range histogram has one
                                                 length, an exponent histogram one per dtype): every entry exactly L
                                                 counts, or null where the row has no histogram of that length. A list
@@ -29,6 +33,7 @@ from .._ops import COUNT_FIELDS, STATS_FIELDS
 SITE_COLUMNS = ("module", "kind", "dtype")
 RECORD_COLUMNS = ("seq", "step", "module", "kind", "index", "dtype") + STATS_FIELDS
 HIST_PREFIX = "histogram_"
+LOCATION_COLUMNS = ("shape", "argmax_abs_index", "first_nonfinite_index")
 RUN_KEY = b"hookstats.run"
 _COUNT = frozenset(COUNT_FIELDS)
 
@@ -105,6 +110,8 @@ def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = 
     for j, f in enumerate(STATS_FIELDS):
         col = stats[:, j]
         cols[f] = pa.array(col.astype(np.int64) if f in _COUNT else col.astype(ft, copy=False))
+    if getattr(block, "loc", None) is not None:
+        _location_columns(pa, block, cols)
     by_len: dict = {}
     for g, h in enumerate(block.hists):
         by_len.setdefault(h.shape[-1], []).append(g)
@@ -124,6 +131,36 @@ def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = 
                                                              mask=pa.array(~has))
     t = pa.table(cols)
     return with_run_info(t, metadata) if metadata is not None else t
+
+
+def _ragged(pa, values: np.ndarray, lengths: np.ndarray, valid: Optional[np.ndarray] = None):
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(values, dtype=np.int64)),
+                                    mask=None if valid is None else pa.array(~valid))
+
+
+def _location_columns(pa, block, cols: dict) -> None:
+    """shape and the two coordinate columns of a block with locations, from its flat indices, in numpy."""
+    ndim = np.asarray(block.shape_ndim, dtype=np.int64)
+    dims = np.asarray(block.shape_dims, dtype=np.int64)
+    cols["shape"] = _ragged(pa, dims, ndim)
+    n = len(ndim)
+    off = np.asarray(block.shape_off[:-1], dtype=np.int64)
+    for j, name in enumerate(("argmax_abs_index", "first_nonfinite_index")):
+        flat = np.asarray(block.loc[:, j], dtype=np.int64)
+        valid = flat >= 0
+        coords = np.zeros(len(dims), dtype=np.int64)
+        rest = np.where(valid, flat, 0)
+        # row-major unravel, the last dim first, over every record at once (records of different ndim)
+        for k in range(int(ndim.max()) if n else 0):
+            has = ndim > k
+            pos = off[has] + ndim[has] - 1 - k
+            d = dims[pos]
+            coords[pos] = rest[has] % d
+            rest[has] //= d
+        keep = np.repeat(valid, ndim)
+        cols[name] = _ragged(pa, coords[keep], np.where(valid, ndim, 0), valid)
 
 
 def with_run_info(table, info: Optional[dict]):
@@ -178,8 +215,13 @@ def table_records(table) -> list:
             if hc[i] is not None:
                 h = hc[i]
                 break
-        out.append({"seq": py["seq"][i], "step": py["step"][i], "module": py["module"][i], "kind": py["kind"][i],
-                    "index": py["index"][i], "dtype": py["dtype"][i], "stats": st, "histogram": h})
+        r = {"seq": py["seq"][i], "step": py["step"][i], "module": py["module"][i], "kind": py["kind"][i],
+             "index": py["index"][i], "dtype": py["dtype"][i], "stats": st, "histogram": h}
+        for c in LOCATION_COLUMNS:
+            if c in py:
+                v = py[c][i]
+                r[c] = None if v is None else tuple(v)
+        out.append(r)
     return out
 
 
@@ -199,6 +241,9 @@ def records_table(records: Sequence[dict], stats_dtype: str = "float64"):
     stats = np.array([[r["stats"].get(f, np.nan) for f in STATS_FIELDS] for r in records], dtype=np.float64)
     for j, f in enumerate(STATS_FIELDS):
         cols[f] = pa.array(stats[:, j].astype(np.int64) if f in _COUNT else stats[:, j].astype(ft))
+    for c in LOCATION_COLUMNS:
+        if any(c in r for r in records):
+            cols[c] = pa.array([None if r.get(c) is None else list(r[c]) for r in records], pa.list_(pa.int64()))
     lens = sorted({len(r["histogram"]) for r in records if r.get("histogram") is not None})
     for L in lens:
         cols[hist_column(L)] = pa.array([r["histogram"] if r.get("histogram") is not None and
@@ -224,4 +269,5 @@ def table_scalars(table) -> list:
 
 
 __all__ = ["block_table", "concat", "table_records", "records_table", "scalars_table", "table_scalars", "run_info",
-           "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS", "SITE_COLUMNS", "RUN_KEY"]
+           "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS", "SITE_COLUMNS", "RUN_KEY",
+           "LOCATION_COLUMNS"]
