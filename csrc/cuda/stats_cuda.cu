@@ -352,11 +352,15 @@ __device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid
 }
 
 // block_locs: one LocPartial per block (LOC only).
-template <typename scalar_t, bool LOC = false>
-__global__ void __launch_bounds__(kThreads)
-stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
-             unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len, int hist_copies,
-             unsigned long long* __restrict__ hist_out, LocPartial* __restrict__ block_locs) {
+// Block `block` of the `nblocks` blocks that reduce share (a stats launch, or one tensor's blocks in a multi-tensor
+// launch, Note [multi-tensor stats launches]): its threads' partials (and histogram counts) merged in a fixed order
+// into block_partials[block]; the last of the nblocks blocks to finish (the ticket) merges them in block order and
+// writes the row. No float atomics: results are bitwise reproducible on a device.
+template <typename scalar_t, bool LOC>
+__device__ __forceinline__ void stats_block(const Share<scalar_t>& share, int block, int nblocks,
+                                            StatsPartial* __restrict__ block_partials, LocPartial* __restrict__ block_locs,
+                                            unsigned int* __restrict__ ticket, const StatsOut& out, const HistSpec& hs,
+                                            int64_t hist_len, int hist_copies, unsigned long long* hist_out) {
   using acc_t = typename AccOf<scalar_t>::type;
   __shared__ StatsPartial smem[kWarps];
   __shared__ bool is_last;
@@ -366,8 +370,8 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
   extern __shared__ uint32_t sh_hist[];  // hist_copies sub-histograms (Note [cuda block histograms])
   for (int64_t i = threadIdx.x; i < hist_len * hist_copies; i += kThreads) sh_hist[i] = 0u;
   if (hist_len > 0) __syncthreads();
-  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t nthreads = static_cast<int64_t>(nblocks) * kThreads;
+  const int64_t tid = static_cast<int64_t>(block) * kThreads + threadIdx.x;
   uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
   LocAcc<acc_t> tl;  // unused without LOC (and its address not taken)
   loc_init(tl);
@@ -381,7 +385,7 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
     for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
     if (c != 0u) atomicAdd(hist_out + i, static_cast<unsigned long long>(c));
   }
-  if (gridDim.x == 1) {
+  if (nblocks == 1) {
     if (threadIdx.x == 0) {
       store(p, out);
       if constexpr (LOC) store_loc(bl, ring_loc(out));
@@ -389,17 +393,17 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
     return;
   }
   if (threadIdx.x == 0) {
-    block_partials[blockIdx.x] = p;
-    if constexpr (LOC) block_locs[blockIdx.x] = bl;
+    block_partials[block] = p;
+    if constexpr (LOC) block_locs[block] = bl;
     __threadfence();
-    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    is_last = atomicAdd(ticket, 1u) == static_cast<unsigned int>(nblocks) - 1;
   }
   __syncthreads();
   if (!is_last) return;
   __threadfence();
   // Thread t merges block partials t, t + kThreads, ... in order, then the block merges.
   StatsPartial q = empty_partial();
-  for (unsigned int b = threadIdx.x; b < gridDim.x; b += kThreads) {
+  for (int b = threadIdx.x; b < nblocks; b += kThreads) {
     const volatile StatsPartial* src = block_partials + b;
     StatsPartial r;
     r.n = src->n; r.nan = src->nan; r.inf = src->inf; r.zero = src->zero;
@@ -410,7 +414,7 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
   q = block_merge(q, smem);
   LocPartial ql = empty_loc();
   if constexpr (LOC) {
-    for (unsigned int b = threadIdx.x; b < gridDim.x; b += kThreads) {
+    for (int b = threadIdx.x; b < nblocks; b += kThreads) {
       const volatile LocPartial* src = block_locs + b;
       LocPartial r;
       r.amax = src->amax; r.amax_i = src->amax_i; r.nf_i = src->nf_i;
@@ -423,6 +427,15 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
     if constexpr (LOC) store_loc(ql, ring_loc(out));
     *ticket = 0u;
   }
+}
+
+template <typename scalar_t, bool LOC = false>
+__global__ void __launch_bounds__(kThreads)
+stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
+             unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len, int hist_copies,
+             unsigned long long* __restrict__ hist_out, LocPartial* __restrict__ block_locs) {
+  stats_block<scalar_t, LOC>(share, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), block_partials,
+                             block_locs, ticket, out, hs, hist_len, hist_copies, hist_out);
 }
 
 // The blocks of a stats launch over n values: one per kThreads * kUnroll packs, at most two per SM.
@@ -548,9 +561,6 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 multi_stats_kernel(const __grid_constant__ MultiPack pk, HistSpec hs, int64_t hist_len, int hist_copies,
                    StatsPartial* __restrict__ block_partials, unsigned int* __restrict__ tickets) {
-  __shared__ StatsPartial smem[kWarps];
-  __shared__ bool is_last;
-  extern __shared__ uint32_t sh_hist[];
   const int t = pack_tensor(pk);
   const PackDesc& d = pk.d[t];
   Share<scalar_t> share;
@@ -559,49 +569,11 @@ multi_stats_kernel(const __grid_constant__ MultiPack pk, HistSpec hs, int64_t hi
   share.head = d.head;
   share.layout.ndim = 0;
   share.flat = true;
-  for (int64_t i = threadIdx.x; i < hist_len * hist_copies; i += kThreads) sh_hist[i] = 0u;
-  if (hist_len > 0) __syncthreads();
-  const int local = static_cast<int>(blockIdx.x) - d.first_block;
-  const int64_t nthreads = static_cast<int64_t>(d.nblocks) * kThreads;
-  const int64_t tid = static_cast<int64_t>(local) * kThreads + threadIdx.x;
-  uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
-  StatsPartial p = block_merge(thread_partial<scalar_t, false>(share, tid, nthreads, hs, my_hist, nullptr), smem);
   StatsOut out = pk.out;
   out.values = d.row;
-  unsigned long long* hist_out = reinterpret_cast<unsigned long long*>(d.hist);
-  if (out.ring != nullptr && hist_len > 0) hist_out += ring_slot(out) * out.ring_hist_elems;
-  for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
-    uint32_t c = 0u;
-    for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
-    if (c != 0u) atomicAdd(hist_out + i, static_cast<unsigned long long>(c));
-  }
-  if (d.nblocks == 1) {
-    if (threadIdx.x == 0) store(p, out);
-    return;
-  }
-  StatsPartial* parts = block_partials + d.first_block;
-  if (threadIdx.x == 0) {
-    parts[local] = p;
-    __threadfence();
-    is_last = atomicAdd(tickets + t, 1u) == static_cast<unsigned int>(d.nblocks) - 1;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  StatsPartial q = empty_partial();
-  for (int b = threadIdx.x; b < d.nblocks; b += kThreads) {
-    const volatile StatsPartial* src = parts + b;
-    StatsPartial r;
-    r.n = src->n; r.nan = src->nan; r.inf = src->inf; r.zero = src->zero;
-    r.sum = src->sum; r.l1 = src->l1; r.mn = src->mn; r.mx = src->mx;
-    r.ssq = src->ssq; r.mean = src->mean; r.m2 = src->m2; r.e = src->e;
-    merge(q, r);
-  }
-  q = block_merge(q, smem);
-  if (threadIdx.x == 0) {
-    store(q, out);
-    tickets[t] = 0u;
-  }
+  stats_block<scalar_t, false>(share, static_cast<int>(blockIdx.x) - d.first_block, d.nblocks,
+                               block_partials + d.first_block, nullptr, tickets + t, out, hs, hist_len, hist_copies,
+                               reinterpret_cast<unsigned long long*>(d.hist));
 }
 
 template <typename scalar_t>
