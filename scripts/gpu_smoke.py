@@ -288,6 +288,46 @@ def monitor():
 
 
 @check
+def monitor_graph_replays():
+    """Note [monitor graph replays]: a captured monitored forward, replayed with new data: one step of records per
+    replay, each equal to the eager statistics of its data; and stats_multi_into's one-launch rows equal stats_into's
+    (Note [multi-tensor stats launches])."""
+    if DEV == "cpu":
+        return
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(DEV)
+    mon = hookstats.Monitor(m, kinds=("forward",), histogram="exp", slots=8)
+    x = torch.randn(8, 16, device=DEV)
+    m(x)
+    mon.step()
+    mon.flush()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        m(x)
+    mon.step()
+    want = {}
+    for i in range(3):
+        x.copy_(torch.randn(8, 16, device=DEV) * (i + 1))
+        g.replay()
+        with torch.no_grad():
+            want[mon.current_step] = float(m[0](x).max())
+        mon.step()
+    recs = mon.flush()
+    got = {r["step"]: r["stats"]["max"] for r in recs if r["module"] == "0"}
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for st, v in want.items():
+        assert same(got[st], v, 1e-5, 1e-6), (st, got[st], v)
+    mon.detach()
+    xs = [torch.randn(n, device=DEV) for n in (1, 7, 4096, 70001, 3 * 2**20 + 5)] + [torch.randn(64, 33, device=DEV).t()]
+    a, b = hookstats.stats_buffer(len(xs), device=DEV), hookstats.stats_buffer(len(xs), device=DEV)
+    hookstats.stats_multi_into(xs, a, range(len(xs)))
+    for i, t in enumerate(xs):
+        hookstats.stats_into(t, b, i)
+    assert torch.equal(a.view(torch.int64), b.view(torch.int64)), (a - b).abs().max()
+
+
+@check
 def no_host_sync():
     if DEV == "cpu":
         return
