@@ -96,9 +96,13 @@ template <int HM, typename scalar_t>
 HS_INLINE void bin_scalar(HistCounters& h, int lane, const scalar_t& raw, const BinPlan& bp) {
   uint32_t* c = h.c + (lane & (h.copies - 1)) * h.len;
   if (HM == kHistRange) {
-    int32_t sl = fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec);
-    if (bp.rc.T != nullptr) sl = ordinal_of_slot(sl, bp.spec.bins);
-    c[sl] += 1;
+    if constexpr (std::is_same_v<acc_of<scalar_t>, float>) {
+      if (bp.rc.T != nullptr) {  // Note [exact bin thresholds]: the CUDA kernel's rule
+        c[threshold_ordinal(static_cast<float>(raw), bp.spec, bp.rc.T)] += 1;
+        return;
+      }
+    }
+    c[fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec)] += 1;
   }
   if (HM == kHistExp) c[exp_slot_of<scalar_t>(raw)] += 1;
 }
@@ -110,11 +114,7 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   r.lo_clamp = -1.5f;
   r.hi_clamp = static_cast<float>(hs.bins) + 1.5f;
   r.fbins = static_cast<float>(hs.bins);
-  // fixed_slot's band, bounded once for every t in [lo_clamp, hi_clamp], where
-  // |x * scale| <= |t| + |shift|.
-  const double tmax = hs.bins + 1.5;
-  r.band = static_cast<float>((2.0 * tmax + 2.0 * std::fabs(static_cast<double>(hs.shift_f)) + 1.0) *
-                              static_cast<double>(BinTolerance<float>::rel));
+  r.band = static_cast<float>(threshold_band_f32(hs));  // fixed_slot's band for every t in [lo_clamp, hi_clamp]
   r.bins = hs.bins;
   // HistSpec::float_ok: a zero or subnormal float scale (huge ranges like (-1e300, 1e300)) or
   // an overflowing one (tiny ranges) would break the band's accuracy assumption.
@@ -123,34 +123,15 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   return r;
 }
 
-// The thresholds of the last range seen by this thread (Note [exact bin thresholds]), rebuilt only
-// when the range changes: no allocation and no work per call once warm.
-inline const float* thresholds_for(const HistSpec& hs, const RangeConsts& rc) {
-  struct Cache {
-    double lo = 0.0, hi = 0.0;
-    int32_t bins = -1;
-    bool ok = false;
-    std::vector<float> T;
-  };
-  static thread_local Cache cache;
-  if (rc.exact_only || !(rc.band < 0.25f)) return nullptr;
-  if (cache.bins != hs.bins || cache.lo != hs.lo || cache.hi != hs.hi) {
-    cache.T.resize(static_cast<size_t>(hs.bins) + 1);
-    cache.ok = exact_thresholds_f32(hs, cache.T.data());
-    cache.bins = hs.bins;
-    cache.lo = hs.lo;
-    cache.hi = hs.hi;
-  }
-  return cache.ok ? cache.T.data() : nullptr;
-}
-
 template <typename scalar_t>
 BinPlan bin_plan(const HistSpec& hs) {
   BinPlan bp;
   bp.spec = hs;
   bp.rc = hs.mode == kHistRange ? range_consts(hs) : RangeConsts{};
   bp.rc.T = nullptr;
-  if (hs.mode == kHistRange && std::is_same<acc_of<scalar_t>, float>::value) bp.rc.T = thresholds_for(hs, bp.rc);
+  if (hs.mode == kHistRange && std::is_same<acc_of<scalar_t>, float>::value && !bp.rc.exact_only) {
+    bp.rc.T = cached_thresholds_f32(hs);  // Note [exact bin thresholds]
+  }
   return bp;
 }
 

@@ -7,6 +7,8 @@
 //     holds NaN/Inf (Note [stats nonfinite]), to scale it when its magnitudes ask for another
 //     scale than its first pack did (Note [stats scaling]), or with a better shift;
 //   * histograms go to per-warp shared sub-histograms, warp-aggregated (Note [cuda block histograms]);
+//     range bins of float inputs are decided by exact thresholds passed by value (Note [exact bin
+//     thresholds] in core/hist_ops.h), with no per-value float64 fallback near edges;
 //   * partials are merged by warp shuffles and shared memory in a fixed order, written to a
 //     per-block slot of a small workspace (grid <= 2 blocks of 256 threads per SM, ~100 bytes a block);
 //   * the last block to finish (atomic ticket) merges the block partials in block order and
@@ -21,6 +23,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "../core/bindings.h"
 #include "../core/checks.h"
@@ -184,13 +188,28 @@ __device__ __forceinline__ void hist_inc(uint32_t* h, int32_t slot) {
   if (lane == __ffs(peers) - 1) atomicAdd(h + slot, static_cast<uint32_t>(__popc(peers)));
 }
 
+// The exact thresholds of a range histogram (Note [exact bin thresholds]), by value in the kernel's
+// arguments: a captured graph replays them with the launch, no device table to keep alive. n = 0:
+// none (fp64 input, more than kMaxArgThresholds - 1 bins, or a range the float transform cannot
+// serve); the kernel then keeps fixed_slot.
+struct BinThresholds {
+  float T[kMaxArgThresholds];
+  int32_t n;
+};
+
 // Calls f(value) for every element of the share, counting its histogram slot into this warp's
-// sub-histogram h when the spec has one.
+// sub-histogram h when the spec has one (by ordinal when hs.T is set).
 template <typename scalar_t, typename F>
 __device__ __forceinline__ void visit_counting(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
                                                const HistSpec& hs, uint32_t* h, F&& f) {
   using acc_t = typename AccOf<scalar_t>::type;
-  if (hs.mode == kHistRange) {
+  if (hs.mode == kHistRange && hs.T != nullptr) {  // Note [exact bin thresholds]: counted by ordinal
+    share.visit(tid, nthreads, [&](scalar_t r) {
+      const acc_t v = static_cast<acc_t>(r);
+      f(v);
+      hist_inc(h, threshold_ordinal(static_cast<float>(v), hs, hs.T));
+    });
+  } else if (hs.mode == kHistRange) {
     share.visit(tid, nthreads, [&](scalar_t r) {
       const acc_t v = static_cast<acc_t>(r);
       f(v);
@@ -245,11 +264,15 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
              unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len, int hist_copies,
-             unsigned long long* __restrict__ hist_out) {
+             unsigned long long* __restrict__ hist_out, const __grid_constant__ BinThresholds thr) {
   __shared__ StatsPartial smem[kWarps];
   __shared__ bool is_last;
-  extern __shared__ uint32_t sh_hist[];  // hist_copies sub-histograms (Note [cuda block histograms])
+  // hist_copies sub-histograms (Note [cuda block histograms]), then thr's thresholds
+  extern __shared__ uint32_t sh_hist[];
   for (int64_t i = threadIdx.x; i < hist_len * hist_copies; i += kThreads) sh_hist[i] = 0u;
+  float* sh_T = reinterpret_cast<float*>(sh_hist + hist_len * hist_copies);
+  for (int i = threadIdx.x; i < thr.n; i += kThreads) sh_T[i] = thr.T[i];
+  if (thr.n > 0) hs.T = sh_T;
   if (hist_len > 0) __syncthreads();
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -258,7 +281,8 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
   for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
     uint32_t c = 0u;
     for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
-    if (c != 0u) atomicAdd(hist_out + i, static_cast<unsigned long long>(c));
+    const int64_t slot = thr.n > 0 ? slot_of_ordinal(static_cast<int32_t>(i), hs.bins) : i;
+    if (c != 0u) atomicAdd(hist_out + slot, static_cast<unsigned long long>(c));
   }
   if (gridDim.x == 1) {
     if (threadIdx.x == 0) store(p, out);
@@ -323,9 +347,19 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
     // Note [cuda block histograms]: a sub-histogram per warp when they fit, else one per block
     // (<= 8192 + 3 bins or 4098 exponent slots: at most 32 KB).
     const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
-    const size_t smem = static_cast<size_t>(hist_len) * copies * sizeof(uint32_t);
+    // Note [exact bin thresholds]: float32-accumulated inputs, up to kMaxArgThresholds - 1 bins.
+    BinThresholds thr;
+    thr.n = 0;
+    if (hist_len > 0 && hs.mode == kHistRange && !std::is_same<scalar_t, double>::value &&
+        hs.bins < kMaxArgThresholds) {
+      if (const float* T = cached_thresholds_f32(hs)) {
+        thr.n = hs.bins + 1;
+        std::memcpy(thr.T, T, static_cast<size_t>(thr.n) * sizeof(float));
+      }
+    }
+    const size_t smem = (static_cast<size_t>(hist_len) * copies + static_cast<size_t>(thr.n)) * sizeof(uint32_t);
     stats_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
-        share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist));
+        share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), thr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
