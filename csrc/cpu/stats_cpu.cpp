@@ -146,7 +146,7 @@ template <> struct ExpBits<c10::Half> { static constexpr int E = 5, M = 10; };
 // table exists. Without it (ranges too narrow for float32 t) a vector holding a value near an
 // edge, or NaN, has those lanes placed by the exact scalar functions of core/hist_ops.h.
 template <int B, int HM, typename scalar_t>
-HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd::VT<B>::f32& v,
+HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typename simd::VT<B>::f32& v,
                           const BinPlan& bp, const typename simd::VT<B>::i32& lane_off) {
   using V = typename simd::VT<B>::f32;
   using I = typename simd::VT<B>::i32;
@@ -158,13 +158,20 @@ HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd
     V tc = t > 0.0f ? t : V{};  // NaN -> 0
     tc = tc < rc.fbins ? tc : V{} + rc.fbins;
     const I r = __builtin_convertvector(tc + 0.5f, I);  // nearest integer (tc >= 0)
-    V g;
-    for (int j = 0; j < W; ++j) g[j] = rc.T[r[j]];
-    I o = r - (I)(v >= g);
-    o = (I)(v != v) ? I{} + (rc.bins + 2) : o;
-    const I at = o + lane_off;
-    std::memcpy(idx, &at, sizeof at);
-    return;
+    // A lane whose t is farther than the band from edge r is above that edge exactly when t is
+    // (fixed_slot's rule); only a vector with a lane near its edge (or NaN) reads T[r].
+    const V d = t - __builtin_convertvector(r, V);
+    const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band);  // NaN d: near
+    I o;
+    if (simd::any_lane(near)) {
+      V g;
+      for (int j = 0; j < W; ++j) g[j] = rc.T[r[j]];
+      o = r - (I)(v >= g);
+      o = (I)(v != v) ? I{} + (rc.bins + 2) : o;
+    } else {
+      o = r - (I)(d >= 0.0f);
+    }
+    return o + lane_off;
   }
   I slot;
   I special;
@@ -200,18 +207,16 @@ HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd
     const I sub_or_zero = mant ? (I)(2 * nE + pos) : I{} + static_cast<int32_t>(2 * nE + 2);
     const I inf_or_nan = mant ? I{} + static_cast<int32_t>(2 * nE + 5) : (I)(2 * nE + 3 + pos);
     slot = e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
-    const I at = slot + lane_off;
-    std::memcpy(idx, &at, sizeof at);
-    return;
+    return slot + lane_off;
   }
-  const I at = slot + lane_off;
-  std::memcpy(idx, &at, sizeof at);
+  I at = slot + lane_off;
   if (simd::any_lane(special)) {
     for (int j = 0; j < W; ++j) {
       if (!special[j]) continue;
-      idx[j] = fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), bp.spec) + lane_off[j];
+      at[j] = fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), bp.spec) + lane_off[j];
     }
   }
+  return at;
 }
 
 // The histogram of one chunk: SIMD slot indices into a buffer, then one increment per value into
@@ -228,10 +233,13 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
     }
     typename simd::VT<B>::i32 lane_off;
     for (int j = 0; j < W; ++j) lane_off[j] = static_cast<int32_t>((j & (h.copies - 1)) * h.len);
-    alignas(64) int32_t idx[kChunk];
-    for (; i + W <= n; i += W) slot_lanes<B, HM, scalar_t>(idx + i, p + i, L::load(p + i), bp, lane_off);
     uint32_t* const c = h.c;
-    for (int64_t j = 0; j < i; ++j) c[idx[j]] += 1;
+    for (; i + W <= n; i += W) {
+      // The counter indices stay in a register: lanes are extracted, not reloaded from a vector
+      // store (a wide store forwards badly to narrow loads).
+      const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), bp, lane_off);
+      for (int j = 0; j < W; ++j) c[at[j]] += 1;
+    }
   }
   for (; i < n; ++i) bin_scalar<HM>(h, static_cast<int>(i), p[i], bp);
 }
