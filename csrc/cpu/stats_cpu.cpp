@@ -159,11 +159,13 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
     tc = tc < rc.fbins ? tc : V{} + rc.fbins;
     const I r = __builtin_convertvector(tc + 0.5f, I);  // nearest integer (tc >= 0)
     // A lane whose t is farther than the band from edge r is above that edge exactly when t is
-    // (fixed_slot's rule); only a vector with a lane near its edge (or NaN) reads T[r].
+    // (fixed_slot's rule); only a vector with a lane near its edge (or NaN) reads T[r]. fp32 only:
+    // 8-bit or 11-bit mantissas put a value exactly on an edge in most vectors of spread data, where
+    // the branch would only mispredict.
     const V d = t - __builtin_convertvector(r, V);
     const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band);  // NaN d: near
     I o;
-    if (simd::any_lane(near)) {
+    if (sizeof(scalar_t) != 4 || simd::any_lane(near)) {
       V g;
       for (int j = 0; j < W; ++j) g[j] = rc.T[r[j]];
       o = r - (I)(v >= g);
@@ -234,11 +236,22 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
     typename simd::VT<B>::i32 lane_off;
     for (int j = 0; j < W; ++j) lane_off[j] = static_cast<int32_t>((j & (h.copies - 1)) * h.len);
     uint32_t* const c = h.c;
-    for (; i + W <= n; i += W) {
-      // The counter indices stay in a register: lanes are extracted, not reloaded from a vector
-      // store (a wide store forwards badly to narrow loads).
-      const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), bp, lane_off);
-      for (int j = 0; j < W; ++j) c[at[j]] += 1;
+    if constexpr (HM == kHistRange && sizeof(scalar_t) == 2) {
+      // fp16/bf16 ranges read T[r] in every vector (their values sit on edges), whose lane extracts
+      // already load the vector ports: the indices go through a buffer, counted after the chunk.
+      alignas(64) int32_t idx[kChunk];
+      for (; i + W <= n; i += W) {
+        const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), bp, lane_off);
+        std::memcpy(idx + i, &at, sizeof at);
+      }
+      for (int64_t j = 0; j < i; ++j) c[idx[j]] += 1;
+    } else {
+      for (; i + W <= n; i += W) {
+        // The counter indices stay in a register: lanes are extracted, not reloaded right away
+        // from a vector store (a wide store forwards badly to narrow loads).
+        const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), bp, lane_off);
+        for (int j = 0; j < W; ++j) c[at[j]] += 1;
+      }
     }
   }
   for (; i < n; ++i) bin_scalar<HM>(h, static_cast<int>(i), p[i], bp);
