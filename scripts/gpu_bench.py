@@ -3,6 +3,7 @@ tensor in the same run (CUDA events, medians), and a check that the ops never sy
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -59,11 +60,14 @@ def distribution_section(dev) -> list[str]:
 
     lines = ["", "## By distribution, 256 MB, ms (CUDA events, medians); in parentheses: op / copy bandwidth", ""]
     h64 = hookstats.Histogram.range(64, -4.0, 4.0)
+    # more bins than travel by value (kMaxArgThresholds, csrc/core/hist_ops.h): the per-value fixed_slot path
+    h1024 = hookstats.Histogram.range(1024, -4.0, 4.0)
     for dtype in (torch.float32, torch.bfloat16):
         n = 256 * 2**20 // torch.empty((), dtype=dtype).element_size()
         lines += [f"### {str(dtype)[6:]}", "",
-                  "| data | copy | stats | stats+hist64 | stats+exp_hist | norm | torch.histc 64 |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| data | copy | stats | stats+hist64 | stats+hist1024 | stats+exp_hist | norm | norm inf | norm 1 "
+                  "| clip_norm_ (coef 1) | torch.histc 64 |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         times: dict[str, dict[str, float]] = {}
         for name in DISTRIBUTIONS:
             x = make_distribution(name, n, dev, dtype)
@@ -71,15 +75,34 @@ def distribution_section(dev) -> list[str]:
             buf = hookstats.stats_buffer(1, device=dev)
             hb = hookstats.histogram_buffer(1, h64, dtype=dtype, device=dev)
             he = hookstats.histogram_buffer(1, "exp", dtype=dtype, device=dev)
+            hb1k = hookstats.histogram_buffer(1, h1024, dtype=dtype, device=dev)
+            xc = x.clone()
             small = x[: 2**20]  # the reference check, on a slice (float64 on the host)
             assert torch.equal(hookstats.histogram(small, 64, range=(-4.0, 4.0)).cpu(),
                                reference.histogram_of(small.cpu(), h64)), f"{name}: GPU histogram differs"
+            for p in (1.0, 2.0, float("inf")):  # the norms of issue 14's distributions against float64
+                got = float(hookstats.norms([small], p)[1])
+                want = float(torch.linalg.vector_norm(small.double().cpu(), p))
+                if math.isnan(want):
+                    ok = math.isnan(got)
+                elif math.isinf(want) or p == float("inf"):
+                    ok = got == want
+                else:
+                    ok = abs(got - want) <= 1e-5 * want
+                assert ok, f"{name}: GPU norm p={p} {got!r}, float64 {want!r}"
             cases = {
                 "copy": lambda: y.copy_(x),
                 "stats": lambda: hookstats.stats_into(x, buf, 0),
                 "stats+hist64": lambda: hookstats.stats_into(x, buf, 0, hist=hb, histogram=h64),
+                "stats+hist1024": lambda: hookstats.stats_into(x, buf, 0, hist=hb1k, histogram=h1024),
                 "stats+exp_hist": lambda: hookstats.stats_into(x, buf, 0, hist=he, histogram="exp"),
                 "norm": lambda: hookstats.norms([x], 2.0),
+                "norm inf": lambda: hookstats.norms([x], float("inf")),
+                "norm 1": lambda: hookstats.norms([x], 1.0),
+                # max_norm past any norm: the coefficient is 1 and nothing is written (Note [coefficient one]),
+                # so this times the norm pass of clip_norm_; on a copy, since a NaN norm gives a NaN coefficient
+                # (that copy is then all NaN after the first call; the kernels read it at the same speed)
+                "clip_norm_ (coef 1)": lambda: torch.ops.hookstats.clip_norm_.default(xc, 2.0, 1e300, 1e-6, 0, 0),
                 "torch.histc 64": lambda: torch.histc(x.float() if dtype == torch.bfloat16 else x, 64, -4.0, 4.0),
             }
             t = {k: cuda_time(fn, reps=10) for k, fn in cases.items()}
@@ -88,8 +111,9 @@ def distribution_section(dev) -> list[str]:
             cells = [f"{t['copy']:.3f}"] + [
                 f"{t[k]:.3f} ({x.numel() * x.element_size() / t[k] / copy_bw:.0%})" for k in list(cases)[1:]]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
-            del x, y
-        for op in ("stats", "stats+hist64", "stats+exp_hist", "norm"):
+            del x, y, xc
+        for op in ("stats", "stats+hist64", "stats+hist1024", "stats+exp_hist", "norm", "norm inf", "norm 1",
+                   "clip_norm_ (coef 1)"):
             ts = [times[d][op] for d in DISTRIBUTIONS]
             lines.append(f"- {op}: slowest / fastest distribution {max(ts) / min(ts):.2f}x")
         one_bin = max(times["zeros"]["stats+hist64"], times["on_edge"]["stats+hist64"])

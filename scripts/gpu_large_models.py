@@ -140,7 +140,7 @@ def captured(name: str, dev, quick: bool, replays: int = 30) -> list[str]:
 
 
 def multi_vs_loop(dev, quick: bool, reps: int = 50) -> list[str]:
-    """Every parameter grad of the GPT: one stats_multi_into call (one launch per 40 flat grads of a dtype, Note
+    """Every parameter grad of the GPT: one stats_multi_into call (one launch per 24 flat grads of a dtype, Note
     [multi-tensor stats launches]) vs a loop of stats_into (one launch each), with a 514-bin exponent histogram;
     rows compared bit for bit."""
     model, idx, loss_fn = make("gpt", dev, quick)

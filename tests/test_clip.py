@@ -355,6 +355,85 @@ def test_bf16_fp16_ones_l1_is_exact(device, dtype):  # pytorch#92164: bf16 ones(
     assert as_float(hookstats.norm(x, INF)) == 1.0
 
 
+# Issue #14's distributions: pieces of vanishing or huge magnitudes are summed in the accumulation type after a
+# power-of-two scale, pieces with NaN/Inf only flagged (Note [norm scaling], Note [norm piece] in
+# csrc/core/norm_ops.h), on the CPU and in the CUDA kernels (every thread share, the fused clip_norm_ path too).
+# 3 * 65536 + 13 values: several CPU tasks and chunks, several CUDA blocks, a scalar tail.
+NORM_DIST_N = 3 * 65536 + 13
+
+
+def norm_distribution(name: str, dtype: torch.dtype, n: int = NORM_DIST_N) -> torch.Tensor:
+    g = seeded("normdist", name, str(dtype))
+    r = torch.randn(n, generator=g, dtype=torch.float64)
+    half = torch.rand(n, generator=g) < 0.5
+    x = {
+        "randn": lambda: r,
+        "vanishing_1e-20": lambda: r * 1e-20,
+        "huge_1e20": lambda: r * 1e20,
+        "mixed_1e30_1e-30": lambda: torch.where(half, r * 1e30, r * 1e-30),  # every piece spans 60 decades
+        "halves_1e30_1e-30": lambda: torch.cat([r[: n // 2] * 1e30, r[n // 2:] * 1e-30]),  # the scale changes
+        "tiny_then_normal": lambda: torch.cat([r[: n // 3] * 1e-35, r[n // 3:]]),  # a carried scale must go
+        "half_nan": lambda: torch.where(half, r, torch.full_like(r, NAN)),
+        "all_inf": lambda: torch.where(half, torch.full_like(r, INF), torch.full_like(r, -INF)),
+        "inf_then_nan": lambda: torch.cat([torch.full((n // 2,), INF, dtype=torch.float64),
+                                           r[n // 2:].masked_fill(r[n // 2:] > 2.5, NAN)]),
+    }[name]()
+    return x.to(dtype)
+
+
+NORM_DISTS = ["randn", "vanishing_1e-20", "huge_1e20", "mixed_1e30_1e-30", "halves_1e30_1e-30", "tiny_then_normal",
+              "half_nan", "all_inf", "inf_then_nan"]
+
+
+@pytest.mark.parametrize("p", GRAD_NORM_TYPES)
+@pytest.mark.parametrize("name", NORM_DISTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_issue14_distributions(device, dtype, name, p):
+    x = norm_distribution(name, dtype)
+    exact = exact_norm(x, p)
+    check_norm_result(hookstats.norm(x.to(device), p), exact, dtype, p, device, what=name)
+    # as a list: each tensor its own pieces, the total merged across magnitudes
+    parts = [x[:1000], x[1000:70001], x[70001:]]
+    per, total = torch.ops.hookstats.norms([t.to(device) for t in parts], p)
+    for i, t in enumerate(parts):
+        assert_value_close(float(per[i]), exact_norm(t, p), norm_rtol(dtype, p) + 1e-15, f"{name} part {i}")
+    assert_value_close(float(total), exact, norm_rtol(dtype, p) + 1e-15, f"{name} total")
+    # bitwise deterministic
+    again = torch.ops.hookstats.norms([t.to(device) for t in parts], p)
+    assert_bits_equal(again[0], per, "per-tensor norms, second call")
+    assert_bits_equal(again[1], total, "total, second call")
+
+
+@pytest.mark.parametrize("p", GRAD_NORM_TYPES)
+@pytest.mark.parametrize("name", NORM_DISTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_clip_norm_issue14_distributions(device, dtype, name, p):
+    """clip_norm_ on every path the device has (CUDA: two launches and the fused cooperative launch)."""
+    x0 = norm_distribution(name, dtype).to(device)
+    exact = exact_norm(x0, p)
+    finite = math.isfinite(exact)
+    max_norm = 0.3 * exact if finite and exact > 0 else 1.0
+    paths = (1, 2) if x0.is_cuda else (0,)
+    for path in paths:
+        x = x0.clone()
+        policy = 0 if finite else 1  # a NaN / inf norm: the zero policy, so the result has a closed form
+        ret = torch.ops.hookstats.clip_norm_.default(x, p, max_norm, 1e-6, policy, path)
+        assert ret.dtype == torch.float64
+        assert_value_close(as_float(ret), exact, norm_rtol(dtype, p) + 1e-15, f"{name}, path {path}: norm")
+        if finite:
+            assert_tensor_close(x, clipped_reference(x0, max_norm, as_float(ret)), CLIP_RTOL[dtype],
+                                f"{name}, path {path}: clipped x")
+        else:
+            assert torch.count_nonzero(x) == 0, f"{name}, path {path}: zero policy"
+    if x0.is_cuda:  # the two paths agree bit for bit on the norm
+        a = torch.ops.hookstats.clip_norm_.default(x0.clone(), p, 1e300, 1e-6, 0, 1)
+        b = torch.ops.hookstats.clip_norm_.default(x0.clone(), p, 1e300, 1e-6, 0, 2)
+        assert_value_close(as_float(b), as_float(a), 4 * eps_of(torch.float32) if dtype != torch.float64 else 1e-14,
+                           f"{name}: fused vs two-launch norm")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # hookstats.norms
 # ---------------------------------------------------------------------------------------------------------

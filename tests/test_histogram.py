@@ -201,6 +201,22 @@ def test_every_half_bit_pattern(device, dtype, isa):
     assert [int(c[lay.zero]), int(c[lay.neg_inf]), int(c[lay.pos_inf]), int(c[lay.nan])] == [2, 1, 1, 2 * per - 2]
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
+def test_every_half_bit_pattern_scalar_rule(dtype, isa):
+    """The per-value rule of Note [exact bin thresholds] (threshold_ordinal in csrc/core/hist_ops.h), which the CUDA
+    kernel runs on every value and the CPU kernel on its scalar tail, on all 65,536 fp16 / bf16 values: tensors of
+    3 elements are shorter than any SIMD vector, so the CPU places every value with that scalar rule."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.randperm(65536, generator=seeded("halfbits-scalar", dtype))]
+    pieces = list(x.split(3))
+    fi = torch.finfo(dtype)
+    for h in (H.range(64, -4.0, 4.0), H.range(100, -fi.tiny, fi.tiny), H.range(7, -0.5, 3.1), H.range(3, 0.0, 1e-6)):
+        buf = hookstats.stats_buffer(len(pieces))
+        hb = hookstats.histogram_buffer(len(pieces), h, dtype=dtype)
+        hookstats.stats_multi_into(pieces, buf, range(len(pieces)), hist=hb, histogram=h)
+        assert_counts_equal(hb.sum(0), reference.histogram_of(x, h), h, dtype, repr(h))
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")])
 def test_random_bit_patterns(dtype, isa):
     """Every exponent of fp32 / fp64 with random mantissas and signs (infs, NaNs and subnormals included)."""

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "stats_ops.h"  // HS_HD
 
@@ -38,6 +39,9 @@ struct HistSpec {
   double scale, shift;
   float scale_f, shift_f;
   int32_t float_ok;  // scale_f is a normal float and shift_f finite: the float transform is accurate
+  // The exact thresholds T[0..bins] of Note [exact bin thresholds], where a kernel has them (the
+  // CUDA kernel points this at its shared-memory copy); nullptr otherwise.
+  const float* T;
 };
 
 inline HistSpec make_hist_spec(int mode, int64_t bins, double lo, double hi) {
@@ -52,6 +56,7 @@ inline HistSpec make_hist_spec(int mode, int64_t bins, double lo, double hi) {
   h.shift_f = static_cast<float>(h.shift);
   h.float_ok = h.scale_f >= 1.1754943508222875e-38f && h.scale_f < 3.0e38f && h.shift_f > -1e30f &&
                h.shift_f < 1e30f;
+  h.T = nullptr;
   return h;
 }
 
@@ -97,16 +102,54 @@ HS_HD int32_t fixed_slot(acc_t x, const HistSpec& h) {
 // A value's place among the range histogram's slots, in order: its ordinal is 0 for underflow,
 // 1 + bin for [lo, hi], bins + 1 for overflow (NaN has none). fixed_slot_exact is monotone in x,
 // so for each m in [0, bins] there is a smallest float T[m] with ordinal(x) > m exactly when
-// x >= T[m] (T[0] is the first float >= lo, T[bins] the first float > hi). The CPU kernel
-// computes the float transform t = x * scale + shift, takes the nearest integer r of t clamped to
-// [0, bins], and gets ordinal = r + (x >= T[r]): right for every float x, on an edge or not, as
-// long as t is within 1/2 of the exact float64 value (band_max < 1/4, checked when the table is
-// built), since the true ordinal is then r or r + 1. One gather and one compare per value replace
-// the per-value float64 fallback near edges.
+// x >= T[m] (T[0] is the first float >= lo, T[bins] the first float > hi). The kernels compute
+// the float transform t = x * scale + shift, take the nearest integer r of t clamped to
+// [0, bins], and get ordinal = r + (x >= T[r]) (threshold_ordinal): right for every float x, on an
+// edge or not, as long as t is within 1/2 of the exact float64 value (band_max < 1/4,
+// thresholds_apply_f32), since the true ordinal is then r or r + 1. One gather and one compare per
+// value replace the per-value float64 fallback near edges. Counters are indexed by ordinal (NaN:
+// bins + 2) and mapped back to Note [histogram layouts] slots when they are written out.
+// The table is built on the host by bisection on fixed_slot_exact (the float64 rule itself) and
+// cached per range (cached_thresholds_f32). The CPU reads it in place; the CUDA kernel gets a copy
+// by value in its arguments (capture-safe: a replayed graph carries it) for up to
+// kMaxArgThresholds - 1 bins, and keeps fixed_slot (float64 near edges) for more bins.
+constexpr int32_t kMaxArgThresholds = 513;  // 2 KB of kernel arguments: up to 512 bins
+
 HS_HD int32_t ordinal_of_slot(int32_t slot, int32_t bins) {
   return slot == bins ? 0 : (slot < bins ? slot + 1 : slot);
 }
 HS_HD int32_t slot_of_ordinal(int32_t o, int32_t bins) { return o == 0 ? bins : (o <= bins ? o - 1 : o); }
+
+// An upper bound of |t - t_exact| for the float transform t = x * scale_f + shift_f with t in
+// [-1.5, bins + 1.5] (fixed_slot's band, bounded once for the whole range; |x * scale| <= |t| +
+// |shift|). Infinite or NaN when the float transform is unusable.
+inline double threshold_band_f32(const HistSpec& h) {
+  const double tmax = h.bins + 1.5;
+  return (2.0 * tmax + 2.0 * std::fabs(static_cast<double>(h.shift_f)) + 1.0) *
+         static_cast<double>(BinTolerance<float>::rel);
+}
+
+// Whether Note [exact bin thresholds] applies to a range spec for float32-accumulated inputs
+// (fp32, fp16, bf16): the float transform is accurate to well within 1/2 everywhere.
+inline bool thresholds_apply_f32(const HistSpec& h) {
+  if (h.mode != kHistRange || !h.float_ok) return false;
+  const double band = threshold_band_f32(h);
+  return std::isfinite(band) && static_cast<float>(band) < 0.25f;
+}
+
+// The ordinal of a float value v (Note [exact bin thresholds]): r = the nearest integer of t
+// clamped to [0, bins], then r + (v >= T[r]); NaN gets bins + 2. The CPU kernel computes the
+// same in SIMD lanes (slot_lanes in cpu/stats_cpu.cpp); this is its scalar tail and the CUDA
+// kernel's per-value rule.
+HS_HD int32_t threshold_ordinal(float v, const HistSpec& h, const float* T) {
+  if (v != v) return h.bins + 2;
+  const float t = v * h.scale_f + h.shift_f;
+  float tc = t > 0.0f ? t : 0.0f;
+  const float fb = static_cast<float>(h.bins);
+  tc = tc < fb ? tc : fb;
+  const int32_t r = static_cast<int32_t>(tc + 0.5f);  // tc >= 0: truncation of tc + 1/2 rounds
+  return r + (v >= T[r] ? 1 : 0);
+}
 
 // Floats in order as unsigned keys (-0.0 just below +0.0), and back.
 inline uint32_t float_key(float f) {
@@ -158,6 +201,29 @@ inline bool exact_thresholds_f32(const HistSpec& h, float* T) {
     T[m] = key_float(hi_k);
   }
   return true;
+}
+
+// The thresholds of the last range spec seen by the calling host thread, rebuilt only when the
+// range changes (no allocation and no work per call once warm); nullptr when Note [exact bin
+// thresholds] does not apply. The CPU kernel reads them in place; the CUDA kernel receives a copy
+// in its arguments (stats_cuda.cu).
+inline const float* cached_thresholds_f32(const HistSpec& h) {
+  struct Cache {
+    double lo = 0.0, hi = 0.0;
+    int32_t bins = -1;
+    bool ok = false;
+    std::vector<float> T;
+  };
+  static thread_local Cache cache;
+  if (!thresholds_apply_f32(h)) return nullptr;
+  if (cache.bins != h.bins || cache.lo != h.lo || cache.hi != h.hi) {
+    cache.T.resize(static_cast<size_t>(h.bins) + 1);
+    cache.ok = exact_thresholds_f32(h, cache.T.data());
+    cache.bins = h.bins;
+    cache.lo = h.lo;
+    cache.hi = h.hi;
+  }
+  return cache.ok ? cache.T.data() : nullptr;
 }
 
 // Exponent histogram slot from the raw bits of a value with E exponent and M mantissa bits.

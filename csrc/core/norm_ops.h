@@ -10,12 +10,13 @@
 // flags record NaN and Inf; finalize gives NaN if any NaN, else inf if any Inf, as
 // torch.linalg.vector_norm does.
 //
-// A piece is first reduced on the fast path, in the input's accumulation type (float for
-// fp16/bf16/fp32, double for fp64) with e = 0, tracking max |x|. The result is kept only when
-// fast_norm_trusted() says nothing overflowed or lost precision (finite sum, max |x| inside
-// NormLimits); otherwise the piece is read again on the careful path, in double: sweep 1
-// finds max |x| and the flags, sweep 2 sums (|x| * 2^-e)^p with 2^e >= max |x|. General p
-// (neither 1, 2 nor inf) always takes the careful path: it needs pow() per element anyway.
+// A piece is reduced on the fast path, in the input's accumulation type (float for
+// fp16/bf16/fp32, double for fp64), tracking max |x|; for p = 1, 2 its values are scaled by a
+// power of two 2^-e first when their magnitudes call for it, and a piece with NaN/Inf is only
+// flagged (Note [norm scaling], Note [norm piece]): no piece of a p = 1, 2 or inf norm is read
+// in double, on the CPU or on CUDA. General p (neither 1, 2 nor inf) takes the careful path, in
+// double: sweep 1 finds max |x| and the flags, sweep 2 sums (|x| * 2^-e)^p with 2^e >= max |x|;
+// it needs pow() per element anyway.
 #pragma once
 
 #include <cmath>
@@ -151,9 +152,10 @@ HS_HD NormPartial fast_norm_partial(const FastNorm<acc_t>& f, int kind) {
 // 2^e >= max |x| (norm_scale_exponent), which is exact, keeps every term below 1 and loses only
 // terms below 2^-126 of the largest (as Note [stats scaling]); the next chunk starts with that
 // e. A piece whose sum is not finite is checked by a vector compare pass (NaN, Inf flags); one
-// with neither overflowed and is scaled. Once a piece has a NaN the norm is NaN: the CPU kernel
-// stops reading that tensor; after an Inf it only looks for NaN. The careful path below stays
-// for general p (and for the CUDA kernel of clip_cuda.cu).
+// with neither overflowed and is scaled (Note [norm piece]). Once a piece has a NaN the norm is
+// NaN: the CPU kernel stops reading that tensor; after an Inf it only looks for NaN. The CUDA
+// kernels (clip_cuda.cu) take the same decisions per thread share. The careful path below stays
+// for general p only, which needs pow() per element anyway.
 template <typename acc_t>
 HS_HD int32_t norm_scale_exponent(double amax) {
   if (!(amax > 0.0) || amax == static_cast<double>(INFINITY) ||
@@ -175,8 +177,70 @@ HS_HD bool norm_scale_fits(double amax, int32_t e) {
   return a <= static_cast<double>(NormLimits<acc_t>::hi) && a >= static_cast<double>(NormLimits<acc_t>::lo);
 }
 
+// One value of a piece summed with scale sc = 2^-e (Note [norm scaling]); max |x| is of the
+// unscaled value. The CPU kernel does the same in SIMD lanes.
+template <int KIND, typename acc_t>
+HS_HD void fast_norm_add_scaled(FastNorm<acc_t>& f, acc_t v, acc_t sc) {
+  const acc_t a = v < acc_t(0) ? -v : v;
+  if (KIND == kNorm1) f.s += a * sc;
+  if (KIND == kNorm2) {
+    const acc_t y = v * sc;
+    f.s += y * y;
+  }
+  f.amax = a > f.amax ? a : f.amax;
+}
+
+// The NaN / Inf flag of one value: the count-only pass of a piece whose sum is not finite.
+template <typename acc_t>
+HS_HD int32_t nonfinite_norm_flag(acc_t v) {
+  if (v != v) return kNormHasNan;
+  return (v < acc_t(0) ? -v : v) == static_cast<acc_t>(INFINITY) ? kNormHasInf : 0;
+}
+
+// Note [norm piece]
+// The decisions of Note [norm scaling] for one piece, shared by the CPU kernel (R reads a chunk
+// in SIMD lanes) and the CUDA kernels (R reads a thread's share): R::fast(e) sums the piece on
+// the fast path with its values scaled by 2^-e (e = 0: unscaled) and R::flags() is the NaN / Inf
+// flags of the piece by compares alone. e is the scale exponent carried in (a guess from the
+// piece's first values, or the previous chunk's) and out (the one the sums used).
+//   p = 1, 2: the fast sum; if it is not finite, the flags decide: a NaN or an Inf is all the
+//     piece's partial needs; else (it overflowed) and also when max |x| does not fit e, the
+//     piece is summed once more with the exponent of its max |x|.
+//   p = inf: the fast max, or only the flags when a NaN or an Inf was seen.
+// Every pass is in acc_t: no value is read in double.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // R's passes are __device__ in clip_cuda.cu, host code in clip_cpu.cpp
+#endif
+template <typename acc_t, typename R>
+HS_HD NormPartial fast_norm_piece(const R& r, int kind, int32_t& e) {
+  NormPartial out = empty_norm();
+  if (kind == kNormInf) {
+    const FastNorm<acc_t> f = r.fast(0);
+    if (fast_norm_trusted(f, kind)) return fast_norm_partial(f, kind);
+    out.flags = r.flags();
+    return out;
+  }
+  FastNorm<acc_t> f = r.fast(e);
+  const bool finite = f.s - f.s == acc_t(0);
+  if (!finite) {
+    const int32_t flags = r.flags();
+    if (flags) {
+      out.flags = flags;
+      return out;
+    }
+  }
+  const double amax = static_cast<double>(f.amax);
+  if (!finite || !norm_scale_fits<acc_t>(amax, e)) {
+    e = norm_scale_exponent<acc_t>(amax);
+    f = r.fast(e);
+  }
+  out.s = static_cast<double>(f.s);
+  out.e = f.s == acc_t(0) ? 0 : e;
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------
-// Careful path. Sweep 1 over every value of the piece:
+// Careful path (general p only). Sweep 1 over every value of the piece:
 struct CarefulNorm {
   double amax;  // largest finite |x|
   int32_t flags;

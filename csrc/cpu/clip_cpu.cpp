@@ -152,10 +152,8 @@ HS_INLINE FastNorm<acc_of<scalar_t>> fast_norm_simd(const scalar_t* p, int64_t n
   }
   for (; i < n; ++i) {
     const acc_t v = static_cast<acc_t>(p[i]);
-    const acc_t a = v < acc_t(0) ? -v : v;
-    if (SCALED && KIND == kNorm1) { f.s += a * sc; f.amax = a > f.amax ? a : f.amax; continue; }
-    if (SCALED && KIND == kNorm2) { f.s += (v * sc) * (v * sc); f.amax = a > f.amax ? a : f.amax; continue; }
-    fast_norm_add<KIND, acc_t>(f, v);
+    if (SCALED && KIND != kNormInf) fast_norm_add_scaled<KIND, acc_t>(f, v, sc);
+    else fast_norm_add<KIND, acc_t>(f, v);
   }
   return f;
 }
@@ -177,11 +175,7 @@ HS_INLINE int32_t nonfinite_flags_simd(const scalar_t* p, int64_t n) {
     isinf |= (simd::abs_bits<V, M>(v) == inf);
   }
   int32_t flags = (simd::any_lane(nan) ? kNormHasNan : 0) | (simd::any_lane(isinf) ? kNormHasInf : 0);
-  for (; i < n; ++i) {
-    const acc_t v = static_cast<acc_t>(p[i]);
-    if (v != v) flags |= kNormHasNan;
-    else if (v == static_cast<acc_t>(INFINITY) || v == -static_cast<acc_t>(INFINITY)) flags |= kNormHasInf;
-  }
+  for (; i < n; ++i) flags |= nonfinite_norm_flag<acc_t>(static_cast<acc_t>(p[i]));
   return flags;
 }
 
@@ -204,30 +198,17 @@ HS_INLINE FastNorm<acc_of<scalar_t>> fast_norm_scaled(const scalar_t* p, int64_t
   return fast_norm_simd<B, KIND, scalar_t, true>(p, n, static_cast<acc_t>(ldexp(1.0, -e)));
 }
 
-// One chunk of a p = 1 or 2 norm, with the scale exponent e carried from chunk to chunk.
+// A chunk as Note [norm piece] reads it: SIMD passes over p[0, n).
 template <int B, int KIND, typename scalar_t>
-HS_INLINE NormPartial norm_chunk_12(const scalar_t* p, int64_t n, int32_t& e) {
-  using acc_t = acc_of<scalar_t>;
-  FastNorm<acc_t> f = fast_norm_scaled<B, KIND, scalar_t>(p, n, e);
-  const bool finite = f.s - f.s == acc_t(0);
-  if (!finite) {
-    const int32_t flags = nonfinite_flags_simd<B, scalar_t>(p, n);
-    if (flags) {
-      NormPartial r = empty_norm();
-      r.flags = flags;
-      return r;
-    }
+struct SimdNormReader {
+  const scalar_t* p;
+  int64_t n;
+  HS_INLINE FastNorm<acc_of<scalar_t>> fast(int32_t e) const {
+    if (KIND == kNormInf) return fast_norm_simd<B, kNormInf, scalar_t, false>(p, n, acc_of<scalar_t>(1));
+    return fast_norm_scaled<B, KIND, scalar_t>(p, n, e);
   }
-  const double amax = static_cast<double>(f.amax);
-  if (!finite || !norm_scale_fits<acc_t>(amax, e)) {
-    e = norm_scale_exponent<acc_t>(amax);
-    f = fast_norm_scaled<B, KIND, scalar_t>(p, n, e);
-  }
-  NormPartial r = empty_norm();
-  r.s = static_cast<double>(f.s);
-  r.e = f.s == acc_t(0) ? 0 : e;
-  return r;
-}
+  HS_INLINE int32_t flags() const { return nonfinite_flags_simd<B, scalar_t>(p, n); }
+};
 
 // One chunk; `e` and `flags_seen` are the state of the piece so far (Note [norm scaling]).
 template <int B, typename scalar_t>
@@ -241,15 +222,9 @@ HS_INLINE NormPartial norm_chunk_body(const scalar_t* p, int64_t n, const NormSp
     return r;
   }
   switch (ns.kind) {
-    case kNorm2: return norm_chunk_12<B, kNorm2, scalar_t>(p, n, e);
-    case kNorm1: return norm_chunk_12<B, kNorm1, scalar_t>(p, n, e);
-    default: {
-      const FastNorm<acc_t> f = fast_norm_simd<B, kNormInf, scalar_t, false>(p, n, acc_t(1));
-      if (fast_norm_trusted(f, ns.kind)) return fast_norm_partial(f, ns.kind);
-      NormPartial r = empty_norm();
-      r.flags = nonfinite_flags_simd<B, scalar_t>(p, n);
-      return r;
-    }
+    case kNorm2: return fast_norm_piece<acc_t>(SimdNormReader<B, kNorm2, scalar_t>{p, n}, kNorm2, e);
+    case kNorm1: return fast_norm_piece<acc_t>(SimdNormReader<B, kNorm1, scalar_t>{p, n}, kNorm1, e);
+    default: return fast_norm_piece<acc_t>(SimdNormReader<B, kNormInf, scalar_t>{p, n}, kNormInf, e);
   }
 }
 

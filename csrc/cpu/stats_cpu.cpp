@@ -98,9 +98,13 @@ template <int HM, typename scalar_t>
 HS_INLINE void bin_scalar(HistCounters& h, int lane, const scalar_t& raw, const BinPlan& bp) {
   uint32_t* c = h.c + (lane & (h.copies - 1)) * h.len;
   if (HM == kHistRange) {
-    int32_t sl = fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec);
-    if (bp.rc.T != nullptr) sl = ordinal_of_slot(sl, bp.spec.bins);
-    c[sl] += 1;
+    if constexpr (std::is_same_v<acc_of<scalar_t>, float>) {
+      if (bp.rc.T != nullptr) {  // Note [exact bin thresholds]: the CUDA kernel's rule
+        c[threshold_ordinal(static_cast<float>(raw), bp.spec, bp.rc.T)] += 1;
+        return;
+      }
+    }
+    c[fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec)] += 1;
   }
   if (HM == kHistExp) c[exp_slot_of<scalar_t>(raw)] += 1;
 }
@@ -112,11 +116,7 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   r.lo_clamp = -1.5f;
   r.hi_clamp = static_cast<float>(hs.bins) + 1.5f;
   r.fbins = static_cast<float>(hs.bins);
-  // fixed_slot's band, bounded once for every t in [lo_clamp, hi_clamp], where
-  // |x * scale| <= |t| + |shift|.
-  const double tmax = hs.bins + 1.5;
-  r.band = static_cast<float>((2.0 * tmax + 2.0 * std::fabs(static_cast<double>(hs.shift_f)) + 1.0) *
-                              static_cast<double>(BinTolerance<float>::rel));
+  r.band = static_cast<float>(threshold_band_f32(hs));  // fixed_slot's band for every t in [lo_clamp, hi_clamp]
   r.bins = hs.bins;
   // HistSpec::float_ok: a zero or subnormal float scale (huge ranges like (-1e300, 1e300)) or
   // an overflowing one (tiny ranges) would break the band's accuracy assumption.
@@ -125,34 +125,15 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   return r;
 }
 
-// The thresholds of the last range seen by this thread (Note [exact bin thresholds]), rebuilt only
-// when the range changes: no allocation and no work per call once warm.
-inline const float* thresholds_for(const HistSpec& hs, const RangeConsts& rc) {
-  struct Cache {
-    double lo = 0.0, hi = 0.0;
-    int32_t bins = -1;
-    bool ok = false;
-    std::vector<float> T;
-  };
-  static thread_local Cache cache;
-  if (rc.exact_only || !(rc.band < 0.25f)) return nullptr;
-  if (cache.bins != hs.bins || cache.lo != hs.lo || cache.hi != hs.hi) {
-    cache.T.resize(static_cast<size_t>(hs.bins) + 1);
-    cache.ok = exact_thresholds_f32(hs, cache.T.data());
-    cache.bins = hs.bins;
-    cache.lo = hs.lo;
-    cache.hi = hs.hi;
-  }
-  return cache.ok ? cache.T.data() : nullptr;
-}
-
 template <typename scalar_t>
 BinPlan bin_plan(const HistSpec& hs) {
   BinPlan bp;
   bp.spec = hs;
   bp.rc = hs.mode == kHistRange ? range_consts(hs) : RangeConsts{};
   bp.rc.T = nullptr;
-  if (hs.mode == kHistRange && std::is_same<acc_of<scalar_t>, float>::value) bp.rc.T = thresholds_for(hs, bp.rc);
+  if (hs.mode == kHistRange && std::is_same<acc_of<scalar_t>, float>::value && !bp.rc.exact_only) {
+    bp.rc.T = cached_thresholds_f32(hs);  // Note [exact bin thresholds]
+  }
   return bp;
 }
 
@@ -167,7 +148,7 @@ template <> struct ExpBits<c10::Half> { static constexpr int E = 5, M = 10; };
 // table exists. Without it (ranges too narrow for float32 t) a vector holding a value near an
 // edge, or NaN, has those lanes placed by the exact scalar functions of core/hist_ops.h.
 template <int B, int HM, typename scalar_t>
-HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd::VT<B>::f32& v,
+HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typename simd::VT<B>::f32& v,
                           const BinPlan& bp, const typename simd::VT<B>::i32& lane_off) {
   using V = typename simd::VT<B>::f32;
   using I = typename simd::VT<B>::i32;
@@ -179,13 +160,22 @@ HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd
     V tc = t > 0.0f ? t : V{};  // NaN -> 0
     tc = tc < rc.fbins ? tc : V{} + rc.fbins;
     const I r = __builtin_convertvector(tc + 0.5f, I);  // nearest integer (tc >= 0)
-    V g;
-    for (int j = 0; j < W; ++j) g[j] = rc.T[r[j]];
-    I o = r - (I)(v >= g);
-    o = (I)(v != v) ? I{} + (rc.bins + 2) : o;
-    const I at = o + lane_off;
-    std::memcpy(idx, &at, sizeof at);
-    return;
+    // A lane whose t is farther than the band from edge r is above that edge exactly when t is
+    // (fixed_slot's rule); only a vector with a lane near its edge (or NaN) reads T[r]. fp32 only:
+    // 8-bit or 11-bit mantissas put a value exactly on an edge in most vectors of spread data, where
+    // the branch would only mispredict.
+    const V d = t - __builtin_convertvector(r, V);
+    const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band);  // NaN d: near
+    I o;
+    if (sizeof(scalar_t) != 4 || simd::any_lane(near)) {
+      V g;
+      for (int j = 0; j < W; ++j) g[j] = rc.T[r[j]];
+      o = r - (I)(v >= g);
+      o = (I)(v != v) ? I{} + (rc.bins + 2) : o;
+    } else {
+      o = r - (I)(d >= 0.0f);
+    }
+    return o + lane_off;
   }
   I slot;
   I special;
@@ -221,18 +211,16 @@ HS_INLINE void slot_lanes(int32_t* idx, const scalar_t* raw, const typename simd
     const I sub_or_zero = mant ? (I)(2 * nE + pos) : I{} + static_cast<int32_t>(2 * nE + 2);
     const I inf_or_nan = mant ? I{} + static_cast<int32_t>(2 * nE + 5) : (I)(2 * nE + 3 + pos);
     slot = e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
-    const I at = slot + lane_off;
-    std::memcpy(idx, &at, sizeof at);
-    return;
+    return slot + lane_off;
   }
-  const I at = slot + lane_off;
-  std::memcpy(idx, &at, sizeof at);
+  I at = slot + lane_off;
   if (simd::any_lane(special)) {
     for (int j = 0; j < W; ++j) {
       if (!special[j]) continue;
-      idx[j] = fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), bp.spec) + lane_off[j];
+      at[j] = fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), bp.spec) + lane_off[j];
     }
   }
+  return at;
 }
 
 // The histogram of one chunk: SIMD slot indices into a buffer, then one increment per value into
@@ -249,10 +237,24 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
     }
     typename simd::VT<B>::i32 lane_off;
     for (int j = 0; j < W; ++j) lane_off[j] = static_cast<int32_t>((j & (h.copies - 1)) * h.len);
-    alignas(64) int32_t idx[kChunk];
-    for (; i + W <= n; i += W) slot_lanes<B, HM, scalar_t>(idx + i, p + i, L::load(p + i), bp, lane_off);
     uint32_t* const c = h.c;
-    for (int64_t j = 0; j < i; ++j) c[idx[j]] += 1;
+    if constexpr (HM == kHistRange && sizeof(scalar_t) == 2) {
+      // fp16/bf16 ranges read T[r] in every vector (their values sit on edges), whose lane extracts
+      // already load the vector ports: the indices go through a buffer, counted after the chunk.
+      alignas(64) int32_t idx[kChunk];
+      for (; i + W <= n; i += W) {
+        const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), bp, lane_off);
+        std::memcpy(idx + i, &at, sizeof at);
+      }
+      for (int64_t j = 0; j < i; ++j) c[idx[j]] += 1;
+    } else {
+      for (; i + W <= n; i += W) {
+        // The counter indices stay in a register: lanes are extracted, not reloaded right away
+        // from a vector store (a wide store forwards badly to narrow loads).
+        const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), bp, lane_off);
+        for (int j = 0; j < W; ++j) c[at[j]] += 1;
+      }
+    }
   }
   for (; i < n; ++i) bin_scalar<HM>(h, static_cast<int>(i), p[i], bp);
 }

@@ -10,7 +10,8 @@
 // list's table, Note [capture-safe tables]); a block finds its tensor by binary search. A
 // single flat tensor travels in the kernel arguments instead, and needs no table.
 //   norms: each thread reduces its share of a chunk (at most kMaxFastPiece values) on the fast
-//     path of core/norm_ops.h, re-reads it on the careful path when needed, the block merges
+//     path of core/norm_ops.h, re-reading it in acc_t only to flag NaN/Inf or with a power-of-two
+//     scale (Note [norm piece]; general p takes the careful path), the block merges
 //     in a fixed order into a per-chunk partial, and the last block to finish (atomic ticket)
 //     merges every tensor's chunks, then all tensors: per-tensor norms and the total, in the
 //     same launch (Note [last-block merge]). No float atomics: results are bitwise reproducible.
@@ -58,6 +59,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "../core/checks.h"
@@ -160,32 +162,79 @@ __device__ __forceinline__ void update(const Piece& p, F&& f) { for_share<true, 
 
 // ---------------------------------------------------------------------------------------
 // Norms.
-// The norm partial of the values a thread visits: visit(f) calls f(value) on each of them, in
-// a fixed order, and may be called again (the careful path re-reads).
-template <typename scalar_t, typename Visit>
-__device__ NormPartial thread_norm(Visit&& visit, const NormSpec& ns) {
+// A thread's share as Note [norm piece] (core/norm_ops.h) reads it: visit(f) calls f(value) on
+// each of its values in a fixed order, once per pass. Every pass is in acc_t: the fast sum
+// (scaled by 2^-e when e != 0), or the NaN / Inf flags by compares alone.
+template <int KIND, typename scalar_t, typename Visit>
+struct ShareNormReader {
   using acc_t = typename AccOf<scalar_t>::type;
-  if (ns.kind != kNormP) {
+  const Visit& visit;
+  __device__ __forceinline__ FastNorm<acc_t> fast(int32_t e) const {
     FastNorm<acc_t> f;
     fast_norm_init(f);
-    if (ns.kind == kNorm2) visit([&](scalar_t r) { fast_norm_add<kNorm2, acc_t>(f, static_cast<acc_t>(r)); });
-    else if (ns.kind == kNorm1) visit([&](scalar_t r) { fast_norm_add<kNorm1, acc_t>(f, static_cast<acc_t>(r)); });
-    else visit([&](scalar_t r) { fast_norm_add<kNormInf, acc_t>(f, static_cast<acc_t>(r)); });
-    if (fast_norm_trusted(f, ns.kind)) return fast_norm_partial(f, ns.kind);
+    if (KIND == kNormInf || e == 0) {
+      visit([&](scalar_t r) { fast_norm_add<KIND, acc_t>(f, static_cast<acc_t>(r)); });
+    } else {
+      const acc_t sc = static_cast<acc_t>(ldexp(1.0, -e));  // exact: a normal power of two
+      visit([&](scalar_t r) { fast_norm_add_scaled<KIND, acc_t>(f, static_cast<acc_t>(r), sc); });
+    }
+    return f;
   }
+  __device__ __forceinline__ int32_t flags() const {
+    int32_t fl = 0;
+    visit([&](scalar_t r) { fl |= nonfinite_norm_flag<acc_t>(static_cast<acc_t>(r)); });
+    return fl;
+  }
+};
+
+// The norm partial of the values a thread visits. first_amax: the largest finite |x| of the
+// share's first values, for the first pass's scale (so vanishing or huge shares are read once).
+template <typename scalar_t, typename Visit>
+__device__ NormPartial thread_norm(Visit&& visit, const NormSpec& ns, double first_amax) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  using V = typename std::remove_reference<Visit>::type;
+  int32_t e = norm_scale_exponent<acc_t>(first_amax);
+  switch (ns.kind) {
+    case kNorm2: return fast_norm_piece<acc_t>(ShareNormReader<kNorm2, scalar_t, V>{visit}, kNorm2, e);
+    case kNorm1: return fast_norm_piece<acc_t>(ShareNormReader<kNorm1, scalar_t, V>{visit}, kNorm1, e);
+    case kNormInf: return fast_norm_piece<acc_t>(ShareNormReader<kNormInf, scalar_t, V>{visit}, kNormInf, e);
+    default: break;
+  }
+  // General p: the careful path, in double (it needs pow() per element anyway).
   CarefulNorm c = careful_norm_init();
   visit([&](scalar_t r) { careful_norm_scan(c, static_cast<double>(static_cast<acc_t>(r))); });
-  const int32_t e = careful_norm_exponent(c, ns);
+  const int32_t ce = careful_norm_exponent(c, ns);
   double s = 0.0;
-  if (ns.kind != kNormInf && !(c.flags & kNormHasNan)) {
-    visit([&](scalar_t r) { s += careful_norm_term(static_cast<double>(static_cast<acc_t>(r)), e, ns); });
+  if (!(c.flags & kNormHasNan)) {
+    visit([&](scalar_t r) { s += careful_norm_term(static_cast<double>(static_cast<acc_t>(r)), ce, ns); });
   }
-  return careful_norm_partial(c, s, e, ns);
+  return careful_norm_partial(c, s, ce, ns);
+}
+
+// The largest finite |x| of the first values this thread visits in p (its first 16-byte pack,
+// or its first element).
+template <typename scalar_t>
+__device__ __forceinline__ double first_amax(const Piece& p) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  const scalar_t* x = static_cast<const scalar_t*>(p.d.data);
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  int64_t first = threadIdx.x, count = 1;
+  if (p.layout == nullptr && reinterpret_cast<uintptr_t>(x + p.begin) % 16 == 0 && threadIdx.x < p.len / kVec) {
+    first = static_cast<int64_t>(threadIdx.x) * kVec;
+    count = kVec;
+  }
+  acc_t amax = acc_t(0);
+  for (int64_t i = first; i < first + count && i < p.len; ++i) {
+    const acc_t v = static_cast<acc_t>(p.layout != nullptr ? x[element_offset(*p.layout, p.begin + i)] : x[p.begin + i]);
+    const acc_t a = v < acc_t(0) ? -v : v;
+    if (a - a == acc_t(0) && a > amax) amax = a;
+  }
+  return static_cast<double>(amax);
 }
 
 template <typename scalar_t>
 __device__ NormPartial piece_norm(const Piece& p, const NormSpec& ns) {
-  return thread_norm<scalar_t>([&](auto&& f) { visit<scalar_t>(p, f); }, ns);
+  return thread_norm<scalar_t>([&](auto&& f) { visit<scalar_t>(p, f); }, ns, first_amax<scalar_t>(p));
 }
 
 // Warp-wide merge in a fixed order; the result is valid in lane 0.
@@ -377,7 +426,7 @@ clamp_kernel(ListArgs a, const __grid_constant__ Bounds b, unsigned long long* _
 // A flat, 16-byte-aligned tensor that fits in the shared memory of one co-resident grid (one
 // block per SM, ~227 KB each on an H100/H200: ~29 MB) is clipped by one cooperative launch
 // that reads and writes it once: each block copies its slice of x into shared memory and
-// reduces it there (the careful path re-reads shared memory, not x); the blocks' partials meet
+// reduces it there (a flag or scaled pass re-reads shared memory, not x); the blocks' partials meet
 // at a grid-wide barrier; every block merges them in block order (the same order in every
 // block, so all compute the same coefficient, bit for bit); each block scales its slice from
 // shared memory into x. Other tensors take the two-launch path (norms_kernel, scale_kernel);
@@ -411,7 +460,18 @@ fused_clip_kernel(scalar_t* __restrict__ x, int64_t n, int64_t per_block, NormSp
     }
     for (int64_t i = full * kVec + threadIdx.x; i < len; i += kThreads) f(el[i]);
   };
-  NormPartial p = block_merge(thread_norm<scalar_t>(visit_tile, ns), ns, smem);
+  acc_t amax0 = acc_t(0);  // the largest finite |x| of this thread's first pack: the first pass's scale
+  if (threadIdx.x < full) {
+    const uint4 r = tile[threadIdx.x];
+    const scalar_t* v = reinterpret_cast<const scalar_t*>(&r);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const acc_t y = static_cast<acc_t>(v[j]);
+      const acc_t a = y < acc_t(0) ? -y : y;
+      if (a - a == acc_t(0) && a > amax0) amax0 = a;
+    }
+  }
+  NormPartial p = block_merge(thread_norm<scalar_t>(visit_tile, ns, static_cast<double>(amax0)), ns, smem);
   if (threadIdx.x == 0) partials[blockIdx.x] = p;
   cooperative_groups::this_grid().sync();
   if (threadIdx.x < 32) {  // warp 0 of every block: lane l merges partials l, l + 32, ..., then a fixed tree

@@ -1,5 +1,5 @@
 // CUDA implementation of hookstats::stats_multi_into (csrc/core/multi_bindings.h): one call from
-// Python, the flat tensors of a dtype in one launch per 40 (Note [multi-tensor stats launches] in
+// Python, the flat tensors of a dtype in one launch per 24 (Note [multi-tensor stats launches] in
 // cuda/stats_cuda.cu), on the current stream, no host sync.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>

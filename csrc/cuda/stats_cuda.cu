@@ -7,6 +7,8 @@
 //     holds NaN/Inf (Note [stats nonfinite]), to scale it when its magnitudes ask for another
 //     scale than its first pack did (Note [stats scaling]), or with a better shift;
 //   * histograms go to per-warp shared sub-histograms, warp-aggregated (Note [cuda block histograms]);
+//     range bins of float inputs are decided by exact thresholds passed by value (Note [exact bin
+//     thresholds] in core/hist_ops.h), with no per-value float64 fallback near edges;
 //   * partials are merged by warp shuffles and shared memory in a fixed order, written to a
 //     per-block slot of a small workspace (grid <= 2 blocks of 256 threads per SM, ~100 bytes a block);
 //   * the last block to finish (atomic ticket) merges the block partials in block order and
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <type_traits>
 
 #include "../core/bindings.h"
 #include "../core/checks.h"
@@ -252,13 +255,28 @@ __device__ __forceinline__ void hist_inc(uint32_t* h, int32_t slot) {
   if (lane == __ffs(peers) - 1) atomicAdd(h + slot, static_cast<uint32_t>(__popc(peers)));
 }
 
+// The exact thresholds of a range histogram (Note [exact bin thresholds]), by value in the kernel's
+// arguments: a captured graph replays them with the launch, no device table to keep alive. n = 0:
+// none (fp64 input, more than kMaxArgThresholds - 1 bins, or a range the float transform cannot
+// serve); the kernel then keeps fixed_slot.
+struct BinThresholds {
+  float T[kMaxArgThresholds];
+  int32_t n;
+};
+
 // Calls f(value) for every element of the share, counting its histogram slot into this warp's
-// sub-histogram h when the spec has one.
+// sub-histogram h when the spec has one (by ordinal when hs.T is set).
 template <typename scalar_t, typename F>
 __device__ __forceinline__ void visit_counting(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
                                                const HistSpec& hs, uint32_t* h, F&& f) {
   using acc_t = typename AccOf<scalar_t>::type;
-  if (hs.mode == kHistRange) {
+  if (hs.mode == kHistRange && hs.T != nullptr) {  // Note [exact bin thresholds]: counted by ordinal
+    share.visit(tid, nthreads, [&](scalar_t r) {
+      const acc_t v = static_cast<acc_t>(r);
+      f(v);
+      hist_inc(h, threshold_ordinal(static_cast<float>(v), hs, hs.T));
+    });
+  } else if (hs.mode == kHistRange) {
     share.visit(tid, nthreads, [&](scalar_t r) {
       const acc_t v = static_cast<acc_t>(r);
       f(v);
@@ -360,22 +378,28 @@ template <typename scalar_t, bool LOC>
 __device__ __forceinline__ void stats_block(const Share<scalar_t>& share, int block, int nblocks,
                                             StatsPartial* __restrict__ block_partials, LocPartial* __restrict__ block_locs,
                                             unsigned int* __restrict__ ticket, const StatsOut& out, const HistSpec& hs,
-                                            int64_t hist_len, int hist_copies, unsigned long long* hist_out) {
+                                            int64_t hist_len, int hist_copies, unsigned long long* hist_out,
+                                            const BinThresholds& thr) {
   using acc_t = typename AccOf<scalar_t>::type;
   __shared__ StatsPartial smem[kWarps];
   __shared__ bool is_last;
   // The location merges reuse smem once block_merge is done with it (it ends with a barrier).
   static_assert(sizeof(LocPartial) <= sizeof(StatsPartial), "smem holds kWarps LocPartials");
   LocPartial* const smem_loc = reinterpret_cast<LocPartial*>(smem);
-  extern __shared__ uint32_t sh_hist[];  // hist_copies sub-histograms (Note [cuda block histograms])
+  // hist_copies sub-histograms (Note [cuda block histograms]), then thr's thresholds
+  extern __shared__ uint32_t sh_hist[];
   for (int64_t i = threadIdx.x; i < hist_len * hist_copies; i += kThreads) sh_hist[i] = 0u;
+  float* sh_T = reinterpret_cast<float*>(sh_hist + hist_len * hist_copies);
+  for (int i = threadIdx.x; i < thr.n; i += kThreads) sh_T[i] = thr.T[i];
+  HistSpec h = hs;
+  if (thr.n > 0) h.T = sh_T;
   if (hist_len > 0) __syncthreads();
   const int64_t nthreads = static_cast<int64_t>(nblocks) * kThreads;
   const int64_t tid = static_cast<int64_t>(block) * kThreads + threadIdx.x;
   uint32_t* my_hist = sh_hist + ((threadIdx.x >> 5) % (hist_copies > 0 ? hist_copies : 1)) * hist_len;
   LocAcc<acc_t> tl;  // unused without LOC (and its address not taken)
   loc_init(tl);
-  StatsPartial p = block_merge(thread_partial<scalar_t, LOC>(share, tid, nthreads, hs, my_hist, LOC ? &tl : nullptr),
+  StatsPartial p = block_merge(thread_partial<scalar_t, LOC>(share, tid, nthreads, h, my_hist, LOC ? &tl : nullptr),
                                smem);  // syncs the block
   LocPartial bl = empty_loc();
   if constexpr (LOC) bl = block_merge_loc(loc_to_partial(tl), smem_loc);
@@ -383,7 +407,8 @@ __device__ __forceinline__ void stats_block(const Share<scalar_t>& share, int bl
   for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
     uint32_t c = 0u;
     for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
-    if (c != 0u) atomicAdd(hist_out + i, static_cast<unsigned long long>(c));
+    const int64_t slot = thr.n > 0 ? slot_of_ordinal(static_cast<int32_t>(i), h.bins) : i;
+    if (c != 0u) atomicAdd(hist_out + slot, static_cast<unsigned long long>(c));
   }
   if (nblocks == 1) {
     if (threadIdx.x == 0) {
@@ -433,9 +458,23 @@ template <typename scalar_t, bool LOC = false>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
              unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len, int hist_copies,
-             unsigned long long* __restrict__ hist_out, LocPartial* __restrict__ block_locs) {
+             unsigned long long* __restrict__ hist_out, LocPartial* __restrict__ block_locs,
+             const __grid_constant__ BinThresholds thr) {
   stats_block<scalar_t, LOC>(share, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), block_partials,
-                             block_locs, ticket, out, hs, hist_len, hist_copies, hist_out);
+                             block_locs, ticket, out, hs, hist_len, hist_copies, hist_out, thr);
+}
+
+// The exact bin thresholds a launch over scalar_t carries (Note [exact bin thresholds]): float32-accumulated
+// inputs, range histograms of up to kMaxArgThresholds - 1 bins; thr.n = 0 otherwise.
+template <typename scalar_t>
+void exact_thresholds(const HistSpec& hs, int64_t hist_len, BinThresholds& thr) {
+  thr.n = 0;
+  if (hist_len > 0 && hs.mode == kHistRange && !std::is_same<scalar_t, double>::value && hs.bins < kMaxArgThresholds) {
+    if (const float* T = cached_thresholds_f32(hs)) {
+      thr.n = hs.bins + 1;
+      std::memcpy(thr.T, T, static_cast<size_t>(thr.n) * sizeof(float));
+    }
+  }
 }
 
 // The blocks of a stats launch over n values: one per kThreads * kUnroll packs, at most two per SM.
@@ -499,13 +538,17 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
     // Note [cuda block histograms]: a sub-histogram per warp when they fit, else one per block
     // (<= 8192 + 3 bins or 4098 exponent slots: at most 32 KB).
     const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
-    const size_t smem = static_cast<size_t>(hist_len) * copies * sizeof(uint32_t);
+    // Note [exact bin thresholds]: float32-accumulated inputs, up to kMaxArgThresholds - 1 bins.
+    BinThresholds thr;
+    exact_thresholds<scalar_t>(hs, hist_len, thr);
+    const size_t smem = (static_cast<size_t>(hist_len) * copies + static_cast<size_t>(thr.n)) * sizeof(uint32_t);
     if (want_loc) {
       stats_kernel<scalar_t, true><<<blocks, kThreads, smem, stream>>>(
-          share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), locs);
+          share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), locs, thr);
     } else {
       stats_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
-          share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), nullptr);
+          share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), nullptr,
+          thr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -514,15 +557,15 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
 // Note [multi-tensor stats launches]
 // stats_multi_into on CUDA: the flat tensors of one dtype go up to kPackTensors at a time into one
 // launch whose arguments carry each tensor's pointer, length, rows and block range (MultiPack,
-// ~2 KB, under the 4 KB kernel-argument limit of every CUDA version: no table in device memory,
+// ~1.2 KB, with the 2 KB of exact bin thresholds under the 4 KB kernel-argument limit of every CUDA version: no table in device memory,
 // so a launch is capture-safe as it is). Each tensor gets the blocks a stats_into launch would
 // give it (launch_blocks), and its blocks run what that launch runs: the same grid-stride shares,
 // the same block merges, and the last of its blocks to finish (a ticket per tensor) merges its
 // block partials in block order. Every row therefore equals stats_into's, bit for bit. A block
 // finds its tensor by binary search over the first blocks. Histogram rows are zeroed by one small
 // launch per pack first (unless accumulating). Tensors that are not flat (rare for gradients) run
-// one stats_into launch each. The parameter gradients of a model: two or three launches per 40.
-constexpr int kPackTensors = 40;
+// one stats_into launch each. The parameter gradients of a model: two or three launches per 24.
+constexpr int kPackTensors = 24;  // MultiPack ~1.2 KB + BinThresholds ~2 KB of arguments
 
 struct PackDesc {
   const void* x;
@@ -560,7 +603,8 @@ __global__ void multi_zero_hist_kernel(const __grid_constant__ MultiPack pk, int
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
 multi_stats_kernel(const __grid_constant__ MultiPack pk, HistSpec hs, int64_t hist_len, int hist_copies,
-                   StatsPartial* __restrict__ block_partials, unsigned int* __restrict__ tickets) {
+                   StatsPartial* __restrict__ block_partials, unsigned int* __restrict__ tickets,
+                   const __grid_constant__ BinThresholds thr) {
   const int t = pack_tensor(pk);
   const PackDesc& d = pk.d[t];
   Share<scalar_t> share;
@@ -573,7 +617,7 @@ multi_stats_kernel(const __grid_constant__ MultiPack pk, HistSpec hs, int64_t hi
   out.values = d.row;
   stats_block<scalar_t, false>(share, static_cast<int>(blockIdx.x) - d.first_block, d.nblocks,
                                block_partials + d.first_block, nullptr, tickets + t, out, hs, hist_len, hist_copies,
-                               reinterpret_cast<unsigned long long*>(d.hist));
+                               reinterpret_cast<unsigned long long*>(d.hist), thr);
 }
 
 template <typename scalar_t>
@@ -609,9 +653,11 @@ void launch_pack(const std::vector<MultiItem>& items, const std::vector<size_t>&
   auto* tickets = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + blocks * sizeof(StatsPartial));
   C10_CUDA_CHECK(cudaMemsetAsync(tickets, 0, kPackTensors * 4, stream));
   const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
-  const size_t smem = static_cast<size_t>(hist_len) * copies * sizeof(uint32_t);
+  BinThresholds thr;
+  exact_thresholds<scalar_t>(hs, hist_len, thr);
+  const size_t smem = (static_cast<size_t>(hist_len) * copies + static_cast<size_t>(thr.n)) * sizeof(uint32_t);
   multi_stats_kernel<scalar_t><<<static_cast<unsigned int>(blocks), kThreads, smem, stream>>>(
-      pk, hs, hist_len, copies, partials, tickets);
+      pk, hs, hist_len, copies, partials, tickets, thr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
