@@ -189,12 +189,61 @@ def main() -> None:
     extra = torch.cuda.max_memory_allocated() - before
     lines.append(f"Peak extra memory of stats_into on a 256 MB tensor: {extra} bytes (baseline {base}).")
     save(args.out, lines)  # each section is saved as it finishes: a run cut short keeps what it measured
+    try:
+        lines += where_section(dev)
+    except Exception as e:  # report it, keep the other sections
+        lines += ["", f"## Where in the tensor: FAILED: {type(e).__name__}: {e}"]
+    save(args.out, lines)
     lines += distribution_section(dev)
     lines += clip_section(dev)
     save(args.out, lines)
     lines += monitor_section(dev)
     save(args.out, lines)
     print("\n".join(lines))
+
+
+def where_section(dev) -> list[str]:
+    """Issue #16 on the GPU: element locations on vs off (target <= 1.10x the stats time), per-channel statistics
+    vs copy bandwidth (target >= 70%) and vs the plain-PyTorch calibration hook, at 256 MB; each checked first."""
+    from hookstats import reference
+
+    lines = ["", "## Where in the tensor (issue #16), 256 MB, ms (CUDA events, medians)", "",
+             "| case | dtype | copy | op | op / copy bandwidth | vs baseline |", "|---|---|---:|---:|---:|---:|"]
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 256 * 2**20 // torch.empty((), dtype=dtype).element_size()
+        x = torch.randn(n, device=dev, dtype=dtype)
+        x[n - 12345] = float("nan")
+        y = torch.empty_like(x)
+        t_copy = cuda_time(lambda: y.copy_(x))
+        copy_bw = 2 * x.numel() * x.element_size() / t_copy / 1e6
+
+        def bw(t: float) -> str:
+            return f"{x.numel() * x.element_size() / t / 1e6 / copy_bw:.0%}"
+
+        got = hookstats.stats(x, locations=True)
+        assert int(got.first_nonfinite_index) == n - 12345, int(got.first_nonfinite_index)
+        t_off = cuda_time(lambda: hookstats.stats(x))
+        t_on = cuda_time(lambda: hookstats.stats(x, locations=True))
+        d = str(dtype)[6:]
+        lines.append(f"| stats | {d} | {t_copy:.3f} | {t_off:.3f} | {bw(t_off)} | |")
+        lines.append(f"| stats, locations=True | {d} | {t_copy:.3f} | {t_on:.3f} | {bw(t_on)} | {t_on / t_off:.2f}x "
+                     f"stats |")
+        x2 = x.view(-1, 4096)
+        x2 = torch.where(torch.isnan(x2), torch.zeros_like(x2), x2)
+        cbuf = hookstats.channel_stats_buffer(4096, device=dev)
+        amax = torch.zeros(4096, device=dev, dtype=dtype)
+        cs = hookstats.channel_stats(x2, dim=-1)
+        assert torch.allclose(cs.absmax.float(), x2.abs().amax(dim=0).float()), "channel absmax differs"
+        t_ch = cuda_time(lambda: hookstats.channel_stats_into(x2, cbuf, -1))
+        t_pt = cuda_time(lambda: torch.maximum(amax, x2.abs().amax(dim=0), out=amax))
+        lines.append(f"| channel_stats_into, [N, 4096], dim -1 | {d} | {t_copy:.3f} | {t_ch:.3f} | {bw(t_ch)} | "
+                     f"{t_pt / t_ch:.1f}x faster than x.abs().amax(0) + torch.maximum ({t_pt:.3f} ms) |")
+        xt = x2.t()
+        t_cht = cuda_time(lambda: hookstats.channel_stats_into(xt, cbuf, 0))
+        lines.append(f"| channel_stats_into, the transpose, dim 0 | {d} | {t_copy:.3f} | {t_cht:.3f} | {bw(t_cht)} | |")
+        del x, y, x2, xt
+        torch.cuda.empty_cache()
+    return lines
 
 
 def save(path: str, lines: list[str]) -> None:

@@ -632,15 +632,18 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
     alignas(64) scalar_t buf[kChunk];
     TaskState k{0.0, 0, false};
     HistCounters* hist = mode != kHistNone ? &counters[thread] : nullptr;
+    // The values of chunk c (gathered into buf when x is not flat) and their count.
+    auto chunk_at = [&](int64_t c, int64_t& clen) -> const scalar_t* {
+      const int64_t start = c * kChunk;
+      clen = std::min(kChunk, numel - start);
+      if (layout.ndim == 0) return base + start;
+      gather(base, layout, start, clen, buf);
+      return buf;
+    };
     const int64_t c_end = std::min(nchunks, (t + 1) * chunks_per_task);
     for (int64_t c = t * chunks_per_task; c < c_end; ++c) {
-      const int64_t start = c * kChunk;
-      const int64_t clen = std::min(kChunk, numel - start);
-      const scalar_t* p = base + start;
-      if (layout.ndim != 0) {
-        gather(base, layout, start, clen, buf);
-        p = buf;
-      }
+      int64_t clen;
+      const scalar_t* p = chunk_at(c, clen);
       if (c == t * chunks_per_task) k = initial_state(p, clen);
       if constexpr (LOC) {
         const StatsPartial cp = chunk(p, clen, k, hist, &plan);
@@ -660,14 +663,9 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
       LocAcc<acc_of<scalar_t>> loc;
       loc_init(loc);
       auto search = [&](int64_t c, bool amax, bool nf) {
-        const int64_t start = c * kChunk;
-        const int64_t clen = std::min(kChunk, numel - start);
-        const scalar_t* p = base + start;
-        if (layout.ndim != 0) {
-          gather(base, layout, start, clen, buf);
-          p = buf;
-        }
-        search_chunk(p, clen, start, amax ? best : -1.0, nf, loc);
+        int64_t clen;
+        const scalar_t* p = chunk_at(c, clen);
+        search_chunk(p, clen, c * kChunk, amax ? best : -1.0, nf, loc);
       };
       if (best_c >= 0) search(best_c, true, best_c == nf_c);
       if (nf_c >= 0 && nf_c != best_c) search(nf_c, false, true);

@@ -71,27 +71,6 @@ __device__ __forceinline__ StatsPartial shfl_down(const StatsPartial& p, int off
   return q;
 }
 
-// Block-wide merge in a fixed order; the result is valid in thread 0.
-__device__ StatsPartial block_merge(StatsPartial p, StatsPartial* smem) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const StatsPartial q = shfl_down(p, offset);
-    merge(p, q);
-  }
-  if (lane == 0) smem[warp] = p;
-  __syncthreads();
-  if (warp == 0) {
-    p = lane < kWarps ? smem[lane] : empty_partial();
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const StatsPartial q = shfl_down(p, offset);
-      merge(p, q);
-    }
-  }
-  __syncthreads();
-  return p;
-}
-
 __device__ __forceinline__ LocPartial shfl_down(const LocPartial& l, int offset) {
   LocPartial q;
   q.amax = __shfl_down_sync(0xffffffffu, l.amax, offset);
@@ -100,19 +79,30 @@ __device__ __forceinline__ LocPartial shfl_down(const LocPartial& l, int offset)
   return q;
 }
 
-// Block-wide location merge (Note [element locations]); the result is valid in thread 0.
-__device__ LocPartial block_merge_loc(LocPartial l, LocPartial* smem) {
+// Block-wide merge of one partial per thread, in a fixed order (warp shuffles, then the warps' results through smem,
+// kWarps of them); the result is valid in thread 0.
+template <typename P, typename Merge>
+__device__ __forceinline__ P block_merge_with(P p, P* smem, const P& empty, Merge merge_into) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  for (int offset = 16; offset > 0; offset >>= 1) loc_merge(l, shfl_down(l, offset));
-  if (lane == 0) smem[warp] = l;
+  for (int offset = 16; offset > 0; offset >>= 1) merge_into(p, shfl_down(p, offset));
+  if (lane == 0) smem[warp] = p;
   __syncthreads();
   if (warp == 0) {
-    l = lane < kWarps ? smem[lane] : empty_loc();
-    for (int offset = 16; offset > 0; offset >>= 1) loc_merge(l, shfl_down(l, offset));
+    p = lane < kWarps ? smem[lane] : empty;
+    for (int offset = 16; offset > 0; offset >>= 1) merge_into(p, shfl_down(p, offset));
   }
   __syncthreads();
-  return l;
+  return p;
+}
+
+__device__ StatsPartial block_merge(StatsPartial p, StatsPartial* smem) {
+  return block_merge_with(p, smem, empty_partial(), [](StatsPartial& a, const StatsPartial& b) { merge(a, b); });
+}
+
+// The location merge (Note [element locations]).
+__device__ LocPartial block_merge_loc(LocPartial l, LocPartial* smem) {
+  return block_merge_with(l, smem, empty_loc(), [](LocPartial& a, const LocPartial& b) { loc_merge(a, b); });
 }
 
 // What one thread reads: its grid-stride share of the tensor.
