@@ -119,36 +119,10 @@ struct Share {
   // Calls f(value) for every element of thread tid's share, in a fixed order.
   template <typename F>
   __device__ __forceinline__ void visit(int64_t tid, int64_t nthreads, F&& f) const {
-    if (!flat) {
-      for (int64_t i = tid; i < n; i += nthreads) f(x[element_offset(layout, i)]);
-      return;
-    }
-    if (tid < head) f(x[tid]);
-    const int64_t npacks = (n - head) / kVec;
-    const uint4* packs = reinterpret_cast<const uint4*>(x + head);
-    int64_t p = tid;
-    for (; p + (kUnroll - 1) * nthreads < npacks; p += kUnroll * nthreads) {
-      uint4 r[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(packs + p + u * nthreads);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const scalar_t* v = reinterpret_cast<const scalar_t*>(&r[u]);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) f(v[j]);
-      }
-    }
-    for (; p < npacks; p += nthreads) {
-      const uint4 r = __ldg(packs + p);
-      const scalar_t* v = reinterpret_cast<const scalar_t*>(&r);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) f(v[j]);
-    }
-    const int64_t t = head + npacks * kVec + tid;
-    if (t < n) f(x[t]);
+    visit_i(tid, nthreads, [&](scalar_t v, int64_t) { f(v); });  // the unused indices compile away
   }
 
-  // visit() with each element's flat index: f(value, index). The same elements in the same order.
+  // Calls f(value, flat index) for every element of thread tid's share, in a fixed order; visit() drops the index.
   template <typename F>
   __device__ __forceinline__ void visit_i(int64_t tid, int64_t nthreads, F&& f) const {
     if (!flat) {
