@@ -564,15 +564,12 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
         return
     check_device(x, "stats_into")
     # The op checks the buffers (dtype: TypeError; shape, device, slot: ValueError), see csrc/core/checks.h.
-    if loc is not None or ring is not None:
-        torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, 0 if hist_slot is None else hist_slot,
-                                               mode, bins, lo, hi, bool(accumulate), ring, loc,
-                                               slot if loc_slot is None else loc_slot)
-    elif hist is None:
+    if hist is None and ring is None and loc is None:
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot)
     else:
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, 0 if hist_slot is None else hist_slot,
-                                               mode, bins, lo, hi, bool(accumulate), ring)
+                                               mode, bins, lo, hi, bool(accumulate), ring, loc,
+                                               slot if loc_slot is None else loc_slot)
 
 
 if HAVE_EXTENSION:
@@ -615,7 +612,7 @@ def stats_multi_into(xs, out: torch.Tensor, rows, hist: Optional[torch.Tensor] =
     if hist is None and ring is None:
         torch.ops.hookstats.stats_multi_into.default(xs, out, rows)
     elif hist is None:
-        torch.ops.hookstats.stats_multi_into.default(xs, out, rows, None, [], 0, 0, 0.0, 0.0, False, ring)
+        torch.ops.hookstats.stats_multi_into.default(xs, out, rows, ring=ring)
     else:
         torch.ops.hookstats.stats_multi_into.default(xs, out, rows, hist, hist_rows, h.mode, h.bins, h.lo, h.hi,
                                                      bool(accumulate), ring)

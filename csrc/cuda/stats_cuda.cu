@@ -634,23 +634,24 @@ void stats_multi_cuda(const std::vector<MultiItem>& items, const HistSpec& hs, i
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
   const int64_t hlen = items[0].hist == nullptr ? 0 : hist_len;
+  // Each item once: packed (flat, no locations) by dtype, or on its own.
+  std::vector<size_t> by_type[4];
   const at::ScalarType types[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16};
-  std::vector<size_t> idx;
-  for (const at::ScalarType st : types) {
-    idx.clear();
-    for (size_t i = 0; i < items.size(); ++i) {
-      const at::Tensor& x = *items[i].x;
-      if (x.scalar_type() == st && items[i].out.loc == nullptr && layout_of(x).ndim == 0) idx.push_back(i);
-    }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const MultiItem& it = items[i];
+    const at::ScalarType st = it.x->scalar_type();
+    const int k = st == at::kFloat ? 0 : st == at::kDouble ? 1 : st == at::kHalf ? 2 : 3;
+    if (it.out.loc == nullptr && layout_of(*it.x).ndim == 0) by_type[k].push_back(i);
+    else run_cuda(*it.x, it.out, hs, it.hist, hlen, accumulate);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const std::vector<size_t>& idx = by_type[k];
     for (size_t from = 0; from < idx.size(); from += kPackTensors) {
       const size_t to = std::min(idx.size(), from + static_cast<size_t>(kPackTensors));
-      HOOKSTATS_DISPATCH_FLOATING_TYPES(st, "hookstats_stats_multi_cuda", [&] {
+      HOOKSTATS_DISPATCH_FLOATING_TYPES(types[k], "hookstats_stats_multi_cuda", [&] {
         launch_pack<scalar_t>(items, idx, from, to, hs, hlen, accumulate, device.index(), stream);
       });
     }
-  }
-  for (const MultiItem& it : items) {  // the others, one launch each
-    if (it.out.loc != nullptr || layout_of(*it.x).ndim != 0) run_cuda(*it.x, it.out, hs, it.hist, hlen, accumulate);
   }
 }
 

@@ -594,10 +594,13 @@ void Recorder::append_rings(Taken& out) {
   };
   std::vector<Emit> emits;
   int64_t total = 0;
+  std::vector<at::Tensor> states(devs_.size());  // each device's (k, p) pairs, one copy per device with rings
   for (size_t i = 0; i < rings_.size(); ++i) {
     Ring& r = rings_[i];
     const int64_t S = r.slots;
-    const int64_t k = devs_[r.dev].graph_state.narrow(0, 2 + 2 * r.index, 1).to(at::kCPU).item<int64_t>();
+    at::Tensor& st = states[r.dev];
+    if (!st.defined()) st = devs_[r.dev].graph_state.to(at::kCPU);
+    const int64_t k = st.data_ptr<int64_t>()[2 + 2 * r.index];
     r.taken = k;
     const int64_t first = std::max(r.emitted, k - S);
     if (k <= first) continue;

@@ -109,18 +109,22 @@ class ParquetWriter:
         self._n = self._first - 1  # the last flush number written
         self._closed = False
 
-    def _write_file(self, name: str, table) -> None:
-        pq = _pq()
-        final = os.path.join(self.path, name)
-        tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{name}")
-        pq.write_table(table, tmp, compression=self.compression, use_dictionary=list(_t.SITE_COLUMNS) + ["tag"],
-                       write_statistics=["step", "seq"])
+    def _commit(self, tmp: str, final: str) -> None:
+        """Moves a written temporary file into place: fsync'd first (and the directory after) when fsync is on."""
         if self.fsync:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, final)
         if self.fsync:
             _fsync_dir(self.path)
+
+    def _write_file(self, name: str, table) -> None:
+        pq = _pq()
+        final = os.path.join(self.path, name)
+        tmp = os.path.join(self.path, f".tmp-{os.getpid()}-{name}")
+        pq.write_table(table, tmp, compression=self.compression, use_dictionary=list(_t.SITE_COLUMNS) + ["tag"],
+                       write_statistics=["step", "seq"])
+        self._commit(tmp, final)
 
     def begin(self, info: dict) -> None:
         """Writes run.json (a resumed run keeps the first one)."""
@@ -189,12 +193,7 @@ class ParquetWriter:
                     if f.name not in t.column_names:
                         t = t.append_column(f, pa.nulls(t.num_rows, f.type))
                 w.write_table(t.select(schema.names).cast(schema), row_group_size=max(1, t.num_rows))
-        if self.fsync:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-        if self.fsync:
-            _fsync_dir(self.path)
+        self._commit(tmp, final)
         for _, _, n in mine:
             os.remove(os.path.join(self.path, n))
 
