@@ -898,6 +898,9 @@ def format_large_table(rows: list[dict]) -> str:
 BYDATA_OPS = ("sum", "stats", "norm", "hist", "exp_hist", "stats_hist", "histc", "bincount")
 # op -> the slowest / fastest distribution ratio it should stay under (issue 14)
 BYDATA_SPREAD = {"stats": 1.5, "norm": 1.5, "hist": 1.3, "exp_hist": 1.3}
+# Distributions whose every non-NaN value is one value (or that are all NaN): the CPU kernel counts their chunks'
+# histograms at once from the statistics (Note [cpu constant chunks] in csrc/cpu/stats_cpu.cpp).
+ONE_SLOT_DATA = ("zeros", "all_nan", "on_edge")
 
 
 def summarize_bydata(json_path: str) -> dict:
@@ -950,11 +953,27 @@ def format_bydata_table(table: dict) -> str:
         lines = ["Targets (reported, not asserted):"]
         for op, limit in BYDATA_SPREAD.items():
             ts = {n: r[op] for n, r in rows.items() if r.get(op)}
-            if ts:
-                ratio = max(ts.values()) / min(ts.values())
-                slow, fast = max(ts, key=ts.get), min(ts, key=ts.get)
-                lines.append(f"- `{op}` slowest / fastest <= {limit}x: {ratio:.2f}x ({slow} / {fast}, "
-                             f"{'met' if ratio <= limit else 'NOT met'})")
+            if not ts:
+                continue
+            ratio = max(ts.values()) / min(ts.values())
+            slow, fast = max(ts, key=ts.get), min(ts, key=ts.get)
+            per_value = {n: t for n, t in ts.items() if n not in ONE_SLOT_DATA}
+            if op in ("hist", "exp_hist") and len(per_value) < len(ts) and per_value:
+                # Note [cpu constant chunks]: one-slot data skips the per-value work, so it is the fastest by
+                # design; the target is about slow cases: the per-value distributions among themselves, and the
+                # one-slot ones no slower than the slowest of those.
+                pv = max(per_value.values()) / min(per_value.values())
+                pslow, pfast = max(per_value, key=per_value.get), min(per_value, key=per_value.get)
+                one_slot_ok = max(t for n, t in ts.items() if n in ONE_SLOT_DATA) <= max(per_value.values())
+                met = pv <= limit and one_slot_ok
+                lines.append(f"- `{op}` slowest / fastest <= {limit}x: {pv:.2f}x over the distributions binned value "
+                             f"by value ({pslow} / {pfast}); {ratio:.2f}x with the one-slot data "
+                             f"({', '.join(n for n in ts if n in ONE_SLOT_DATA)}), counted a chunk at once and "
+                             f"{'no slower than the slowest of them' if one_slot_ok else 'SLOWER than some of them'} "
+                             f"({'met' if met else 'NOT met'})")
+                continue
+            lines.append(f"- `{op}` slowest / fastest <= {limit}x: {ratio:.2f}x ({slow} / {fast}, "
+                         f"{'met' if ratio <= limit else 'NOT met'})")
         vs = [r["histc"] / r["hist"] for r in rows.values() if r.get("histc") and r.get("hist")]
         if vs:
             lines.append(f"- `hist` >= 4x faster than `torch.histc` on every distribution: at least {min(vs):.1f}x "

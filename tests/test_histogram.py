@@ -1158,6 +1158,133 @@ def test_format_fit_arguments():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The CPU kernel's shortcuts (issue 14): constant chunks counted at once (Note [cpu constant chunks]), runs of
+# equal counter indices (count_indices), the cached edge of near lanes (EdgeCache), and the 16-bit tables (Note
+# [16-bit ordinal tables]) beside the threshold path that small 16-bit tensors keep. Each against the reference.
+# ---------------------------------------------------------------------------------------------------------
+
+CHUNK = 4096  # the CPU kernel's chunk (kChunk): the constant-chunk test lines its pieces up with it
+LUT_MIN = 8192  # kLutMinNumel: fp16/bf16 tensors this long or longer use the tables
+SHORTCUT_HISTS = {**HISTS, "64_from_zero": H.range(64, 0.0, 1.0), "64_shifted": H.range(64, -4.1, 3.9)}
+
+
+def constant_chunks(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Chunk-aligned pieces that are constant, constant but for NaNs, all NaN, +-0.0 mixed, +-inf, a subnormal,
+    and the float where the (64, -4, 4) rule moves 0's neighbours to the upper bin, then a random tail."""
+    fi = torch.finfo(dtype)
+    below = float(torch.tensor(-4.4e-16, dtype=torch.float64).to(dtype))
+    pieces = []
+    for v in (0.5, NAN, 1.0, 0.0, INF, -INF, fi.tiny / 4, below, -3.0, fi.max):
+        p = torch.full((CHUNK,), v, dtype=torch.float64)
+        pieces.append(p)
+    pieces[2][::3] = NAN  # constant 1.0 with NaNs among it
+    pieces[3][torch.rand(CHUNK, generator=gen) < 0.5] = -0.0  # +0.0 and -0.0: one slot, min == max
+    pieces[5][-1] = NAN
+    pieces.append(torch.randn(100, generator=gen, dtype=torch.float64))
+    return torch.cat(pieces).to(dtype)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_constant_chunks(device, dtype, layout, isa):
+    base = constant_chunks(dtype, seeded("constant", dtype)).to(device)
+    # strided: every other element of a buffer whose other elements are random (gathered chunk by chunk)
+    x = base if layout == "contiguous" else torch.stack([base, torch.randn_like(base)], 1)[:, 0]
+    assert x.is_contiguous() == (layout == "contiguous")
+    plain = hookstats.stats(x)
+    for name, h in SHORTCUT_HISTS.items():
+        s, c = hist_of(x, h)
+        assert_counts_equal(c, reference.histogram_of(x.cpu(), h), h, dtype, name)
+        assert_bitwise_equal(s, plain)
+
+
+def runs_of(dtype: torch.dtype, gen: torch.Generator, pattern: str, n: int) -> torch.Tensor:
+    """Runs of equal values (or of values in one bin) of random lengths 1..200, so that some cover whole
+    64-value runs of the counting pass and some straddle them; between runs, pieces of spread data."""
+    e = H.range(64, -4.0, 4.0).edges()
+    out, total = [], 0
+    while total < n:
+        length = int(torch.randint(1, 201, (1,), generator=gen))
+        kind = int(torch.randint(0, 4, (1,), generator=gen))
+        if pattern == "one_bin_values" and kind == 0:  # different values, one bin: equal ordinals, unequal bits
+            run = 0.51 + 0.1 * torch.rand(length, generator=gen, dtype=torch.float64)
+        elif kind in (0, 1):
+            v = float(e[int(torch.randint(0, 65, (1,), generator=gen))]) if pattern != "nan_runs" else NAN
+            run = torch.full((length,), v, dtype=torch.float64)
+        elif kind == 2:
+            run = torch.zeros(length, dtype=torch.float64)
+        else:
+            run = torch.randn(length, generator=gen, dtype=torch.float64) * 2
+        out.append(run)
+        total += length
+    return torch.cat(out)[:n].to(dtype)
+
+
+@pytest.mark.parametrize("pattern", ["edge_runs", "one_bin_values", "nan_runs"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_runs_of_equal_indices(device, dtype, pattern, isa):
+    x = runs_of(dtype, seeded("runs", pattern, dtype), pattern, 3 * CHUNK + 77).to(device)
+    plain = hookstats.stats(x)
+    for name, h in SHORTCUT_HISTS.items():
+        s, c = hist_of(x, h)
+        assert_counts_equal(c, reference.histogram_of(x.cpu(), h), h, dtype, f"{pattern} {name}")
+        assert_bitwise_equal(s, plain)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
+                                   pytest.param(torch.float16, id="fp16")])
+def test_near_lanes_at_changing_edges(dtype, isa):
+    """Values on and next to edges whose edge changes from vector to vector and within one (the cached edge of
+    slot_lanes is right, then stale, then right again), among far values: every lane order the cache meets."""
+    h = H.range(64, -4.0, 4.0)
+    e = h.edges()
+    gen = seeded("near", dtype)
+    on = e[torch.randint(0, 65, (6000,), generator=gen)]
+    near = torch.nextafter(on, torch.where(torch.rand(6000, generator=gen) < 0.5, -INF, INF) * torch.ones(6000,
+                                                                                                    dtype=torch.float64))
+    hot = torch.zeros(6000, dtype=torch.float64)  # the edge at 0, the cache's usual hit
+    far = torch.randn(6000, generator=gen, dtype=torch.float64) * 2
+    pick = torch.randint(0, 4, (6000,), generator=gen)
+    x = torch.stack([on, near, hot, far], 1).gather(1, pick[:, None]).flatten().to(dtype)
+    for m in (5999, 6000):  # the 16-bit types: below and at the table threshold's side
+        y = torch.cat([x, x])[: m if dtype == torch.float32 else (LUT_MIN - 1 if m == 5999 else LUT_MIN)]
+        assert_counts_equal(hist_of(y, h)[1], reference.histogram_of(y, h), h, dtype, str(y.numel()))
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
+def test_every_half_bit_pattern_threshold_path(dtype, isa):
+    """All 65,536 fp16 / bf16 values in tensors shorter than the table threshold (the SIMD threshold path) and in
+    one tensor (the table): both equal the reference."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = x[torch.randperm(65536, generator=seeded("halfbits-threshold", dtype))]
+    pieces = list(x.split(LUT_MIN - 1))
+    fi = torch.finfo(dtype)
+    for h in (H.exponent(), H.range(64, -4.0, 4.0), H.range(100, -fi.tiny, fi.tiny), H.range(7, -0.5, 3.1),
+              H.range(8192, -float(fi.max), float(fi.max))):
+        want = reference.histogram_of(x, h)
+        buf = hookstats.stats_buffer(len(pieces))
+        hb = hookstats.histogram_buffer(len(pieces), h, dtype=dtype)
+        hookstats.stats_multi_into(pieces, buf, range(len(pieces)), hist=hb, histogram=h)
+        assert_counts_equal(hb.sum(0), want, h, dtype, f"pieces {h}")
+        assert_counts_equal(hist_of(x, h)[1], want, h, dtype, f"whole {h}")
+
+
+def test_ordinal_tables_cache_eviction(isa):
+    """More ranges than a thread caches tables for (kLutCacheEntries = 4), cycled twice, fp16 and bf16 in turn:
+    an evicted table is rebuilt, never reused for another range."""
+    ranges = [(64, -4.0, 4.0), (64, -4.1, 3.9), (7, -0.5, 3.1), (256, -3.0, 5.0), (100, 0.0, 1e-3), (3, -1.0, 1.0)]
+    xs = {dt: (torch.randn(LUT_MIN + 5, generator=seeded("evict", dt), dtype=torch.float64) * 2).to(dt)
+          for dt in (torch.float16, torch.bfloat16)}
+    for _ in range(2):
+        for r in ranges:
+            for dt, x in xs.items():
+                h = H.range(*r)
+                assert_counts_equal(hist_of(x, h)[1], reference.histogram_of(x, h), h, dt, str(r))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Known bugs (kept failing; see the report): last, so that `pytest -x` runs everything above first
 # ---------------------------------------------------------------------------------------------------------
 

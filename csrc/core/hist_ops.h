@@ -226,6 +226,70 @@ inline const float* cached_thresholds_f32(const HistSpec& h) {
   return cache.ok ? cache.T.data() : nullptr;
 }
 
+// Note [16-bit ordinal tables]
+// An fp16 or bf16 input has 65,536 values, so its range ordinals (Note [exact bin thresholds]) can
+// be tabulated once per range (and its exponent slots once, exp_slot_lut): the CPU kernel then places a value by one load, lut[bits], with no
+// arithmetic and no edge case (the rule is threshold_ordinal on the value widened to float, exact,
+// which is what the CUDA kernel evaluates per value). 128 KB per table; a spread input touches a few
+// KB of it. A thread keeps the tables of its last kLutCacheEntries (dtype, range) pairs, so a
+// Monitor's one range costs one build (~0.1 ms) per calling thread.
+constexpr int kLutCacheEntries = 4;
+
+// E = 5 (fp16) or 8 (bf16) exponent bits: the float value of 16 raw bits.
+template <int E>
+inline float half_bits_to_float(uint16_t b) {
+  uint32_t w;
+  if (E == 8) {
+    w = static_cast<uint32_t>(b) << 16;
+  } else {
+    const uint32_t sign = static_cast<uint32_t>(b & 0x8000u) << 16;
+    const uint32_t e = (b >> 10) & 0x1fu, m = b & 0x3ffu;
+    if (e == 0x1fu) {
+      w = sign | 0x7f800000u | (m << 13);
+    } else if (e != 0) {
+      w = sign | ((e + 112u) << 23) | (m << 13);
+    } else {
+      float f = static_cast<float>(m) * 5.9604644775390625e-08f;  // m * 2^-24, exact
+      std::memcpy(&w, &f, 4);
+      w |= sign;
+    }
+  }
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+// The ordinal table of a range spec for 16-bit inputs with E exponent bits (E = 5 fp16, 8 bf16),
+// cached per calling thread; nullptr when Note [exact bin thresholds] does not apply.
+template <int E>
+inline const uint16_t* cached_ordinal_lut(const HistSpec& h) {
+  struct Entry {
+    double lo = 0.0, hi = 0.0;
+    int32_t bins = -1;
+    std::vector<uint16_t> lut;
+  };
+  struct Cache {
+    Entry e[kLutCacheEntries];
+    int next = 0;
+  };
+  static thread_local Cache cache;
+  for (Entry& en : cache.e) {
+    if (en.bins == h.bins && en.lo == h.lo && en.hi == h.hi) return en.lut.data();
+  }
+  const float* T = cached_thresholds_f32(h);
+  if (T == nullptr) return nullptr;
+  Entry& en = cache.e[cache.next];
+  cache.next = (cache.next + 1) % kLutCacheEntries;
+  en.lut.resize(65536);
+  for (uint32_t b = 0; b < 65536u; ++b) {
+    en.lut[b] = static_cast<uint16_t>(threshold_ordinal(half_bits_to_float<E>(static_cast<uint16_t>(b)), h, T));
+  }
+  en.bins = h.bins;
+  en.lo = h.lo;
+  en.hi = h.hi;
+  return en.lut.data();
+}
+
 // Exponent histogram slot from the raw bits of a value with E exponent and M mantissa bits.
 template <int E, int M, typename bits_t>
 HS_HD int32_t exp_slot(bits_t bits) {
@@ -241,5 +305,17 @@ HS_HD int32_t exp_slot(bits_t bits) {
 
 template <int E>
 constexpr int64_t exp_hist_length() { return 2 * ((1 << E) - 2) + 6; }
+
+// The exponent slots of every 16-bit pattern (E exponent and M mantissa bits), built once per process:
+// Note [16-bit ordinal tables] for the exponent histogram.
+template <int E, int M>
+inline const uint16_t* exp_slot_lut() {
+  static const std::vector<uint16_t> lut = [] {
+    std::vector<uint16_t> t(65536);
+    for (uint32_t b = 0; b < 65536u; ++b) t[b] = static_cast<uint16_t>(exp_slot<E, M>(static_cast<uint16_t>(b)));
+    return t;
+  }();
+  return lut.data();
+}
 
 }  // namespace hookstats

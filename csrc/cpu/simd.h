@@ -162,6 +162,20 @@ HS_INLINE bool any_lane(const Vec& m) {
   return a != 0;
 }
 
+// any_lane for a mask of a B-byte kernel body (Note [cpu dispatch]): one vptest in the AVX2 entry
+// points (B = 32; a GCC builtin is checked against the function it is finally inlined into, unlike
+// the _mm256 wrappers, so it can sit in the shared template), the portable reduction elsewhere.
+template <int B, typename Vec>
+HS_INLINE bool any_lane_of(const Vec& m) {
+#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+  if constexpr (B == 32 && sizeof(Vec) == 32) {
+    typedef long long v4di __attribute__((vector_size(32)));
+    return !__builtin_ia32_ptestz256((v4di)m, (v4di)m);
+  }
+#endif
+  return any_lane(m);
+}
+
 // Loads (and stores) of W lanes in the accumulation type. Tag types keep this header torch-free:
 // the kernel maps c10::Half -> HalfBits and c10::BFloat16 -> BF16Bits.
 struct HalfBits { uint16_t x; };

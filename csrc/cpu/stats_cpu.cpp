@@ -5,7 +5,9 @@
 // path (Note [stats partials]): scaled by a power of two when its magnitudes call for it
 // (Note [stats scaling]), only counted once its task has seen NaN/Inf (Note [stats nonfinite]). Chunks are grouped into at most kMaxTasks tasks whose number
 // depends only on numel, so the merge order, and hence every bit of the result, does not
-// depend on the number of threads.
+// depend on the number of threads. A histogram is binned after each chunk's statistics, which
+// settle it at once for a constant or all-NaN chunk (Note [cpu constant chunks]); other chunks
+// are binned and counted in two passes (Note [cpu histogram counters]).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/Tensor.h>
@@ -15,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -56,9 +59,13 @@ template <> HS_INLINE int32_t exp_slot_of<c10::Half>(const c10::Half& v) { retur
 template <> HS_INLINE int32_t exp_slot_of<c10::BFloat16>(const c10::BFloat16& v) { return exp_slot<8, 7>(v.x); }
 
 // Note [cpu histogram counters]
-// Each thread counts into `copies` interleaved uint32 copies of the histogram (SIMD lane j
-// -> copy j % copies), so runs of values in one bin do not serialize on a single counter's
-// store-to-load latency. The copies are added into the thread's int64 totals before any
+// A chunk is binned in two passes: its counter indices go into a 16 KB buffer (SIMD, or table loads),
+// then a counting pass (count_indices) increments, for value j of each run of 64, copy j % copies of
+// `copies` uint32 copies of the histogram held by the thread. So runs of values in one bin do not
+// serialize on one counter's store-to-load latency, and data that alternates at random between a few
+// bins (ReLU outputs, values around an edge) does not defeat the CPU's memory-dependence prediction:
+// a bare `c[idx[i]] += 1` loop (torch.bincount) is 2-2.5x slower on such data than on spread data,
+// this pass is not. A run of 64 equal indices is one addition. The copies are added into the thread's int64 totals before any
 // counter can wrap (every 2^31 increments) and at the end; threads' totals are summed last.
 // Counts are integers: the result does not depend on threads or order.
 struct HistCounters {
@@ -92,21 +99,24 @@ struct RangeConsts {
 struct BinPlan {
   HistSpec spec;
   RangeConsts rc;
+  // Note [16-bit ordinal tables]: fp16/bf16 range or exponent histograms of tensors of kLutMinNumel values or more.
+  const uint16_t* lut;
 };
 
+// Below this many values a 16-bit input keeps the threshold path rather than build a table (a build
+// costs about what 2^16 values cost to bin, and is cached afterwards).
+constexpr int64_t kLutMinNumel = 8192;
+
+// The counter index of one value (Note [cpu histogram counters]; by ordinal when the thresholds are set).
 template <int HM, typename scalar_t>
-HS_INLINE void bin_scalar(HistCounters& h, int lane, const scalar_t& raw, const BinPlan& bp) {
-  uint32_t* c = h.c + (lane & (h.copies - 1)) * h.len;
+HS_INLINE int32_t slot_scalar(const scalar_t& raw, const BinPlan& bp) {
   if (HM == kHistRange) {
     if constexpr (std::is_same_v<acc_of<scalar_t>, float>) {
-      if (bp.rc.T != nullptr) {  // Note [exact bin thresholds]: the CUDA kernel's rule
-        c[threshold_ordinal(static_cast<float>(raw), bp.spec, bp.rc.T)] += 1;
-        return;
-      }
+      if (bp.rc.T != nullptr) return threshold_ordinal(static_cast<float>(raw), bp.spec, bp.rc.T);
     }
-    c[fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec)] += 1;
+    return fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec);
   }
-  if (HM == kHistExp) c[exp_slot_of<scalar_t>(raw)] += 1;
+  return exp_slot_of<scalar_t>(raw);
 }
 
 inline RangeConsts range_consts(const HistSpec& hs) {
@@ -126,13 +136,22 @@ inline RangeConsts range_consts(const HistSpec& hs) {
 }
 
 template <typename scalar_t>
-BinPlan bin_plan(const HistSpec& hs) {
+BinPlan bin_plan(const HistSpec& hs, int64_t numel) {
   BinPlan bp;
   bp.spec = hs;
   bp.rc = hs.mode == kHistRange ? range_consts(hs) : RangeConsts{};
   bp.rc.T = nullptr;
+  bp.lut = nullptr;
   if (hs.mode == kHistRange && std::is_same<acc_of<scalar_t>, float>::value && !bp.rc.exact_only) {
     bp.rc.T = cached_thresholds_f32(hs);  // Note [exact bin thresholds]
+    if (bp.rc.T != nullptr && numel >= kLutMinNumel) {
+      if (std::is_same<scalar_t, c10::Half>::value) bp.lut = cached_ordinal_lut<5>(hs);
+      if (std::is_same<scalar_t, c10::BFloat16>::value) bp.lut = cached_ordinal_lut<8>(hs);
+    }
+  }
+  if (hs.mode == kHistExp && numel >= kLutMinNumel) {
+    if (std::is_same<scalar_t, c10::Half>::value) bp.lut = exp_slot_lut<5, 10>();
+    if (std::is_same<scalar_t, c10::BFloat16>::value) bp.lut = exp_slot_lut<8, 7>();
   }
   return bp;
 }
@@ -142,14 +161,24 @@ template <> struct ExpBits<float> { static constexpr int E = 8, M = 23; };
 template <> struct ExpBits<c10::BFloat16> { static constexpr int E = 8, M = 7; };
 template <> struct ExpBits<c10::Half> { static constexpr int E = 5, M = 10; };
 
-// Counter indices (slot + the lane's copy offset) of W float lanes v (raw: the same W input
-// values), in SIMD, into idx, with no per-value branch: exponents (subnormal, zero, inf and NaN
-// included) by vector selects on the bits; range slots by Note [exact bin thresholds] when the
-// table exists. Without it (ranges too narrow for float32 t) a vector holding a value near an
-// edge, or NaN, has those lanes placed by the exact scalar functions of core/hist_ops.h.
+// The threshold a vector's near lanes share (Note [exact bin thresholds]): data that sits on or next
+// to one edge (ReLU zeros, gradient-sized values around 0, a constant on an edge) puts every near lane
+// at the same edge r, vector after vector, so the lanes compare with one broadcast threshold; a
+// vector whose near lanes sit at another edge reads T per lane and moves the cache there.
+template <int B>
+struct EdgeCache {
+  typename simd::VT<B>::i32 r;  // the edge, in every lane (-1: none yet)
+  typename simd::VT<B>::f32 T;  // its threshold, in every lane
+};
+
+// Counter indices (Note [cpu histogram counters], copy 0) of W float lanes v (raw: the same W input
+// values), in SIMD, with no per-value branch: exponents (subnormal, zero, inf and NaN included) by
+// vector selects on the bits; range slots by Note [exact bin thresholds] when the table exists.
+// Without it (ranges too narrow for float32 t) a vector holding a value near an edge, or NaN, has
+// those lanes placed by the exact scalar functions of core/hist_ops.h.
 template <int B, int HM, typename scalar_t>
 HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typename simd::VT<B>::f32& v,
-                          const BinPlan& bp, const typename simd::VT<B>::i32& lane_off) {
+                                               const BinPlan& bp, EdgeCache<B>& ec) {
   using V = typename simd::VT<B>::f32;
   using I = typename simd::VT<B>::i32;
   using U = typename simd::VT<B>::u32;
@@ -161,21 +190,22 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
     tc = tc < rc.fbins ? tc : V{} + rc.fbins;
     const I r = __builtin_convertvector(tc + 0.5f, I);  // nearest integer (tc >= 0)
     // A lane whose t is farther than the band from edge r is above that edge exactly when t is
-    // (fixed_slot's rule); only a vector with a lane near its edge (or NaN) reads T[r]. fp32 only:
-    // 8-bit or 11-bit mantissas put a value exactly on an edge in most vectors of spread data, where
-    // the branch would only mispredict.
+    // (fixed_slot's rule); a near lane is above it exactly when v >= T[r]. NaN lanes are set last.
     const V d = t - __builtin_convertvector(r, V);
-    const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band);  // NaN d: near
-    I o;
-    if (sizeof(scalar_t) != 4 || simd::any_lane(near)) {
+    const I is_nan = (I)(v != v);
+    const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band) & ~is_nan;
+    const I o_far = r - (I)(d >= 0.0f);
+    I o = near ? r - (I)(v >= ec.T) : o_far;
+    if (simd::any_lane_of<B>(near & (I)(r != ec.r))) {  // a near lane at another edge than the cached one
       V g;
       for (int j = 0; j < W; ++j) g[j] = rc.T[r[j]];
-      o = r - (I)(v >= g);
-      o = (I)(v != v) ? I{} + (rc.bins + 2) : o;
-    } else {
-      o = r - (I)(d >= 0.0f);
+      o = near ? r - (I)(v >= g) : o_far;
+      int j0 = 0;
+      while (!near[j0] || r[j0] == ec.r[j0]) ++j0;
+      ec.r = I{} + r[j0];
+      ec.T = V{} + g[j0];
     }
-    return o + lane_off;
+    return is_nan ? I{} + (rc.bins + 2) : o;
   }
   I slot;
   I special;
@@ -210,53 +240,105 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
     const I normal = (I)(e - 1u + pos * nE);
     const I sub_or_zero = mant ? (I)(2 * nE + pos) : I{} + static_cast<int32_t>(2 * nE + 2);
     const I inf_or_nan = mant ? I{} + static_cast<int32_t>(2 * nE + 5) : (I)(2 * nE + 3 + pos);
-    slot = e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
-    return slot + lane_off;
+    return e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
   }
-  I at = slot + lane_off;
   if (simd::any_lane(special)) {
     for (int j = 0; j < W; ++j) {
       if (!special[j]) continue;
-      at[j] = fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), bp.spec) + lane_off[j];
+      slot[j] = fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), bp.spec);
     }
   }
-  return at;
+  return slot;
 }
 
-// The histogram of one chunk: SIMD slot indices into a buffer, then one increment per value into
-// the thread's counter copies (Note [cpu histogram counters]).
+// The counting pass (Note [cpu histogram counters]) over n counter indices: value j of a run of
+// kCountRun goes to copy j % copies, except that a run whose kCountRun indices are all equal (one bin:
+// zeros, a saturated or dead unit, a NaN-filled tensor) adds kCountRun to one counter at once. A run is
+// as long as it is so that mixed data almost never passes the test (a 90%-zero input has 0.1% of its
+// runs all zero): the branch stays predictable for every distribution.
+constexpr int64_t kCountRun = 64;
+
+HS_INLINE void count_indices(const int32_t* idx, int64_t n, HistCounters& h) {
+  uint32_t* c[8];
+  for (int r = 0; r < 8; ++r) c[r] = h.c + (r & (h.copies - 1)) * h.len;
+  int64_t i = 0;
+  for (; i + kCountRun <= n; i += kCountRun) {
+    const int32_t first = idx[i];
+    int32_t diff = 0;
+    for (int64_t j = 0; j < kCountRun; ++j) diff |= idx[i + j] ^ first;
+    if (diff == 0) {
+      c[0][first] += static_cast<uint32_t>(kCountRun);
+      continue;
+    }
+    for (int64_t j = 0; j < kCountRun; j += 8) {
+      c[0][idx[i + j]] += 1;
+      c[1][idx[i + j + 1]] += 1;
+      c[2][idx[i + j + 2]] += 1;
+      c[3][idx[i + j + 3]] += 1;
+      c[4][idx[i + j + 4]] += 1;
+      c[5][idx[i + j + 5]] += 1;
+      c[6][idx[i + j + 6]] += 1;
+      c[7][idx[i + j + 7]] += 1;
+    }
+  }
+  for (; i < n; ++i) c[i & 7][idx[i]] += 1;
+}
+
+// count_indices for Note [16-bit ordinal tables]: the index of a value is lut[its bits], read as it is
+// counted; a run of kCountRun equal bit patterns adds kCountRun at once.
+template <typename bits16>
+HS_INLINE void count_lut(const bits16* b, int64_t n, const uint16_t* lut, HistCounters& h) {
+  uint32_t* c[8];
+  for (int r = 0; r < 8; ++r) c[r] = h.c + (r & (h.copies - 1)) * h.len;
+  int64_t i = 0;
+  for (; i + kCountRun <= n; i += kCountRun) {
+    const uint16_t first = b[i];
+    uint16_t diff = 0;
+    for (int64_t j = 0; j < kCountRun; ++j) diff |= static_cast<uint16_t>(b[i + j] ^ first);
+    if (diff == 0) {
+      c[0][lut[first]] += static_cast<uint32_t>(kCountRun);
+      continue;
+    }
+    for (int64_t j = 0; j < kCountRun; j += 8) {
+      c[0][lut[b[i + j]]] += 1;
+      c[1][lut[b[i + j + 1]]] += 1;
+      c[2][lut[b[i + j + 2]]] += 1;
+      c[3][lut[b[i + j + 3]]] += 1;
+      c[4][lut[b[i + j + 4]]] += 1;
+      c[5][lut[b[i + j + 5]]] += 1;
+      c[6][lut[b[i + j + 6]]] += 1;
+      c[7][lut[b[i + j + 7]]] += 1;
+    }
+  }
+  for (; i < n; ++i) c[i & 7][lut[b[i]]] += 1;
+}
+
+// The histogram of one chunk: counter indices into a buffer (SIMD, or one table load per value for
+// Note [16-bit ordinal tables]), then the counting pass.
 template <int B, typename scalar_t, int HM>
 HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const BinPlan& bp) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   constexpr int W = L::W;
+  alignas(64) int32_t idx[kChunk];
   int64_t i = 0;
   if constexpr (std::is_same_v<typename L::acc_t, float>) {
     if (HM == kHistRange && bp.rc.exact_only) {
-      for (int64_t j = 0; j < n; ++j) bin_scalar<HM>(h, static_cast<int>(j), p[j], bp);
+      for (; i < n; ++i) idx[i] = fixed_slot_exact(static_cast<double>(static_cast<float>(p[i])), bp.spec);
+    } else if (sizeof(scalar_t) == 2 && bp.lut != nullptr) {
+      typedef uint16_t __attribute__((may_alias)) bits16;  // c10::Half / c10::BFloat16 hold their 16 bits
+      count_lut(reinterpret_cast<const bits16*>(p), n, bp.lut, h);
       return;
-    }
-    typename simd::VT<B>::i32 lane_off;
-    for (int j = 0; j < W; ++j) lane_off[j] = static_cast<int32_t>((j & (h.copies - 1)) * h.len);
-    uint32_t* const c = h.c;
-    if constexpr (HM == kHistRange && sizeof(scalar_t) == 2) {
-      // fp16/bf16 ranges read T[r] in every vector (their values sit on edges), whose lane extracts
-      // already load the vector ports: the indices go through a buffer, counted after the chunk.
-      alignas(64) int32_t idx[kChunk];
-      for (; i + W <= n; i += W) {
-        const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), bp, lane_off);
-        std::memcpy(idx + i, &at, sizeof at);
-      }
-      for (int64_t j = 0; j < i; ++j) c[idx[j]] += 1;
     } else {
+      EdgeCache<B> ec{typename simd::VT<B>::i32{} - 1, typename simd::VT<B>::f32{}};
+      const BinPlan plan = bp;  // a local copy: its constants stay in registers across the idx stores
       for (; i + W <= n; i += W) {
-        // The counter indices stay in a register: lanes are extracted, not reloaded right away
-        // from a vector store (a wide store forwards badly to narrow loads).
-        const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), bp, lane_off);
-        for (int j = 0; j < W; ++j) c[at[j]] += 1;
+        const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), plan, ec);
+        std::memcpy(idx + i, &at, sizeof at);
       }
     }
   }
-  for (; i < n; ++i) bin_scalar<HM>(h, static_cast<int>(i), p[i], bp);
+  for (; i < n; ++i) idx[i] = slot_scalar<HM>(p[i], bp);
+  count_indices(idx, n, h);
 }
 
 template <typename scalar_t>
@@ -406,19 +488,13 @@ struct TaskState {
   bool nonfinite;
 };
 
-// A whole chunk, always in SIMD: counted only, once its task has seen NaN/Inf; otherwise the fast
-// path with the previous chunk's scale and shift, again with a fitting scale when the magnitudes
-// call for one (Note [stats scaling]) or a better shift when k was poor. The histogram is filled
-// once, by the first pass; the re-reads (from L1) only redo statistics.
-template <int B, typename scalar_t, int HM>
-HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, TaskState& st, HistCounters* hist,
-                                       const BinPlan* hs) {
+// The statistics of a whole chunk, always in SIMD: counted only, once its task has seen NaN/Inf;
+// otherwise the fast path with the previous chunk's scale and shift, again with a fitting scale when
+// the magnitudes call for one (Note [stats scaling]) or a better shift when k was poor. The re-reads
+// (from L1) only redo statistics.
+template <int B, typename scalar_t>
+HS_INLINE StatsPartial chunk_stats(const scalar_t* p, int64_t n, TaskState& st) {
   using acc_t = acc_of<scalar_t>;
-  if constexpr (HM != kHistNone) {
-    bin_chunk<B, scalar_t, HM>(p, n, *hist, *hs);
-    hist->pending += n;
-    if (hist->pending >= (int64_t(1) << 31)) flush_counters(*hist);
-  }
   if (st.nonfinite) return nonfinite_to_partial<acc_t>(nonfinite_chunk_simd<B, scalar_t>(p, n));
   int32_t e = st.e;
   CpuAcc<scalar_t> f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(ldexp(st.mean, -e)), e);
@@ -444,6 +520,33 @@ HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, TaskState& 
   st.e = e;
   st.mean = ldexp(static_cast<double>(fast_mean<acc_t>(f)), e);
   return fast_to_partial<acc_t>(f);
+}
+
+// Note [cpu constant chunks]
+// The statistics come first, and they settle the histogram of a chunk whose non-NaN values are all
+// equal (min == max; -0.0 and +0.0 compare equal and share every slot) or that is all NaN: its counts
+// go to at most two counters at once, with no per-value work. Zeros, dead units, saturated
+// activations, a constant on an edge and the all-NaN tensors that follow a first NaN cost the
+// statistics alone. Other chunks are binned value by value (bin_chunk).
+template <int B, typename scalar_t, int HM>
+HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, TaskState& st, HistCounters* hist,
+                                       const BinPlan* hs) {
+  const StatsPartial part = chunk_stats<B, scalar_t>(p, n, st);
+  if constexpr (HM != kHistNone) {
+    if (part.nan == n || (part.mn == part.mx && part.mn == part.mn)) {
+      const int64_t others = n - part.nan;
+      if (others > 0) hist->c[slot_scalar<HM>(static_cast<scalar_t>(part.mn), *hs)] += static_cast<uint32_t>(others);
+      if (part.nan > 0) {
+        hist->c[slot_scalar<HM>(static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN()), *hs)] +=
+            static_cast<uint32_t>(part.nan);
+      }
+    } else {
+      bin_chunk<B, scalar_t, HM>(p, n, *hist, *hs);
+    }
+    hist->pending += n;
+    if (hist->pending >= (int64_t(1) << 31)) flush_counters(*hist);
+  }
+  return part;
 }
 
 template <typename scalar_t, int HM>
@@ -593,7 +696,7 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
                                LocPartial* loc_out = nullptr) {
   const int mode = ho.counts != nullptr ? ho.spec.mode : kHistNone;
   const chunk_fn<scalar_t> chunk = pick_chunk_fn<scalar_t>(mode);
-  const BinPlan plan = mode != kHistNone ? bin_plan<scalar_t>(ho.spec) : BinPlan{ho.spec, RangeConsts{}};
+  const BinPlan plan = mode != kHistNone ? bin_plan<scalar_t>(ho.spec, numel) : BinPlan{ho.spec, RangeConsts{}, nullptr};
   const int64_t nchunks = (numel + kChunk - 1) / kChunk;
   const int64_t ntasks = std::max<int64_t>(1, std::min<int64_t>({kMaxTasks, nchunks, numel / kMinTaskElems}));
   const int64_t chunks_per_task = (nchunks + ntasks - 1) / ntasks;
