@@ -255,62 +255,39 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
 // kCountRun goes to copy j % copies, except that a run whose kCountRun indices are all equal (one bin:
 // zeros, a saturated or dead unit, a NaN-filled tensor) adds kCountRun to one counter at once. A run is
 // as long as it is so that mixed data almost never passes the test (a 90%-zero input has 0.1% of its
-// runs all zero): the branch stays predictable for every distribution.
+// runs all zero): the branch stays predictable for every distribution. The keys are the indices
+// themselves (count_indices) or the 16-bit patterns a table maps to indices (count_lut).
 constexpr int64_t kCountRun = 64;
 
-HS_INLINE void count_indices(const int32_t* idx, int64_t n, HistCounters& h) {
+template <typename K, typename Index>
+HS_INLINE void count_keys(const K* k, int64_t n, HistCounters& h, const Index& index) {
   uint32_t* c[8];
   for (int r = 0; r < 8; ++r) c[r] = h.c + (r & (h.copies - 1)) * h.len;
   int64_t i = 0;
   for (; i + kCountRun <= n; i += kCountRun) {
-    const int32_t first = idx[i];
-    int32_t diff = 0;
-    for (int64_t j = 0; j < kCountRun; ++j) diff |= idx[i + j] ^ first;
+    const K first = k[i];
+    K diff = 0;
+    for (int64_t j = 0; j < kCountRun; ++j) diff |= static_cast<K>(k[i + j] ^ first);
     if (diff == 0) {
-      c[0][first] += static_cast<uint32_t>(kCountRun);
+      c[0][index(first)] += static_cast<uint32_t>(kCountRun);
       continue;
     }
     for (int64_t j = 0; j < kCountRun; j += 8) {
-      c[0][idx[i + j]] += 1;
-      c[1][idx[i + j + 1]] += 1;
-      c[2][idx[i + j + 2]] += 1;
-      c[3][idx[i + j + 3]] += 1;
-      c[4][idx[i + j + 4]] += 1;
-      c[5][idx[i + j + 5]] += 1;
-      c[6][idx[i + j + 6]] += 1;
-      c[7][idx[i + j + 7]] += 1;
+      for (int r = 0; r < 8; ++r) c[r][index(k[i + j + r])] += 1;
     }
   }
-  for (; i < n; ++i) c[i & 7][idx[i]] += 1;
+  for (; i < n; ++i) c[i & 7][index(k[i])] += 1;
 }
 
-// count_indices for Note [16-bit ordinal tables]: the index of a value is lut[its bits], read as it is
-// counted; a run of kCountRun equal bit patterns adds kCountRun at once.
+HS_INLINE void count_indices(const int32_t* idx, int64_t n, HistCounters& h) {
+  count_keys(idx, n, h, [](int32_t v) { return v; });
+}
+
+// count_indices for Note [16-bit ordinal tables]: the key of a value is its bits, its index lut[bits],
+// read as it is counted.
 template <typename bits16>
 HS_INLINE void count_lut(const bits16* b, int64_t n, const uint16_t* lut, HistCounters& h) {
-  uint32_t* c[8];
-  for (int r = 0; r < 8; ++r) c[r] = h.c + (r & (h.copies - 1)) * h.len;
-  int64_t i = 0;
-  for (; i + kCountRun <= n; i += kCountRun) {
-    const uint16_t first = b[i];
-    uint16_t diff = 0;
-    for (int64_t j = 0; j < kCountRun; ++j) diff |= static_cast<uint16_t>(b[i + j] ^ first);
-    if (diff == 0) {
-      c[0][lut[first]] += static_cast<uint32_t>(kCountRun);
-      continue;
-    }
-    for (int64_t j = 0; j < kCountRun; j += 8) {
-      c[0][lut[b[i + j]]] += 1;
-      c[1][lut[b[i + j + 1]]] += 1;
-      c[2][lut[b[i + j + 2]]] += 1;
-      c[3][lut[b[i + j + 3]]] += 1;
-      c[4][lut[b[i + j + 4]]] += 1;
-      c[5][lut[b[i + j + 5]]] += 1;
-      c[6][lut[b[i + j + 6]]] += 1;
-      c[7][lut[b[i + j + 7]]] += 1;
-    }
-  }
-  for (; i < n; ++i) c[i & 7][lut[b[i]]] += 1;
+  count_keys(b, n, h, [lut](bits16 v) { return lut[v]; });
 }
 
 // The histogram of one chunk: counter indices into a buffer (SIMD, or one table load per value for
