@@ -176,6 +176,31 @@ HS_INLINE bool any_lane_of(const Vec& m) {
   return any_lane(m);
 }
 
+// a > b ? a : b, a < b ? a : b (b when a is NaN) and round-to-nearest of float lanes of a B-byte kernel
+// body: one instruction each in the AVX2 entry points (the builtins, as in any_lane_of), selects elsewhere.
+template <int B, typename F>
+HS_INLINE F max_of(const F& a, const F& b) {
+#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+  if constexpr (B == 32 && sizeof(F) == 32) return __builtin_ia32_maxps256(a, b);
+#endif
+  return a > b ? a : b;
+}
+template <int B, typename F>
+HS_INLINE F min_of(const F& a, const F& b) {
+#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+  if constexpr (B == 32 && sizeof(F) == 32) return __builtin_ia32_minps256(a, b);
+#endif
+  return a < b ? a : b;
+}
+// The nearest integer of lanes a >= 0 (ties either way), as floats.
+template <int B, typename F, typename I>
+HS_INLINE F round_nonneg_of(const F& a) {
+#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+  if constexpr (B == 32 && sizeof(F) == 32) return __builtin_ia32_roundps256(a, 0x8);  // nearest, no exceptions
+#endif
+  return __builtin_convertvector(__builtin_convertvector(a + 0.5f, I), F);
+}
+
 // Loads (and stores) of W lanes in the accumulation type. Tag types keep this header torch-free:
 // the kernel maps c10::Half -> HalfBits and c10::BFloat16 -> BF16Bits.
 struct HalfBits { uint16_t x; };

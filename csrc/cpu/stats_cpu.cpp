@@ -60,14 +60,15 @@ template <> HS_INLINE int32_t exp_slot_of<c10::BFloat16>(const c10::BFloat16& v)
 
 // Note [cpu histogram counters]
 // A chunk is binned in two passes: its counter indices go into a 16 KB buffer (SIMD, or table loads),
-// then a counting pass (count_indices) increments, for value j of each run of 64, copy j % copies of
-// `copies` uint32 copies of the histogram held by the thread. So runs of values in one bin do not
-// serialize on one counter's store-to-load latency, and data that alternates at random between a few
-// bins (ReLU outputs, values around an edge) does not defeat the CPU's memory-dependence prediction:
-// a bare `c[idx[i]] += 1` loop (torch.bincount) is 2-2.5x slower on such data than on spread data,
-// this pass is not. A run of 64 equal indices is one addition. The copies are added into the thread's int64 totals before any
-// counter can wrap (every 2^31 increments) and at the end; threads' totals are summed last.
-// Counts are integers: the result does not depend on threads or order.
+// then a counting pass (count_keys) increments, for value j of each run of 64, copy j % copies of
+// the `copies` uint32 copies of the histogram that the thread holds. So runs of values in one bin do
+// not serialize on one counter's store-to-load latency, and data that alternates at random between a
+// few bins (ReLU outputs, values around an edge) does not defeat the CPU's memory-dependence
+// prediction: a bare `c[idx[i]] += 1` loop (torch.bincount) is 2-2.5x slower on such data than on
+// spread data, this pass is not. A run of 64 equal indices is one addition. The copies are added
+// into the thread's int64 totals before any counter can wrap (every 2^31 increments) and at the end;
+// threads' totals are summed last. Counts are integers: the result does not depend on threads or
+// order.
 struct HistCounters {
   uint32_t* c;     // copies x len
   int64_t* total;  // len
@@ -186,12 +187,12 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
   const RangeConsts& rc = bp.rc;
   if (HM == kHistRange && rc.T != nullptr) {
     const V t = v * rc.scale + rc.shift;
-    V tc = t > 0.0f ? t : V{};  // NaN -> 0
-    tc = tc < rc.fbins ? tc : V{} + rc.fbins;
-    const I r = __builtin_convertvector(tc + 0.5f, I);  // nearest integer (tc >= 0)
+    const V tc = simd::min_of<B>(simd::max_of<B>(t, V{}), V{} + rc.fbins);  // NaN -> 0
+    const V rf = simd::round_nonneg_of<B, V, I>(tc);  // the nearest edge
+    const I r = __builtin_convertvector(rf, I);
     // A lane whose t is farther than the band from edge r is above that edge exactly when t is
     // (fixed_slot's rule); a near lane is above it exactly when v >= T[r]. NaN lanes are set last.
-    const V d = t - __builtin_convertvector(r, V);
+    const V d = t - rf;
     const I is_nan = (I)(v != v);
     const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band) & ~is_nan;
     const I o_far = r - (I)(d >= 0.0f);
