@@ -190,10 +190,14 @@ from test_bench_stats import DATA, DATA_HI, DATA_LO, DATA_SIZE_LOG2, make_data  
 
 DATA_BINS = 64
 DATA_CASES = ("hist", "exp_hist", "stats", "stats_hist", "histc", "bincount", "sum")
+# The dtypes, and float64 / float16 (their own code paths on the CPU: a table of double thresholds and
+# 64-bit lanes; the fp16 tables), so that no dtype hides a slow case.
+DATA_DTYPES = ("float32", "bfloat16", "float64", "float16")
 
 
 @pytest.mark.parametrize("case", DATA_CASES)
 @pytest.mark.parametrize("data", DATA)
+@pytest.mark.parametrize("dtype_name", DATA_DTYPES)
 def test_hist_by_data(benchmark, measure, hookstats, device, dtype_name, data, case):
     from hookstats import reference
 

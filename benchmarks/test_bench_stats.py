@@ -124,7 +124,7 @@ def make_data(name: str, size_log2: int, dtype_name: str, device: str) -> torch.
         "uniform": lambda: torch.rand(n, generator=g) * (DATA_HI - DATA_LO) + DATA_LO,
         "on_edge": lambda: torch.full((n,), 0.5),
     }[name]()
-    return x.to(device=device, dtype=DTYPES[dtype_name])
+    return x.to(device=device, dtype=getattr(torch, dtype_name))  # DTYPES' names, and float64 / float16
 
 
 def check_against_reference(hookstats, s, x: torch.Tensor) -> None:

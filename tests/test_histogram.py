@@ -8,6 +8,7 @@ found while writing this file are at its end ("Known bugs"), so that `pytest -x`
 from __future__ import annotations
 
 import math
+import struct
 import zlib
 
 import pytest
@@ -1269,6 +1270,65 @@ def test_every_half_bit_pattern_threshold_path(dtype, isa):
         hookstats.stats_multi_into(pieces, buf, range(len(pieces)), hist=hb, histogram=h)
         assert_counts_equal(hb.sum(0), want, h, dtype, f"pieces {h}")
         assert_counts_equal(hist_of(x, h)[1], want, h, dtype, f"whole {h}")
+
+
+def _double_key(v: float) -> int:
+    b = struct.unpack("<Q", struct.pack("<d", v))[0]
+    return (~b & (2**64 - 1)) if b >> 63 else b | (1 << 63)
+
+
+def _key_double(k: int) -> float:
+    b = k & (2**63 - 1) if k >> 63 else ~k & (2**64 - 1)
+    return struct.unpack("<d", struct.pack("<Q", b))[0]
+
+
+def _ordinal(v: float, h: H) -> int:
+    """0 underflow, 1 + bin, bins + 1 overflow: the documented rule (expected_range's), as one number."""
+    if v < h.lo:
+        return 0
+    if v > h.hi:
+        return h.bins + 1
+    return 1 + min(int((v - h.lo) * h.bins / (h.hi - h.lo)), h.bins - 1)
+
+
+def double_thresholds(h: H) -> list:
+    """For each m in [0, bins], the smallest double whose ordinal exceeds m, by bisection on the doubles in
+    order with the float64 rule in Python: where the rule itself changes, wherever that lies."""
+    out = []
+    for m, e in enumerate(h.edges().tolist()):
+        lo_k = hi_k = _double_key(e)
+        step = 1
+        while _ordinal(_key_double(hi_k), h) <= m:
+            lo_k, hi_k, step = hi_k, hi_k + step, step * 2
+        step = 1
+        while lo_k == hi_k or _ordinal(_key_double(lo_k), h) > m:
+            hi_k, lo_k, step = lo_k, lo_k - step, step * 2
+        while hi_k - lo_k > 1:
+            mid = (lo_k + hi_k) // 2
+            lo_k, hi_k = (lo_k, mid) if _ordinal(_key_double(mid), h) > m else (mid, hi_k)
+        out.append(_key_double(hi_k))
+    return out
+
+
+@pytest.mark.parametrize("rng", [(64, -4.0, 4.0), (64, -1.0, 1.0), (7, -0.5, 3.1), (10, 0.1, 0.7), (3, 0.0, 1.0),
+                                 (256, -3.0, 5.0), (5, -1e-30, 1e-30), (5, 1000.0, 1000.5)])
+def test_every_double_next_to_each_threshold(rng, isa):
+    """float64 inputs are placed by a table of double thresholds (Note [exact bin thresholds], transform in
+    double): 24 doubles on either side of every point where the float64 rule changes, and of every edge, land
+    where expected_range puts them, in SIMD lanes and in the scalar tail."""
+    h = H.range(*rng)
+    vals = []
+    for t in double_thresholds(h) + h.edges().tolist():
+        lo_v = hi_v = t
+        for _ in range(24):
+            lo_v, hi_v = math.nextafter(lo_v, -INF), math.nextafter(hi_v, INF)
+            vals += [lo_v, hi_v]
+        vals.append(t)
+    vals += [-4.4e-16, -2.3e-16, -2.2e-16, -1.1e-16, -1e-300, -5e-324, 5e-324, 0.0, -0.0, NAN, INF, -INF]
+    x = torch.tensor(vals, dtype=torch.float64)
+    x = x[torch.randperm(x.numel(), generator=seeded("doubles", rng))]
+    for y in (x, x[:5]):  # SIMD lanes, and a tensor shorter than one vector
+        assert_counts_equal(hist_of(y, h)[1], expected_range(as_floats(y), h), h, torch.float64, str(rng))
 
 
 def test_ordinal_tables_cache_eviction(isa):

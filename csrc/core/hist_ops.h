@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "stats_ops.h"  // HS_HD
@@ -106,11 +107,12 @@ HS_HD int32_t fixed_slot(acc_t x, const HistSpec& h) {
 // the float transform t = x * scale + shift, take the nearest integer r of t clamped to
 // [0, bins], and get ordinal = r + (x >= T[r]) (threshold_ordinal): right for every float x, on an
 // edge or not, as long as t is within 1/2 of the exact float64 value (band_max < 1/4,
-// thresholds_apply_f32), since the true ordinal is then r or r + 1. One gather and one compare per
+// thresholds_apply), since the true ordinal is then r or r + 1. One gather and one compare per
 // value replace the per-value float64 fallback near edges. Counters are indexed by ordinal (NaN:
 // bins + 2) and mapped back to Note [histogram layouts] slots when they are written out.
 // The table is built on the host by bisection on fixed_slot_exact (the float64 rule itself) and
-// cached per range (cached_thresholds_f32). The CPU reads it in place; the CUDA kernel gets a copy
+// cached per range (cached_thresholds). Float64 inputs get a table of doubles, transformed in double
+// (on the CPU; the CUDA kernel keeps fixed_slot for them). The CPU reads it in place; the CUDA kernel gets a copy
 // by value in its arguments (capture-safe: a replayed graph carries it) for up to
 // kMaxArgThresholds - 1 bins, and keeps fixed_slot (float64 near edges) for more bins.
 constexpr int32_t kMaxArgThresholds = 513;  // 2 KB of kernel arguments: up to 512 bins
@@ -120,111 +122,130 @@ HS_HD int32_t ordinal_of_slot(int32_t slot, int32_t bins) {
 }
 HS_HD int32_t slot_of_ordinal(int32_t o, int32_t bins) { return o == 0 ? bins : (o <= bins ? o - 1 : o); }
 
-// An upper bound of |t - t_exact| for the float transform t = x * scale_f + shift_f with t in
-// [-1.5, bins + 1.5] (fixed_slot's band, bounded once for the whole range; |x * scale| <= |t| +
-// |shift|). Infinite or NaN when the float transform is unusable.
-inline double threshold_band_f32(const HistSpec& h) {
+// An upper bound of |t - t_exact| for the transform t = x * scale + shift in F (float: scale_f and
+// shift_f; double: scale and shift) with t in [-1.5, bins + 1.5] (fixed_slot's band, bounded once for
+// the whole range; |x * scale| <= |t| + |shift|). Infinite or NaN when the transform is unusable.
+template <typename F>
+inline double threshold_band(const HistSpec& h) {
   const double tmax = h.bins + 1.5;
-  return (2.0 * tmax + 2.0 * std::fabs(static_cast<double>(h.shift_f)) + 1.0) *
-         static_cast<double>(BinTolerance<float>::rel);
+  const double shift = sizeof(F) == 4 ? std::fabs(static_cast<double>(h.shift_f)) : std::fabs(h.shift);
+  return (2.0 * tmax + 2.0 * shift + 1.0) * static_cast<double>(BinTolerance<F>::rel);
 }
+inline double threshold_band_f32(const HistSpec& h) { return threshold_band<float>(h); }
 
-// Whether Note [exact bin thresholds] applies to a range spec for float32-accumulated inputs
-// (fp32, fp16, bf16): the float transform is accurate to well within 1/2 everywhere.
-inline bool thresholds_apply_f32(const HistSpec& h) {
-  if (h.mode != kHistRange || !h.float_ok) return false;
-  const double band = threshold_band_f32(h);
-  return std::isfinite(band) && static_cast<float>(band) < 0.25f;
+// Whether Note [exact bin thresholds] applies to a range spec for inputs transformed in F (float:
+// fp32, fp16, bf16; double: fp64): the transform is accurate to well within 1/2 everywhere.
+template <typename F>
+inline bool thresholds_apply(const HistSpec& h) {
+  if (h.mode != kHistRange || (sizeof(F) == 4 && !h.float_ok)) return false;
+  const double band = threshold_band<F>(h);
+  return std::isfinite(band) && band < 0.25;
 }
+inline bool thresholds_apply_f32(const HistSpec& h) { return thresholds_apply<float>(h); }
 
-// The ordinal of a float value v (Note [exact bin thresholds]): r = the nearest integer of t
-// clamped to [0, bins], then r + (v >= T[r]); NaN gets bins + 2. The CPU kernel computes the
-// same in SIMD lanes (slot_lanes in cpu/stats_cpu.cpp); this is its scalar tail and the CUDA
-// kernel's per-value rule.
-HS_HD int32_t threshold_ordinal(float v, const HistSpec& h, const float* T) {
+// The ordinal of a value v transformed in F (Note [exact bin thresholds]): r = the nearest integer of
+// t clamped to [0, bins], then r + (v >= T[r]); NaN gets bins + 2. The CPU kernel computes the same in
+// SIMD lanes (slot_lanes, slot_lanes_f64 in cpu/stats_cpu.cpp); this is its scalar tail and the CUDA
+// kernel's per-value rule (F = float).
+template <typename F>
+HS_HD int32_t threshold_ordinal(F v, const HistSpec& h, const F* T) {
   if (v != v) return h.bins + 2;
-  const float t = v * h.scale_f + h.shift_f;
-  float tc = t > 0.0f ? t : 0.0f;
-  const float fb = static_cast<float>(h.bins);
+  const F scale = sizeof(F) == 4 ? static_cast<F>(h.scale_f) : static_cast<F>(h.scale);
+  const F shift = sizeof(F) == 4 ? static_cast<F>(h.shift_f) : static_cast<F>(h.shift);
+  const F t = v * scale + shift;
+  F tc = t > F(0) ? t : F(0);
+  const F fb = static_cast<F>(h.bins);
   tc = tc < fb ? tc : fb;
-  const int32_t r = static_cast<int32_t>(tc + 0.5f);  // tc >= 0: truncation of tc + 1/2 rounds
+  const int32_t r = static_cast<int32_t>(tc + F(0.5));  // tc >= 0: truncation of tc + 1/2 rounds
   return r + (v >= T[r] ? 1 : 0);
 }
 
-// Floats in order as unsigned keys (-0.0 just below +0.0), and back.
-inline uint32_t float_key(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+// Floats or doubles in order as unsigned keys (-0.0 just below +0.0), and back.
+template <typename F> struct OrderKey;
+template <> struct OrderKey<float> { using U = uint32_t; };
+template <> struct OrderKey<double> { using U = uint64_t; };
+template <typename F>
+inline typename OrderKey<F>::U order_key(F f) {
+  using U = typename OrderKey<F>::U;
+  constexpr U sign = U(1) << (8 * sizeof(U) - 1);
+  U b;
+  std::memcpy(&b, &f, sizeof b);
+  return (b & sign) ? ~b : (b | sign);
 }
-inline float key_float(uint32_t k) {
-  const uint32_t b = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
-  float f;
-  std::memcpy(&f, &b, 4);
+template <typename F>
+inline F key_value(typename OrderKey<F>::U k) {
+  using U = typename OrderKey<F>::U;
+  constexpr U sign = U(1) << (8 * sizeof(U) - 1);
+  const U b = (k & sign) ? (k & ~sign) : ~k;
+  F f;
+  std::memcpy(&f, &b, sizeof f);
   return f;
 }
 
-// Fills T[0..bins] as Note [exact bin thresholds] defines them, by bisection over the finite floats
-// (T[m] can lie far from the float64 edge: with lo = -4, every x > -2^-51 has x - lo == 4 in float64,
-// so T of the edge at 0 is about -4.4e-16). False when a threshold is not a finite float (then the
-// caller keeps fixed_slot).
-inline bool exact_thresholds_f32(const HistSpec& h, float* T) {
+// Fills T[0..bins] as Note [exact bin thresholds] defines them, by bisection over the finite values
+// of F (T[m] can lie far from the float64 edge: with lo = -4, every x > -2^-51 has x - lo == 4 in
+// float64, so T of the edge at 0 is about -4.4e-16). False when a threshold is not a finite F (then
+// the caller keeps fixed_slot).
+template <typename F>
+inline bool exact_thresholds(const HistSpec& h, F* T) {
+  using U = typename OrderKey<F>::U;
   const int32_t bins = h.bins;
-  auto ord = [&](uint32_t k) {
-    return ordinal_of_slot(fixed_slot_exact(static_cast<double>(key_float(k)), h), bins);
-  };
-  const uint32_t kmin = float_key(-3.4028234663852886e38f), kmax = float_key(3.4028234663852886e38f);
+  auto ord = [&](U k) { return ordinal_of_slot(fixed_slot_exact(static_cast<double>(key_value<F>(k)), h), bins); };
+  const F big = std::numeric_limits<F>::max();
+  const U kmin = order_key<F>(-big), kmax = order_key<F>(big);
   for (int32_t m = 0; m <= bins; ++m) {
     const double edge = m == bins ? h.hi : h.lo + (h.hi - h.lo) * static_cast<double>(m) / static_cast<double>(bins);
-    const float g = static_cast<float>(edge);
-    if (!(g - g == 0.0f)) return false;
+    const F g = static_cast<F>(edge);
+    if (!(g - g == F(0))) return false;
     // Bracket: ord(lo_k) <= m < ord(hi_k), widening by doubling steps in key space.
-    uint32_t lo_k = float_key(g), hi_k = lo_k;
+    U lo_k = order_key<F>(g), hi_k = lo_k;
     uint64_t step = 1;
     while (ord(hi_k) <= m) {
       if (hi_k == kmax) return false;
       lo_k = hi_k;
-      hi_k = static_cast<uint32_t>(kmax - hi_k > step ? hi_k + step : kmax);
+      hi_k = static_cast<U>(kmax - hi_k > step ? hi_k + step : kmax);
       step *= 2;
     }
     step = 1;
     while (lo_k == hi_k || ord(lo_k) > m) {
       if (lo_k == kmin) return false;
       hi_k = lo_k;
-      lo_k = static_cast<uint32_t>(lo_k - kmin > step ? lo_k - step : kmin);
+      lo_k = static_cast<U>(lo_k - kmin > step ? lo_k - step : kmin);
       step *= 2;
     }
     while (hi_k - lo_k > 1) {  // ord(lo_k) <= m < ord(hi_k)
-      const uint32_t mid = lo_k + (hi_k - lo_k) / 2;
+      const U mid = lo_k + (hi_k - lo_k) / 2;
       if (ord(mid) > m) hi_k = mid; else lo_k = mid;
     }
-    T[m] = key_float(hi_k);
+    T[m] = key_value<F>(hi_k);
   }
   return true;
 }
 
-// The thresholds of the last range spec seen by the calling host thread, rebuilt only when the
+// The thresholds (in F) of the last range spec seen by the calling host thread, rebuilt only when the
 // range changes (no allocation and no work per call once warm); nullptr when Note [exact bin
-// thresholds] does not apply. The CPU kernel reads them in place; the CUDA kernel receives a copy
-// in its arguments (stats_cuda.cu).
-inline const float* cached_thresholds_f32(const HistSpec& h) {
+// thresholds] does not apply. The CPU kernel reads them in place; the CUDA kernel receives a copy of
+// the float ones in its arguments (stats_cuda.cu).
+template <typename F>
+inline const F* cached_thresholds(const HistSpec& h) {
   struct Cache {
     double lo = 0.0, hi = 0.0;
     int32_t bins = -1;
     bool ok = false;
-    std::vector<float> T;
+    std::vector<F> T;
   };
   static thread_local Cache cache;
-  if (!thresholds_apply_f32(h)) return nullptr;
+  if (!thresholds_apply<F>(h)) return nullptr;
   if (cache.bins != h.bins || cache.lo != h.lo || cache.hi != h.hi) {
     cache.T.resize(static_cast<size_t>(h.bins) + 1);
-    cache.ok = exact_thresholds_f32(h, cache.T.data());
+    cache.ok = exact_thresholds<F>(h, cache.T.data());
     cache.bins = h.bins;
     cache.lo = h.lo;
     cache.hi = h.hi;
   }
   return cache.ok ? cache.T.data() : nullptr;
 }
+inline const float* cached_thresholds_f32(const HistSpec& h) { return cached_thresholds<float>(h); }
 
 // Note [16-bit ordinal tables]
 // An fp16 or bf16 input has 65,536 values, so its range ordinals (Note [exact bin thresholds]) can

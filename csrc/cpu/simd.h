@@ -39,6 +39,7 @@ template <int B> struct VT {
   typedef uint16_t u16 __attribute__((vector_size(B / 2)));
   typedef double f64 __attribute__((vector_size(B)));
   typedef int64_t i64 __attribute__((vector_size(B)));
+  typedef uint64_t u64 __attribute__((vector_size(B)));
 };
 
 // W double lanes (the lanes of W float or double lanes, widened).

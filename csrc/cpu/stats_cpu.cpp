@@ -91,9 +91,12 @@ struct RangeConsts {
   float fbins;
   int32_t bins;
   bool exact_only;  // the float32 transform overflows (tiny ranges): every value takes the exact path
-  // Note [exact bin thresholds]: when T is set, counters are indexed by ordinal (0 underflow,
-  // 1 + bin, bins + 1 overflow, bins + 2 NaN) and every value is placed by r + (x >= T[r]).
+  // Note [exact bin thresholds]: when T (float-accumulated inputs) or T64 (float64 inputs) is set,
+  // counters are indexed by ordinal (0 underflow, 1 + bin, bins + 1 overflow, bins + 2 NaN) and every
+  // value is placed by r + (x >= T[r]).
   const float* T;
+  const double* T64;
+  double scale64, shift64, band64, fbins64;  // the transform of float64 inputs, in double
 };
 
 // What bin_chunk needs: the spec, and for float inputs the constants of the SIMD range path.
@@ -115,6 +118,9 @@ HS_INLINE int32_t slot_scalar(const scalar_t& raw, const BinPlan& bp) {
     if constexpr (std::is_same_v<acc_of<scalar_t>, float>) {
       if (bp.rc.T != nullptr) return threshold_ordinal(static_cast<float>(raw), bp.spec, bp.rc.T);
     }
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      if (bp.rc.T64 != nullptr) return threshold_ordinal(raw, bp.spec, bp.rc.T64);
+    }
     return fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec);
   }
   return exp_slot_of<scalar_t>(raw);
@@ -133,6 +139,11 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   // an overflowing one (tiny ranges) would break the band's accuracy assumption.
   r.exact_only = !hs.float_ok || !std::isfinite(r.band);
   r.T = nullptr;
+  r.T64 = nullptr;
+  r.scale64 = hs.scale;
+  r.shift64 = hs.shift;
+  r.band64 = threshold_band<double>(hs);
+  r.fbins64 = static_cast<double>(hs.bins);
   return r;
 }
 
@@ -142,7 +153,9 @@ BinPlan bin_plan(const HistSpec& hs, int64_t numel) {
   bp.spec = hs;
   bp.rc = hs.mode == kHistRange ? range_consts(hs) : RangeConsts{};
   bp.rc.T = nullptr;
+  bp.rc.T64 = nullptr;
   bp.lut = nullptr;
+  if (hs.mode == kHistRange && std::is_same<scalar_t, double>::value) bp.rc.T64 = cached_thresholds<double>(hs);
   if (hs.mode == kHistRange && std::is_same<acc_of<scalar_t>, float>::value && !bp.rc.exact_only) {
     bp.rc.T = cached_thresholds_f32(hs);  // Note [exact bin thresholds]
     if (bp.rc.T != nullptr && numel >= kLutMinNumel) {
@@ -252,6 +265,63 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
   return slot;
 }
 
+// slot_lanes for float64 inputs: W = B / 8 double lanes, W int32 counter indices. Range slots by
+// Note [exact bin thresholds] with a table of doubles, the transform in double, ordinals computed as
+// doubles (exact integers) and converted once; exponent slots by selects on the 64-bit patterns.
+template <int B>
+struct EdgeCache64 {
+  typename simd::VT<B>::f64 r;  // the edge, in every lane (-1: none yet)
+  typename simd::VT<B>::f64 T;  // its threshold
+};
+
+template <int B, int HM>
+HS_INLINE typename simd::VT<B / 2>::i32 slot_lanes_f64(const typename simd::VT<B>::f64& v, const BinPlan& bp,
+                                                       EdgeCache64<B>& ec) {
+  using V = typename simd::VT<B>::f64;
+  using I = typename simd::VT<B>::i64;
+  using U = typename simd::VT<B>::u64;
+  using J = typename simd::VT<B / 2>::i32;
+  constexpr int W = B / 8;
+  if constexpr (HM == kHistRange) {
+    const RangeConsts& rc = bp.rc;
+    const V t = v * rc.scale64 + rc.shift64;
+    V tc = t > 0.0 ? t : V{};  // NaN -> 0
+    tc = tc < rc.fbins64 ? tc : V{} + rc.fbins64;
+    const J r = __builtin_convertvector(tc + 0.5, J);  // nearest integer (tc >= 0)
+    const V rf = __builtin_convertvector(r, V);
+    const V d = t - rf;
+    const I is_nan = (I)(v != v);
+    const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band64) & ~is_nan;
+    const I one = (I)(V{} + 1.0);
+    const V o_far = rf + (V)((I)(d >= 0.0) & one);
+    V o = near ? rf + (V)((I)(v >= ec.T) & one) : o_far;
+    if (simd::any_lane_of<B>(near & (I)(rf != ec.r))) {  // a near lane at another edge than the cached one
+      V g;
+      for (int j = 0; j < W; ++j) g[j] = rc.T64[r[j]];
+      o = near ? rf + (V)((I)(v >= g) & one) : o_far;
+      int j0 = 0;
+      while (!near[j0] || rf[j0] == ec.r[j0]) ++j0;
+      ec.r = V{} + rf[j0];
+      ec.T = V{} + g[j0];
+    }
+    o = is_nan ? V{} + static_cast<double>(rc.bins + 2) : o;
+    return __builtin_convertvector(o, J);
+  } else {
+    constexpr uint64_t nE = 2046, emask = 2047;  // Note [histogram layouts], E = 11, M = 52
+    U bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    // (no 64-bit lane multiply in AVX2: the sign enters as a mask, neg = -1 for negative values)
+    const U e = (bits >> 52) & emask;
+    const I neg = (I)(bits >> 63 != 0u);
+    const I mant = (I)((bits & ((uint64_t(1) << 52) - 1u)) != 0u);
+    const I e0 = (I)(e == 0u), emax = (I)(e == emask);
+    const I normal = (I)(e - 1u) + (~neg & static_cast<int64_t>(nE));
+    const I sub_or_zero = mant ? neg + static_cast<int64_t>(2 * nE + 1) : I{} + static_cast<int64_t>(2 * nE + 2);
+    const I inf_or_nan = mant ? I{} + static_cast<int64_t>(2 * nE + 5) : neg + static_cast<int64_t>(2 * nE + 4);
+    return __builtin_convertvector(e0 ? sub_or_zero : (emax ? inf_or_nan : normal), J);
+  }
+}
+
 // The counting pass (Note [cpu histogram counters]) over n counter indices: value j of a run of
 // kCountRun goes to copy j % copies, except that a run whose kCountRun indices are all equal (one bin:
 // zeros, a saturated or dead unit, a NaN-filled tensor) adds kCountRun to one counter at once. A run is
@@ -311,6 +381,15 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
       const BinPlan plan = bp;  // a local copy: its constants stay in registers across the idx stores
       for (; i + W <= n; i += W) {
         const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), plan, ec);
+        std::memcpy(idx + i, &at, sizeof at);
+      }
+    }
+  } else if constexpr (std::is_same_v<scalar_t, double>) {
+    if (HM == kHistExp || bp.rc.T64 != nullptr) {
+      EdgeCache64<B> ec{typename simd::VT<B>::f64{} - 1.0, typename simd::VT<B>::f64{}};
+      const BinPlan plan = bp;
+      for (; i + W <= n; i += W) {
+        const typename simd::VT<B / 2>::i32 at = slot_lanes_f64<B, HM>(L::load(p + i), plan, ec);
         std::memcpy(idx + i, &at, sizeof at);
       }
     }
@@ -770,7 +849,8 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   }
   if (mode != kHistNone) {
     for (int64_t t = 0; t < nthreads; ++t) flush_counters(counters[t]);
-    const bool ordinal = mode == kHistRange && plan.rc.T != nullptr;  // Note [exact bin thresholds]
+    // Note [exact bin thresholds]
+    const bool ordinal = mode == kHistRange && (plan.rc.T != nullptr || plan.rc.T64 != nullptr);
     for (int64_t i = 0; i < len; ++i) {
       int64_t c = 0;
       for (int64_t t = 0; t < nthreads; ++t) c += counters[t].total[i];
