@@ -899,7 +899,9 @@ BYDATA_OPS = ("sum", "stats", "norm", "hist", "exp_hist", "stats_hist", "histc",
 # op -> the slowest / fastest distribution ratio it should stay under (issue 14)
 BYDATA_SPREAD = {"stats": 1.5, "norm": 1.5, "hist": 1.3, "exp_hist": 1.3}
 # Distributions whose every non-NaN value is one value (or that are all NaN): the CPU kernel counts their chunks'
-# histograms at once from the statistics (Note [cpu constant chunks] in csrc/cpu/stats_cpu.cpp).
+# histograms at once from the statistics (Note [cpu constant chunks] in csrc/cpu/stats_cpu.cpp). The interleaved
+# groups say per row whether the data fell in one bin ("one_bin", "one_bin_exp": float16 flushes 1e-20 to zero, and
+# the edge rule puts all of float32 randn * 1e-20 in one bin, counted 64 at a time), and the report uses that.
 ONE_SLOT_DATA = ("zeros", "all_nan", "on_edge")
 
 
@@ -926,6 +928,48 @@ def summarize_bydata(json_path: str) -> dict:
     return out
 
 
+def bydata_targets(rows: dict, hist_op: str) -> str:
+    """Issue 14's target lines for one device and dtype: {data: {op: µs}}, the range histogram's time under
+    `hist_op` ("hist" in the by-distribution groups, "stats_hist" in the interleaved ones: the same kernel)."""
+    spread = {(hist_op if op == "hist" else op): limit for op, limit in BYDATA_SPREAD.items()}
+    lines = ["Targets (reported, not asserted):"]
+    for op, limit in spread.items():
+        ts = {n: r[op] for n, r in rows.items() if r.get(op)}
+        if not ts:
+            continue
+        ratio = max(ts.values()) / min(ts.values())
+        slow, fast = max(ts, key=ts.get), min(ts, key=ts.get)
+        flag = "one_bin_exp" if op == "exp_hist" else "one_bin"
+        one_slot = {n for n, r in rows.items() if r.get(flag, n in ONE_SLOT_DATA)}
+        per_value = {n: t for n, t in ts.items() if n not in one_slot}
+        if op in (hist_op, "exp_hist") and len(per_value) < len(ts) and per_value:
+            # Note [cpu constant chunks]: one-bin data skips the per-value work, so it is the fastest by
+            # design; the target is about slow cases: the per-value distributions among themselves, and the
+            # one-bin ones no slower than the slowest of those.
+            pv = max(per_value.values()) / min(per_value.values())
+            pslow, pfast = max(per_value, key=per_value.get), min(per_value, key=per_value.get)
+            one_slot_ok = max(t for n, t in ts.items() if n in one_slot) <= max(per_value.values())
+            met = pv <= limit and one_slot_ok
+            lines.append(f"- `{op}` slowest / fastest <= {limit}x: {pv:.2f}x over the distributions binned value "
+                         f"by value ({pslow} / {pfast}); {ratio:.2f}x with the one-bin data "
+                         f"({', '.join(n for n in ts if n in one_slot)}), counted a chunk at once and "
+                         f"{'no slower than the slowest of them' if one_slot_ok else 'SLOWER than some of them'} "
+                         f"({'met' if met else 'NOT met'})")
+            continue
+        lines.append(f"- `{op}` slowest / fastest <= {limit}x: {ratio:.2f}x ({slow} / {fast}, "
+                     f"{'met' if ratio <= limit else 'NOT met'})")
+    vs = [r["histc"] / r[hist_op] for r in rows.values() if r.get("histc") and r.get(hist_op)]
+    if vs:
+        lines.append(f"- `hist` >= 4x faster than `torch.histc` on every distribution: at least {min(vs):.1f}x "
+                     f"({'met' if min(vs) >= 4 else 'NOT met'})")
+    sh = [r["stats_hist"] / (r["stats"] + r["bincount"]) for r in rows.values()
+          if r.get("stats_hist") and r.get("stats") and r.get("bincount")]
+    if sh:
+        lines.append(f"- `stats_hist` <= 1.5x (`stats` + `bincount`): at most {max(sh):.2f}x "
+                     f"({'met' if max(sh) <= 1.5 else 'NOT met'})")
+    return "\n".join(lines) + "\n"
+
+
 def format_bydata_table(table: dict) -> str:
     """Markdown: per (device, dtype), µs of each op on each distribution, the slowest / fastest ratio per op, and
     the issue's targets: hist >= 4x faster than histc everywhere, stats_hist within 1.5x of stats + bincount."""
@@ -950,40 +994,32 @@ def format_bydata_table(table: dict) -> str:
                 vs_randn.append(f"{max(ts) / base:.2f}x" if ts and base else "–")
             out.append("| **slowest / randn** | " + " | ".join(vs_randn) + " |")
         out.append("")
-        lines = ["Targets (reported, not asserted):"]
-        for op, limit in BYDATA_SPREAD.items():
-            ts = {n: r[op] for n, r in rows.items() if r.get(op)}
-            if not ts:
-                continue
-            ratio = max(ts.values()) / min(ts.values())
-            slow, fast = max(ts, key=ts.get), min(ts, key=ts.get)
-            per_value = {n: t for n, t in ts.items() if n not in ONE_SLOT_DATA}
-            if op in ("hist", "exp_hist") and len(per_value) < len(ts) and per_value:
-                # Note [cpu constant chunks]: one-slot data skips the per-value work, so it is the fastest by
-                # design; the target is about slow cases: the per-value distributions among themselves, and the
-                # one-slot ones no slower than the slowest of those.
-                pv = max(per_value.values()) / min(per_value.values())
-                pslow, pfast = max(per_value, key=per_value.get), min(per_value, key=per_value.get)
-                one_slot_ok = max(t for n, t in ts.items() if n in ONE_SLOT_DATA) <= max(per_value.values())
-                met = pv <= limit and one_slot_ok
-                lines.append(f"- `{op}` slowest / fastest <= {limit}x: {pv:.2f}x over the distributions binned value "
-                             f"by value ({pslow} / {pfast}); {ratio:.2f}x with the one-slot data "
-                             f"({', '.join(n for n in ts if n in ONE_SLOT_DATA)}), counted a chunk at once and "
-                             f"{'no slower than the slowest of them' if one_slot_ok else 'SLOWER than some of them'} "
-                             f"({'met' if met else 'NOT met'})")
-                continue
-            lines.append(f"- `{op}` slowest / fastest <= {limit}x: {ratio:.2f}x ({slow} / {fast}, "
-                         f"{'met' if ratio <= limit else 'NOT met'})")
-        vs = [r["histc"] / r["hist"] for r in rows.values() if r.get("histc") and r.get("hist")]
-        if vs:
-            lines.append(f"- `hist` >= 4x faster than `torch.histc` on every distribution: at least {min(vs):.1f}x "
-                         f"({'met' if min(vs) >= 4 else 'NOT met'})")
-        sh = [r["stats_hist"] / (r["stats"] + r["bincount"]) for r in rows.values()
-              if r.get("stats_hist") and r.get("stats") and r.get("bincount")]
-        if sh:
-            lines.append(f"- `stats_hist` <= 1.5x (`stats` + `bincount`): at most {max(sh):.2f}x "
-                         f"({'met' if max(sh) <= 1.5 else 'NOT met'})")
-        out.append("\n".join(lines) + "\n")
+        out.append(bydata_targets(rows, "hist"))
+    return "\n".join(out)
+
+
+def summarize_bydata_interleaved(json_path: str) -> dict:
+    """{(device, dtype): {data: {op: µs}}} of the interleaved by-distribution groups (test_hist_by_data_interleaved)."""
+    with open(json_path) as f:
+        data = json.load(f)
+    return {(b["extra_info"]["device"], b["extra_info"]["dtype"]): b["extra_info"]["rows"]
+            for b in data.get("benchmarks", []) if b.get("extra_info", {}).get("family") == "bydata_interleaved"}
+
+
+def format_bydata_interleaved(table: dict) -> str:
+    """Markdown: the interleaved medians per distribution, and the issue's targets read from them."""
+    ops = ("sum", "stats", "stats_hist", "exp_hist", "histc", "bincount")
+    out: list[str] = []
+    for (device, dtype), rows in table.items():
+        out.append(f"### By distribution, interleaved call by call, {device}, {dtype}, µs (median)\n")
+        out.append("| data | " + " | ".join(f"`{op}`" for op in ops) + " | `stats_hist` / (`stats` + `bincount`) |")
+        out.append("|---|" + "---:|" * (len(ops) + 1))
+        for name, r in rows.items():
+            ratio = r["stats_hist"] / (r["stats"] + r["bincount"])
+            out.append(f"| {name} | " + " | ".join(_fmt_us(r.get(op) * 1e-6 if r.get(op) else None) for op in ops)
+                       + f" | {ratio:.2f}x |")
+        out.append("")
+        out.append(bydata_targets(rows, "stats_hist"))
     return "\n".join(out)
 
 
@@ -1062,6 +1098,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     bydata = summarize_bydata(args.json_path)
     if bydata:  # files without the by-distribution groups print exactly what they did before
         text += "\n" + format_bydata_table(bydata)
+    interleaved = summarize_bydata_interleaved(args.json_path)
+    if interleaved:
+        text += "\n" + format_bydata_interleaved(interleaved)
     dist_rows = summarize_dist(args.json_path)
     if dist_rows:
         text += format_dist_table(dist_rows)

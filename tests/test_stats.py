@@ -1128,3 +1128,22 @@ def test_more_than_2_31_elements(device):
         assert as_float(s.min) == as_float(s.max) == 2.0 and as_float(s.mean) == approx(2.0, rel=1e-6)
         assert as_float(s.std) <= 4 * torch.finfo(result_dtype(dt)).eps * 2.0
         assert as_float(s.l2) == approx(2.0 * math.sqrt(m), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
+def test_every_half_pattern_loads_exactly(dtype, isa):
+    """Each 16-bit value, loaded in SIMD lanes (the AVX2 fp16 load is F16C's vcvtph2ps, the portable one a bit
+    method): 65,536 tensors of 8 copies of one pattern (one AVX2 vector each) have min == max == the value that
+    torch's own conversion gives, and NaN patterns count 8 NaNs."""
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    xs = list(patterns.repeat_interleave(8).split(8))
+    buf = hookstats.stats_buffer(len(xs))
+    hookstats.stats_multi_into(xs, buf, range(len(xs)))
+    f = hookstats.STATS_FIELDS
+    want = patterns.double()
+    nan = torch.isnan(want)
+    assert torch.equal(buf[:, f.index("nan_count")], torch.where(nan, 8.0, 0.0).double())
+    for field in ("min", "max"):
+        got = buf[~nan, f.index(field)]
+        assert torch.equal(got, want[~nan]), (field, (got != want[~nan]).nonzero()[:8].flatten().tolist())
+    assert torch.equal(buf[~nan, f.index("zero_count")], torch.where(want[~nan] == 0, 8.0, 0.0).double())
