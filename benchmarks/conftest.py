@@ -192,6 +192,23 @@ def x(device: str, dtype_name: str, size_log2: int) -> torch.Tensor:
     return make_input(size_log2, dtype_name, device)
 
 
+def interleaved_timer(fns: dict, device: str):
+    """(times, timed) for the benchmarks that alternate cases call by call: timed(case) calls fns[case] once
+    (synchronized on CUDA, since the host clock is read) and appends its seconds to times[case]."""
+    times: dict = {case: [] for case in fns}
+
+    def timed(case) -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fns[case]()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times[case].append(time.perf_counter() - t0)
+
+    return times, timed
+
+
 @pytest.fixture
 def measure(benchmark):
     """measure(op, case, device, kind=None): times `op` with pytest-benchmark, rounds planned by cost

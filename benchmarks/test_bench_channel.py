@@ -16,7 +16,6 @@ HOOKSTATS_BENCH_THREADS=1 for the single-thread figures.
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 import torch
@@ -118,20 +117,11 @@ def test_channel(benchmark, measure, hookstats, device, dtype_name, size_log2, l
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_channel_interleaved(benchmark, hookstats, device, dtype_name, layout):
     """hookstats vs both plain hooks at 2^20, interleaved call by call: the ratio the README reports."""
-    from conftest import DTYPES
+    from conftest import DTYPES, interleaved_timer
 
     x, dim = make(layout, 20, DTYPES[dtype_name], device, benchmark.disabled)
     fns = {case: ops(hookstats, x, dim, case) for case in ("hookstats", "plain_absmax", "plain_all")}
-    times = {case: [] for case in fns}
-
-    def timed(case):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fns[case]()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times[case].append(time.perf_counter() - t0)
+    times, timed = interleaved_timer(fns, device)
 
     reps = 3 if benchmark.disabled else 60
     for case in fns:

@@ -259,8 +259,8 @@ INTERLEAVED_CASES = ("stats", "stats_hist", "exp_hist", "bincount", "sum")
 @pytest.mark.parametrize("dtype_name", DATA_DTYPES)
 def test_hist_by_data_interleaved(benchmark, hookstats, device, dtype_name):
     import statistics
-    import time
 
+    from conftest import interleaved_timer
     from hookstats import reference
 
     reps = 1 if benchmark.disabled else 60
@@ -277,16 +277,7 @@ def test_hist_by_data_interleaved(benchmark, hookstats, device, dtype_name):
                "exp_hist": lambda: hookstats.exp_histogram(x),
                "bincount": lambda: torch.bincount(idx, minlength=DATA_BINS + 3), "sum": lambda: x.sum(),
                "histc": lambda: torch.histc(xf, DATA_BINS, DATA_LO, DATA_HI)}
-        times: dict[str, list] = {c: [] for c in fns}
-
-        def timed(case):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fns[case]()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[case].append(time.perf_counter() - t0)
+        times, timed = interleaved_timer(fns, device)
 
         for f in fns.values():
             f()  # warm: caches, and the range's thresholds and tables

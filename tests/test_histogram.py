@@ -1332,11 +1332,12 @@ def test_every_double_next_to_each_threshold(rng, isa):
 
 
 def test_ordinal_tables_cache_eviction(isa):
-    """More ranges than a thread caches tables for (kLutCacheEntries = 4), cycled twice, fp16 and bf16 in turn:
-    an evicted table is rebuilt, never reused for another range."""
+    """More ranges than a thread caches tables for (kRangeCacheEntries = 4: the 16-bit ordinal tables and the
+    float and double thresholds), cycled twice, every dtype in turn: an evicted table is rebuilt, never reused
+    for another range."""
     ranges = [(64, -4.0, 4.0), (64, -4.1, 3.9), (7, -0.5, 3.1), (256, -3.0, 5.0), (100, 0.0, 1e-3), (3, -1.0, 1.0)]
     xs = {dt: (torch.randn(LUT_MIN + 5, generator=seeded("evict", dt), dtype=torch.float64) * 2).to(dt)
-          for dt in (torch.float16, torch.bfloat16)}
+          for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
     for _ in range(2):
         for r in ranges:
             for dt, x in xs.items():

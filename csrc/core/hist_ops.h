@@ -222,28 +222,47 @@ inline bool exact_thresholds(const HistSpec& h, F* T) {
   return true;
 }
 
-// The thresholds (in F) of the last range spec seen by the calling host thread, rebuilt only when the
-// range changes (no allocation and no work per call once warm); nullptr when Note [exact bin
-// thresholds] does not apply. The CPU kernel reads them in place; the CUDA kernel receives a copy of
-// the float ones in its arguments (stats_cuda.cu).
-template <typename F>
-inline const F* cached_thresholds(const HistSpec& h) {
-  struct Cache {
+// Per-range tables of the calling host thread: the last N (bins, lo, hi) seen, each built once
+// (build(vector&) fills it and says whether the table exists), so no allocation and no work per call
+// once warm. A returned pointer stays valid until its range is evicted by N newer ones.
+template <typename T, int N>
+struct RangeCache {
+  struct Entry {
     double lo = 0.0, hi = 0.0;
     int32_t bins = -1;
     bool ok = false;
-    std::vector<F> T;
+    std::vector<T> data;
   };
-  static thread_local Cache cache;
-  if (!thresholds_apply<F>(h)) return nullptr;
-  if (cache.bins != h.bins || cache.lo != h.lo || cache.hi != h.hi) {
-    cache.T.resize(static_cast<size_t>(h.bins) + 1);
-    cache.ok = exact_thresholds<F>(h, cache.T.data());
-    cache.bins = h.bins;
-    cache.lo = h.lo;
-    cache.hi = h.hi;
+  Entry e[N];
+  int next = 0;
+  template <typename Build>
+  const T* get(const HistSpec& h, Build&& build) {
+    for (Entry& en : e) {
+      if (en.bins == h.bins && en.lo == h.lo && en.hi == h.hi) return en.ok ? en.data.data() : nullptr;
+    }
+    Entry& en = e[next];
+    next = (next + 1) % N;
+    en.ok = build(en.data);
+    en.bins = h.bins;
+    en.lo = h.lo;
+    en.hi = h.hi;
+    return en.ok ? en.data.data() : nullptr;
   }
-  return cache.ok ? cache.T.data() : nullptr;
+};
+
+constexpr int kRangeCacheEntries = 4;
+
+// The thresholds (in F) of a range spec (Note [exact bin thresholds]), cached per calling thread;
+// nullptr when they do not apply. The CPU kernel reads them in place; the CUDA kernel receives a copy
+// of the float ones in its arguments (stats_cuda.cu).
+template <typename F>
+inline const F* cached_thresholds(const HistSpec& h) {
+  static thread_local RangeCache<F, kRangeCacheEntries> cache;
+  if (!thresholds_apply<F>(h)) return nullptr;
+  return cache.get(h, [&](std::vector<F>& T) {
+    T.resize(static_cast<size_t>(h.bins) + 1);
+    return exact_thresholds<F>(h, T.data());
+  });
 }
 inline const float* cached_thresholds_f32(const HistSpec& h) { return cached_thresholds<float>(h); }
 
@@ -252,9 +271,8 @@ inline const float* cached_thresholds_f32(const HistSpec& h) { return cached_thr
 // be tabulated once per range (and its exponent slots once, exp_slot_lut): the CPU kernel then places a value by one load, lut[bits], with no
 // arithmetic and no edge case (the rule is threshold_ordinal on the value widened to float, exact,
 // which is what the CUDA kernel evaluates per value). 128 KB per table; a spread input touches a few
-// KB of it. A thread keeps the tables of its last kLutCacheEntries (dtype, range) pairs, so a
+// KB of it. A thread keeps the tables of its last kRangeCacheEntries ranges per dtype, so a
 // Monitor's one range costs one build (~0.1 ms) per calling thread.
-constexpr int kLutCacheEntries = 4;
 
 // E = 5 (fp16) or 8 (bf16) exponent bits: the float value of 16 raw bits.
 template <int E>
@@ -284,31 +302,17 @@ inline float half_bits_to_float(uint16_t b) {
 // cached per calling thread; nullptr when Note [exact bin thresholds] does not apply.
 template <int E>
 inline const uint16_t* cached_ordinal_lut(const HistSpec& h) {
-  struct Entry {
-    double lo = 0.0, hi = 0.0;
-    int32_t bins = -1;
-    std::vector<uint16_t> lut;
-  };
-  struct Cache {
-    Entry e[kLutCacheEntries];
-    int next = 0;
-  };
-  static thread_local Cache cache;
-  for (Entry& en : cache.e) {
-    if (en.bins == h.bins && en.lo == h.lo && en.hi == h.hi) return en.lut.data();
-  }
-  const float* T = cached_thresholds_f32(h);
-  if (T == nullptr) return nullptr;
-  Entry& en = cache.e[cache.next];
-  cache.next = (cache.next + 1) % kLutCacheEntries;
-  en.lut.resize(65536);
-  for (uint32_t b = 0; b < 65536u; ++b) {
-    en.lut[b] = static_cast<uint16_t>(threshold_ordinal(half_bits_to_float<E>(static_cast<uint16_t>(b)), h, T));
-  }
-  en.bins = h.bins;
-  en.lo = h.lo;
-  en.hi = h.hi;
-  return en.lut.data();
+  static thread_local RangeCache<uint16_t, kRangeCacheEntries> cache;
+  if (!thresholds_apply<float>(h)) return nullptr;
+  return cache.get(h, [&](std::vector<uint16_t>& lut) {
+    const float* T = cached_thresholds<float>(h);
+    if (T == nullptr) return false;
+    lut.resize(65536);
+    for (uint32_t b = 0; b < 65536u; ++b) {
+      lut[b] = static_cast<uint16_t>(threshold_ordinal(half_bits_to_float<E>(static_cast<uint16_t>(b)), h, T));
+    }
+    return true;
+  });
 }
 
 // Exponent histogram slot from the raw bits of a value with E exponent and M mantissa bits.
