@@ -95,9 +95,7 @@ def unravel(index, shape) -> Optional[tuple]:
     """The coordinates of flat index `index` (row-major, as `x.flatten()` indexes x) in a tensor of `shape`: a tuple
     of ints, () for a 0-d tensor, None for -1 (no such element). `index` may be an int or a 0-d tensor (read on the
     host). Raises ValueError when the index is outside the shape."""
-    if isinstance(index, torch.Tensor):
-        index = int(index.item())
-    index = int(index)
+    index = int(index.item()) if isinstance(index, torch.Tensor) else int(index)
     shape = tuple(int(d) for d in shape)
     if index == -1:
         return None
@@ -411,12 +409,8 @@ def _stats_from_parts(values: torch.Tensor, counts: torch.Tensor) -> Stats:
 
 
 def _located(values: torch.Tensor, counts: torch.Tensor, loc: torch.Tensor, shape) -> LocatedStats:
-    v = values.unbind(0)
-    c = counts.unbind(0)
     a, f = loc.unbind(0)
-    out = tuple.__new__(LocatedStats, (c[0], *v, c[1], c[2], c[3]))  # the fields in STATS_FIELDS order
-    out.argmax_abs_index, out.first_nonfinite_index, out.shape = a, f, tuple(shape)
-    return out
+    return LocatedStats(*_stats_from_parts(values, counts), argmax_abs_index=a, first_nonfinite_index=f, shape=shape)
 
 
 def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
@@ -569,7 +563,7 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
     else:
         torch.ops.hookstats.stats_into.default(x.detach(), out, slot, hist, 0 if hist_slot is None else hist_slot,
                                                mode, bins, lo, hi, bool(accumulate), ring, loc,
-                                               slot if loc_slot is None else loc_slot)
+                                               0 if loc_slot is None else loc_slot)
 
 
 if HAVE_EXTENSION:

@@ -182,17 +182,23 @@ def test_permuted_stats_match_reference(device):
     assert_stats_close(hookstats.stats(x, locations=True), reference.stats(x), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_with_histogram(device):
-    x = _rand(50_000, torch.float32, device, 4)
+def test_with_histogram(device, dtype):
+    """The kernel that finds locations bins as the one that does not, and as the reference: exponent and range
+    histograms (the range ones by exact thresholds on CUDA, counted by ordinal), values on edges included."""
+    x = _rand(50_000, dtype, device, 4)
+    x[::7] = torch.round(x[::7] * 5) / 5  # on the edges of the 10-bin range
     x[777] = NAN
     s, h = hookstats.stats(x, "exp", locations=True)
     s0, h0 = hookstats.stats(x, "exp")
     assert torch.equal(h, h0)
     assert (int(s.argmax_abs_index), int(s.first_nonfinite_index)) == torch_locations(x)
-    s, h = hookstats.stats(x, (10, (-1.0, 1.0)), locations=True)
-    assert torch.equal(h, hookstats.stats(x, (10, (-1.0, 1.0)))[1])
-    assert int(s.first_nonfinite_index) == 777
+    for spec in ((10, (-1.0, 1.0)), (600, (-2.0, 2.0))):  # <= 512 bins: thresholds in the CUDA launch; more: not
+        s, h = hookstats.stats(x, spec, locations=True)
+        assert torch.equal(h, hookstats.stats(x, spec)[1])
+        assert torch.equal(h.cpu(), reference.histogram_of(x.cpu(), hookstats.Histogram.range(spec[0], *spec[1])))
+        assert int(s.first_nonfinite_index) == 777
 
 
 def test_unravel_and_coordinates():

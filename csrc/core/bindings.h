@@ -41,12 +41,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stats_hist_op(const at::Tensor& x
   return {values, counts, hist};
 }
 
-// Note [histogram rows]
-// stats_into writes its histogram row, as it writes its stats row: the row holds the counts of
-// this call's x alone, whatever it held before, so a CUDA graph that replays the call leaves the
-// same row after every replay. With hist_accumulate the counts are added to the row instead
-// (histograms summed over calls or steps); the caller then owns zeroing the row. hookstats.Monitor
-// gives every record its own row.
 // Note [ring rows] (csrc/core/stats_ops.h): with `ring`, out is [ring_slots, rows, 13] and hist
 // [ring_slots, hist rows, length], and the row of slot p mod ring_slots is written, p read on the
 // device when the kernel runs. Checks the ring and the buffers' leading dimension, and returns
@@ -103,19 +97,6 @@ inline void check_loc_buffer(const at::Tensor& x, const at::Tensor& loc, int64_t
                     " but the tensor is on ", x.device());
   TORCH_CHECK_VALUE(slot >= 0 && slot < loc.size(0), "hookstats.stats_into: location slot ", slot,
                     " is out of range for a buffer of ", loc.size(0), " slots");
-}
-
-// The layout a kernel reads x in when it also finds locations (Note [element locations]): logical
-// order, so a dense but permuted tensor (channels_last, a transpose) is read through its strides
-// instead of as one flat span of memory.
-inline StridedLayout logical_layout_of(const at::Tensor& x) {
-  StridedLayout l;
-  l.ndim = 0;
-  if (x.is_contiguous()) return l;
-  const bool ok = make_layout(static_cast<int>(x.dim()), x.sizes().data(), x.strides().data(), l);
-  TORCH_CHECK_VALUE(ok, "hookstats: tensor has more than ", kMaxDims,
-                    " non-mergeable dimensions; reshape it or pass .contiguous()");
-  return l;
 }
 
 // Statistics, locations (int64 [2]: argmax_abs, first_nonfinite) and, with mode != 0, the histogram

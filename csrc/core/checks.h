@@ -48,11 +48,13 @@ inline void check_stats_buffer(const at::Tensor& x, const at::Tensor& out, int64
                     " is out of range for a buffer of ", out.size(0), " slots");
 }
 
-// Flat when the elements fill a dense block (Note [layouts]).
-inline StridedLayout layout_of(const at::Tensor& x) {
+// Flat when the elements fill a dense block (Note [layouts]). With logical_order (a kernel that also
+// finds locations, Note [element locations]) only a contiguous tensor is flat, so a dense but permuted
+// one (channels_last, a transpose) is read through its strides, in logical order.
+inline StridedLayout layout_of(const at::Tensor& x, bool logical_order = false) {
   StridedLayout l;
   l.ndim = 0;
-  if (x.is_non_overlapping_and_dense()) return l;
+  if (logical_order ? x.is_contiguous() : x.is_non_overlapping_and_dense()) return l;
   const bool ok = make_layout(static_cast<int>(x.dim()), x.sizes().data(), x.strides().data(), l);
   TORCH_CHECK_VALUE(ok, "hookstats: tensor has more than ", kMaxDims,
                     " non-mergeable dimensions; reshape it or pass .contiguous()");

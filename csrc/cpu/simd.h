@@ -183,29 +183,35 @@ HS_INLINE bool any_lane_of(const Vec& m) {
   return any_lane(m);
 }
 
-// a > b ? a : b, a < b ? a : b (b when a is NaN) and round-to-nearest of float lanes of a B-byte kernel
-// body: one instruction each in the AVX2 entry points (the builtins, as in any_lane_of), selects elsewhere.
+// a > b ? a : b, a < b ? a : b (b when a is NaN) and round-to-nearest of float or double lanes of a
+// B-byte kernel body: one instruction each in the AVX2 entry points (the builtins, as in any_lane_of),
+// selects elsewhere.
 template <int B, typename F>
 HS_INLINE F max_of(const F& a, const F& b) {
 #if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
-  if constexpr (B == 32 && sizeof(F) == 32) return __builtin_ia32_maxps256(a, b);
+  if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 4) return __builtin_ia32_maxps256(a, b);
+  if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 8) return __builtin_ia32_maxpd256(a, b);
 #endif
   return a > b ? a : b;
 }
 template <int B, typename F>
 HS_INLINE F min_of(const F& a, const F& b) {
 #if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
-  if constexpr (B == 32 && sizeof(F) == 32) return __builtin_ia32_minps256(a, b);
+  if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 4) return __builtin_ia32_minps256(a, b);
+  if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 8) return __builtin_ia32_minpd256(a, b);
 #endif
   return a < b ? a : b;
 }
-// The nearest integer of lanes a >= 0 (ties either way), as floats.
+// The nearest integer of lanes a >= 0 (ties either way), in a's type; I: integer lanes of a's width.
 template <int B, typename F, typename I>
 HS_INLINE F round_nonneg_of(const F& a) {
 #if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
-  if constexpr (B == 32 && sizeof(F) == 32) return __builtin_ia32_roundps256(a, 0x8);  // nearest, no exceptions
+  // nearest, no exceptions
+  if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 4) return __builtin_ia32_roundps256(a, 0x8);
+  if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 8) return __builtin_ia32_roundpd256(a, 0x8);
 #endif
-  return __builtin_convertvector(__builtin_convertvector(a + 0.5f, I), F);
+  using S = decltype(a[0] + 0);  // float or double
+  return __builtin_convertvector(__builtin_convertvector(a + S(0.5), I), F);
 }
 
 // Loads (and stores) of W lanes in the accumulation type. Tag types keep this header torch-free:

@@ -96,7 +96,7 @@ struct RangeConsts {
   // value is placed by r + (x >= T[r]).
   const float* T;
   const double* T64;
-  double scale64, shift64, band64, fbins64;  // the transform of float64 inputs, in double
+  double band64;  // fixed_slot's band of the double transform (spec.scale, spec.shift)
 };
 
 // What bin_chunk needs: the spec, and for float inputs the constants of the SIMD range path.
@@ -140,10 +140,7 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   r.exact_only = !hs.float_ok || !std::isfinite(r.band);
   r.T = nullptr;
   r.T64 = nullptr;
-  r.scale64 = hs.scale;
-  r.shift64 = hs.shift;
   r.band64 = threshold_band<double>(hs);
-  r.fbins64 = static_cast<double>(hs.bins);
   return r;
 }
 
@@ -179,64 +176,87 @@ template <> struct ExpBits<c10::Half> { static constexpr int E = 5, M = 10; };
 // to one edge (ReLU zeros, gradient-sized values around 0, a constant on an edge) puts every near lane
 // at the same edge r, vector after vector, so the lanes compare with one broadcast threshold; a
 // vector whose near lanes sit at another edge reads T per lane and moves the cache there.
-template <int B>
+template <typename V>
 struct EdgeCache {
-  typename simd::VT<B>::i32 r;  // the edge, in every lane (-1: none yet)
-  typename simd::VT<B>::f32 T;  // its threshold, in every lane
+  V r;  // the edge, in every lane (-1: none yet)
+  V T;  // its threshold, in every lane
 };
 
+// The ordinals (Note [exact bin thresholds]) of float or double lanes v, with M the lanes' mask type:
+// t = v * scale + shift; r = the nearest edge; a lane farther than the band from r is above it exactly
+// when t is (fixed_slot's rule), a near lane exactly when v >= T[r] (the cached edge's broadcast
+// threshold, or T per lane); NaN lanes get bins + 2. Float lanes return int32 ordinals (M); double
+// lanes return them as exact doubles (V), which convert to int32 lanes in one instruction where int64
+// ones take five.
+template <int B, typename V, typename M, typename F>
+HS_INLINE std::conditional_t<sizeof(F) == 4, M, V> range_ordinals(const V& v, F scale, F shift, F band, int32_t bins,
+                                                                  const F* T, EdgeCache<V>& ec) {
+  constexpr int W = sizeof(V) / sizeof(F);
+  using R = std::conditional_t<sizeof(F) == 4, M, V>;
+  const V t = v * scale + shift;
+  const V tc = simd::min_of<B>(simd::max_of<B>(t, V{}), V{} + static_cast<F>(bins));  // NaN -> 0
+  const V rf = simd::round_nonneg_of<B, V, M>(tc);
+  R r;
+  if constexpr (sizeof(F) == 4) r = __builtin_convertvector(rf, M); else r = rf;
+  const M one = (M)(V{} + F(1));
+  auto plus = [&](const M& above) -> R {  // r + 1 where above is set
+    if constexpr (sizeof(F) == 4) return r - above; else return r + (V)(above & one);
+  };
+  const V d = t - rf;
+  const M is_nan = (M)(v != v);
+  const M near = ~(M)(simd::abs_bits<V, M>(d) > band) & ~is_nan;
+  const R o_far = plus((M)(d >= F(0)));
+  R o = near ? plus((M)(v >= ec.T)) : o_far;
+  if (simd::any_lane_of<B>(near & (M)(rf != ec.r))) {  // a near lane at another edge than the cached one
+    V g;
+    for (int j = 0; j < W; ++j) g[j] = T[static_cast<int32_t>(rf[j])];
+    o = near ? plus((M)(v >= g)) : o_far;
+    int j0 = 0;
+    while (!near[j0] || rf[j0] == ec.r[j0]) ++j0;
+    ec.r = V{} + rf[j0];
+    ec.T = V{} + g[j0];
+  }
+  using RS = std::decay_t<decltype(R{}[0])>;
+  return is_nan ? R{} + static_cast<RS>(bins + 2) : o;
+}
+
+// Exponent-histogram slots (Note [histogram layouts]) of the E-exponent, MB-mantissa-bit patterns in the
+// unsigned lanes bits, as signed lanes I: normals by exponent and sign; then neg/pos subnormal, zero,
+// -inf, +inf, NaN. (The sign enters as a mask, neg = -1: AVX2 has no 64-bit lane multiply.)
+template <int E, int MB, typename U, typename I>
+HS_INLINE I exp_slots(const U& bits) {
+  using S = std::decay_t<decltype(I{}[0])>;
+  using UE = std::decay_t<decltype(U{}[0])>;
+  constexpr UE one = 1;
+  constexpr S nE = (S(1) << E) - 2;
+  constexpr UE emask = (one << E) - 1u;
+  const U e = (bits >> MB) & emask;
+  const I neg = (I)((bits >> (E + MB)) != 0u);
+  const I mant = (I)((bits & ((one << MB) - 1u)) != 0u);
+  const I e0 = (I)(e == 0u), emax = (I)(e == emask);
+  const I normal = (I)(e - 1u) + (~neg & nE);
+  const I sub_or_zero = mant ? neg + (2 * nE + 1) : I{} + (2 * nE + 2);
+  const I inf_or_nan = mant ? I{} + (2 * nE + 5) : neg + (2 * nE + 4);
+  return e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
+}
+
 // Counter indices (Note [cpu histogram counters], copy 0) of W float lanes v (raw: the same W input
-// values), in SIMD, with no per-value branch: exponents (subnormal, zero, inf and NaN included) by
-// vector selects on the bits; range slots by Note [exact bin thresholds] when the table exists.
-// Without it (ranges too narrow for float32 t) a vector holding a value near an edge, or NaN, has
-// those lanes placed by the exact scalar functions of core/hist_ops.h.
+// values), in SIMD, with no per-value branch: exponents by exp_slots on the bits; range slots by
+// range_ordinals when the thresholds exist. Without them (ranges too narrow for float32 t) a vector
+// holding a value near an edge, or NaN, has those lanes placed by the exact scalar functions of
+// core/hist_ops.h.
 template <int B, int HM, typename scalar_t>
 HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typename simd::VT<B>::f32& v,
-                                               const BinPlan& bp, EdgeCache<B>& ec) {
+                                               const BinPlan& bp, EdgeCache<typename simd::VT<B>::f32>& ec) {
   using V = typename simd::VT<B>::f32;
   using I = typename simd::VT<B>::i32;
   using U = typename simd::VT<B>::u32;
   constexpr int W = B / 4;
   const RangeConsts& rc = bp.rc;
   if (HM == kHistRange && rc.T != nullptr) {
-    const V t = v * rc.scale + rc.shift;
-    const V tc = simd::min_of<B>(simd::max_of<B>(t, V{}), V{} + rc.fbins);  // NaN -> 0
-    const V rf = simd::round_nonneg_of<B, V, I>(tc);  // the nearest edge
-    const I r = __builtin_convertvector(rf, I);
-    // A lane whose t is farther than the band from edge r is above that edge exactly when t is
-    // (fixed_slot's rule); a near lane is above it exactly when v >= T[r]. NaN lanes are set last.
-    const V d = t - rf;
-    const I is_nan = (I)(v != v);
-    const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band) & ~is_nan;
-    const I o_far = r - (I)(d >= 0.0f);
-    I o = near ? r - (I)(v >= ec.T) : o_far;
-    if (simd::any_lane_of<B>(near & (I)(r != ec.r))) {  // a near lane at another edge than the cached one
-      V g;
-      for (int j = 0; j < W; ++j) g[j] = rc.T[r[j]];
-      o = near ? r - (I)(v >= g) : o_far;
-      int j0 = 0;
-      while (!near[j0] || r[j0] == ec.r[j0]) ++j0;
-      ec.r = I{} + r[j0];
-      ec.T = V{} + g[j0];
-    }
-    return is_nan ? I{} + (rc.bins + 2) : o;
+    return range_ordinals<B, V, I>(v, rc.scale, rc.shift, rc.band, rc.bins, rc.T, ec);
   }
-  I slot;
-  I special;
-  if (HM == kHistRange) {
-    const V t = v * rc.scale + rc.shift;
-    V tc = t > rc.lo_clamp ? t : V{} + rc.lo_clamp;
-    tc = tc < rc.hi_clamp ? tc : V{} + rc.hi_clamp;
-    I i = __builtin_convertvector(tc, I);  // truncation; tc is within int range
-    const V fi = __builtin_convertvector(i, V);
-    const I up = (I)(fi > tc);  // -1 where truncation rounded a negative value up
-    i += up;
-    const V frac = tc - (fi + __builtin_convertvector(up, V));
-    special = (I)(frac < rc.band) | (I)((1.0f - frac) < rc.band) | (I)(v != v);
-    slot = i < 0 ? I{} + rc.bins : (i >= rc.bins ? I{} + (rc.bins + 1) : i);
-  } else {
-    constexpr int E = ExpBits<scalar_t>::E, M = ExpBits<scalar_t>::M;
-    constexpr uint32_t nE = (1u << E) - 2, emask = (1u << E) - 1;
+  if (HM == kHistExp) {
     U bits;
     if (sizeof(scalar_t) == 4) {
       std::memcpy(&bits, &v, sizeof bits);
@@ -245,17 +265,18 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
       std::memcpy(&r16, raw, sizeof r16);
       bits = __builtin_convertvector(r16, U);
     }
-    // Note [histogram layouts]: normals by exponent and sign; then neg/pos subnormal, zero,
-    // -inf, +inf, NaN.
-    const U e = (bits >> M) & emask;
-    const U pos = 1u - ((bits >> (E + M)) & 1u);
-    const I mant = (I)((bits & ((1u << M) - 1u)) != 0u);
-    const I e0 = (I)(e == 0u), emax = (I)(e == emask);
-    const I normal = (I)(e - 1u + pos * nE);
-    const I sub_or_zero = mant ? (I)(2 * nE + pos) : I{} + static_cast<int32_t>(2 * nE + 2);
-    const I inf_or_nan = mant ? I{} + static_cast<int32_t>(2 * nE + 5) : (I)(2 * nE + 3 + pos);
-    return e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
+    return exp_slots<ExpBits<scalar_t>::E, ExpBits<scalar_t>::M, U, I>(bits);
   }
+  const V t = v * rc.scale + rc.shift;
+  V tc = t > rc.lo_clamp ? t : V{} + rc.lo_clamp;
+  tc = tc < rc.hi_clamp ? tc : V{} + rc.hi_clamp;
+  I i = __builtin_convertvector(tc, I);  // truncation; tc is within int range
+  const V fi = __builtin_convertvector(i, V);
+  const I up = (I)(fi > tc);  // -1 where truncation rounded a negative value up
+  i += up;
+  const V frac = tc - (fi + __builtin_convertvector(up, V));
+  const I special = (I)(frac < rc.band) | (I)((1.0f - frac) < rc.band) | (I)(v != v);
+  I slot = i < 0 ? I{} + rc.bins : (i >= rc.bins ? I{} + (rc.bins + 1) : i);
   if (simd::any_lane(special)) {
     for (int j = 0; j < W; ++j) {
       if (!special[j]) continue;
@@ -265,60 +286,21 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
   return slot;
 }
 
-// slot_lanes for float64 inputs: W = B / 8 double lanes, W int32 counter indices. Range slots by
-// Note [exact bin thresholds] with a table of doubles, the transform in double, ordinals computed as
-// doubles (exact integers) and converted once; exponent slots by selects on the 64-bit patterns.
-template <int B>
-struct EdgeCache64 {
-  typename simd::VT<B>::f64 r;  // the edge, in every lane (-1: none yet)
-  typename simd::VT<B>::f64 T;  // its threshold
-};
-
+// slot_lanes for float64 inputs: W = B / 8 double lanes, W int32 counter indices (range ordinals with a
+// table of double thresholds and the transform in double; exponent slots of the 64-bit patterns).
 template <int B, int HM>
 HS_INLINE typename simd::VT<B / 2>::i32 slot_lanes_f64(const typename simd::VT<B>::f64& v, const BinPlan& bp,
-                                                       EdgeCache64<B>& ec) {
+                                                       EdgeCache<typename simd::VT<B>::f64>& ec) {
   using V = typename simd::VT<B>::f64;
   using I = typename simd::VT<B>::i64;
-  using U = typename simd::VT<B>::u64;
   using J = typename simd::VT<B / 2>::i32;
-  constexpr int W = B / 8;
   if constexpr (HM == kHistRange) {
-    const RangeConsts& rc = bp.rc;
-    const V t = v * rc.scale64 + rc.shift64;
-    V tc = t > 0.0 ? t : V{};  // NaN -> 0
-    tc = tc < rc.fbins64 ? tc : V{} + rc.fbins64;
-    const J r = __builtin_convertvector(tc + 0.5, J);  // nearest integer (tc >= 0)
-    const V rf = __builtin_convertvector(r, V);
-    const V d = t - rf;
-    const I is_nan = (I)(v != v);
-    const I near = ~(I)(simd::abs_bits<V, I>(d) > rc.band64) & ~is_nan;
-    const I one = (I)(V{} + 1.0);
-    const V o_far = rf + (V)((I)(d >= 0.0) & one);
-    V o = near ? rf + (V)((I)(v >= ec.T) & one) : o_far;
-    if (simd::any_lane_of<B>(near & (I)(rf != ec.r))) {  // a near lane at another edge than the cached one
-      V g;
-      for (int j = 0; j < W; ++j) g[j] = rc.T64[r[j]];
-      o = near ? rf + (V)((I)(v >= g) & one) : o_far;
-      int j0 = 0;
-      while (!near[j0] || rf[j0] == ec.r[j0]) ++j0;
-      ec.r = V{} + rf[j0];
-      ec.T = V{} + g[j0];
-    }
-    o = is_nan ? V{} + static_cast<double>(rc.bins + 2) : o;
-    return __builtin_convertvector(o, J);
+    return __builtin_convertvector(
+        range_ordinals<B, V, I>(v, bp.spec.scale, bp.spec.shift, bp.rc.band64, bp.spec.bins, bp.rc.T64, ec), J);
   } else {
-    constexpr uint64_t nE = 2046, emask = 2047;  // Note [histogram layouts], E = 11, M = 52
-    U bits;
+    typename simd::VT<B>::u64 bits;
     std::memcpy(&bits, &v, sizeof bits);
-    // (no 64-bit lane multiply in AVX2: the sign enters as a mask, neg = -1 for negative values)
-    const U e = (bits >> 52) & emask;
-    const I neg = (I)(bits >> 63 != 0u);
-    const I mant = (I)((bits & ((uint64_t(1) << 52) - 1u)) != 0u);
-    const I e0 = (I)(e == 0u), emax = (I)(e == emask);
-    const I normal = (I)(e - 1u) + (~neg & static_cast<int64_t>(nE));
-    const I sub_or_zero = mant ? neg + static_cast<int64_t>(2 * nE + 1) : I{} + static_cast<int64_t>(2 * nE + 2);
-    const I inf_or_nan = mant ? I{} + static_cast<int64_t>(2 * nE + 5) : neg + static_cast<int64_t>(2 * nE + 4);
-    return __builtin_convertvector(e0 ? sub_or_zero : (emax ? inf_or_nan : normal), J);
+    return __builtin_convertvector((exp_slots<11, 52, typename simd::VT<B>::u64, I>(bits)), J);
   }
 }
 
@@ -377,7 +359,7 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
       count_lut(reinterpret_cast<const bits16*>(p), n, bp.lut, h);
       return;
     } else {
-      EdgeCache<B> ec{typename simd::VT<B>::i32{} - 1, typename simd::VT<B>::f32{}};
+      EdgeCache<typename simd::VT<B>::f32> ec{typename simd::VT<B>::f32{} - 1.0f, typename simd::VT<B>::f32{}};
       const BinPlan plan = bp;  // a local copy: its constants stay in registers across the idx stores
       for (; i + W <= n; i += W) {
         const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), plan, ec);
@@ -386,7 +368,7 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
     }
   } else if constexpr (std::is_same_v<scalar_t, double>) {
     if (HM == kHistExp || bp.rc.T64 != nullptr) {
-      EdgeCache64<B> ec{typename simd::VT<B>::f64{} - 1.0, typename simd::VT<B>::f64{}};
+      EdgeCache<typename simd::VT<B>::f64> ec{typename simd::VT<B>::f64{} - 1.0, typename simd::VT<B>::f64{}};
       const BinPlan plan = bp;
       for (; i + W <= n; i += W) {
         const typename simd::VT<B / 2>::i32 at = slot_lanes_f64<B, HM>(L::load(p + i), plan, ec);
@@ -864,7 +846,7 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
 void run_cpu(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
              bool accumulate) {
   const bool want_loc = out.loc != nullptr;
-  const StridedLayout layout = want_loc ? logical_layout_of(x) : layout_of(x);  // Note [element locations]
+  const StridedLayout layout = layout_of(x, want_loc);  // Note [element locations]
   if (out.ring != nullptr && hist != nullptr) hist += ring_slot(out) * out.ring_hist_elems;  // Note [ring rows]
   const HistOut ho{hs, hs.mode == kHistNone ? nullptr : hist, hist_len, accumulate};
   StatsPartial p = empty_partial();

@@ -228,70 +228,45 @@ struct BinThresholds {
   int32_t n;
 };
 
-// Calls f(value) for every element of the share, counting its histogram slot into this warp's
-// sub-histogram h when the spec has one (by ordinal when hs.T is set).
+// Calls f(value, index) for every element of the share (index: its flat logical position), counting
+// its histogram slot into this warp's sub-histogram h when the spec has one (by ordinal when hs.T is
+// set). Callers that need no index ignore it, and the compiler drops its arithmetic.
 template <typename scalar_t, typename F>
 __device__ __forceinline__ void visit_counting(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
                                                const HistSpec& hs, uint32_t* h, F&& f) {
   using acc_t = typename AccOf<scalar_t>::type;
   if (hs.mode == kHistRange && hs.T != nullptr) {  // Note [exact bin thresholds]: counted by ordinal
-    share.visit(tid, nthreads, [&](scalar_t r) {
+    share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
       const acc_t v = static_cast<acc_t>(r);
-      f(v);
+      f(v, i);
       hist_inc(h, threshold_ordinal(static_cast<float>(v), hs, hs.T));
     });
   } else if (hs.mode == kHistRange) {
-    share.visit(tid, nthreads, [&](scalar_t r) {
-      const acc_t v = static_cast<acc_t>(r);
-      f(v);
-      hist_inc(h, fixed_slot<acc_t>(v, hs));
-    });
-  } else if (hs.mode == kHistExp) {
-    share.visit(tid, nthreads, [&](scalar_t r) {
-      f(static_cast<acc_t>(r));
-      hist_inc(h, exp_slot_raw(r));
-    });
-  } else {
-    share.visit(tid, nthreads, [&](scalar_t r) { f(static_cast<acc_t>(r)); });
-  }
-}
-
-// visit_counting() that also passes each element to loc_add (the LOC kernel's first read).
-template <typename scalar_t, typename F>
-__device__ __forceinline__ void visit_counting_loc(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
-                                                   const HistSpec& hs, uint32_t* h,
-                                                   LocAcc<typename AccOf<scalar_t>::type>& loc, F&& f) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  if (hs.mode == kHistRange) {
     share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
       const acc_t v = static_cast<acc_t>(r);
-      f(v);
-      loc_add<acc_t>(loc, v, i);
+      f(v, i);
       hist_inc(h, fixed_slot<acc_t>(v, hs));
     });
   } else if (hs.mode == kHistExp) {
     share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
-      const acc_t v = static_cast<acc_t>(r);
-      f(v);
-      loc_add<acc_t>(loc, v, i);
+      f(static_cast<acc_t>(r), i);
       hist_inc(h, exp_slot_raw(r));
     });
   } else {
-    share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
-      const acc_t v = static_cast<acc_t>(r);
-      f(v);
-      loc_add<acc_t>(loc, v, i);
-    });
+    share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) { f(static_cast<acc_t>(r), i); });
   }
 }
 
-// The first read of a share: visit_counting, and with LOC the locations too.
+// The first read of a share: visit_counting, and with LOC each element also goes to loc_add.
 template <bool LOC, typename scalar_t, typename F>
 __device__ __forceinline__ void first_visit(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
                                             const HistSpec& hs, uint32_t* h,
                                             LocAcc<typename AccOf<scalar_t>::type>& loc, F&& f) {
-  if constexpr (LOC) visit_counting_loc(share, tid, nthreads, hs, h, loc, f);
-  else visit_counting(share, tid, nthreads, hs, h, f);
+  using acc_t = typename AccOf<scalar_t>::type;
+  visit_counting(share, tid, nthreads, hs, h, [&](acc_t v, int64_t i) {
+    f(v);
+    if constexpr (LOC) loc_add<acc_t>(loc, v, i);
+  });
 }
 
 // The histogram is counted in the first visit only; re-reads only redo statistics. A share whose
@@ -466,7 +441,7 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index());
   const bool want_loc = out.loc != nullptr;
-  const StridedLayout layout = want_loc ? logical_layout_of(x) : layout_of(x);  // Note [element locations]
+  const StridedLayout layout = layout_of(x, want_loc);  // Note [element locations]
   const int64_t n = x.numel();
   if (hist == nullptr) hist_len = 0;
   if (hist_len > 0 && !accumulate) {
@@ -653,12 +628,6 @@ void stats_multi_cuda(const std::vector<MultiItem>& items, const HistSpec& hs, i
       });
     }
   }
-}
-
-// The single-tensor runner, for hookstats::stats_multi_into (cuda/multi_stats_cuda.cu).
-void stats_cuda_runner(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
-                       bool accumulate) {
-  run_cuda(x, out, hs, hist, hist_len, accumulate);
 }
 
 TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {

@@ -1,7 +1,7 @@
 // How the recorder asks whether a CUDA stream is being captured into a graph (Note [monitor graph
 // replays] in recorder.h) without CUDA headers: cuda/ring_cuda.cu sets the query when the
-// extension loads; a build without CUDA kernels leaves it null (nothing is ever captured), and
-// tests may set one that pretends a capture on the CPU.
+// extension loads; a build without CUDA kernels leaves it null (nothing is ever captured). CPU
+// tests pretend a capture through the recorder's _set_test_capture instead.
 #pragma once
 
 #include <cstdint>

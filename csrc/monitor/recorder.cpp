@@ -626,17 +626,20 @@ void Recorder::append_rings(Taken& out) {
   int64_t off = used;
   for (const Emit& e : emits) {
     const Ring& r = rings_[e.ring];
-    std::vector<int64_t> idx;
-    for (int64_t j = e.first; j < e.first + e.n; ++j) idx.push_back(j % r.slots);
-    const at::Tensor sel = at::tensor(idx, at::TensorOptions().dtype(at::kLong)).to(r.stats.device());
+    // The replays' slots first .. first + n (mod slots, n <= slots): at most two contiguous runs of the ring.
+    const int64_t p0 = e.first % r.slots, n1 = std::min(e.n, r.slots - p0);
+    auto copy_slots = [&](at::Tensor&& dst, const at::Tensor& ring, int64_t width) {
+      dst.narrow(0, 0, n1).copy_(ring.narrow(0, p0, n1).narrow(1, 0, width));
+      if (n1 < e.n) dst.narrow(0, n1, e.n - n1).copy_(ring.narrow(0, 0, e.n - n1).narrow(1, 0, width));
+    };
     at::Tensor& blk = out.stats[r.dev].second;
     const int64_t m = std::min(r.cap, blk.size(1));
-    blk.narrow(0, off, e.n).narrow(1, 0, m).copy_(r.stats.index_select(0, sel).narrow(1, 0, m));
+    copy_slots(blk.narrow(0, off, e.n).narrow(1, 0, m), r.stats, m);
     for (size_t g = 0; g < r.hists.size(); ++g) {
       if (!r.hists[g].defined()) continue;
       at::Tensor& hb = std::get<2>(out.hists[g]);
       const int64_t hm = std::min(r.hcaps[g], hb.size(1));
-      hb.narrow(0, off, e.n).narrow(1, 0, hm).copy_(r.hists[g].index_select(0, sel).narrow(1, 0, hm));
+      copy_slots(hb.narrow(0, off, e.n).narrow(1, 0, hm), r.hists[g], hm);
     }
     for (int64_t i = 0; i < e.n; ++i) {
       out.steps.push_back(e.steps[i]);
