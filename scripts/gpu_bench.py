@@ -60,9 +60,10 @@ def distribution_section(dev) -> list[str]:
 
     lines = ["", "## By distribution, 256 MB, ms (CUDA events, medians); in parentheses: op / copy bandwidth", ""]
     h64 = hookstats.Histogram.range(64, -4.0, 4.0)
-    # more bins than travel by value (kMaxArgThresholds, csrc/core/hist_ops.h): the per-value fixed_slot path
+    # more bins than travel by value (kMaxArgThresholds, csrc/core/hist_ops.h): thresholds from a device table
+    # (Note [capture-safe tables]), as for every float64 histogram
     h1024 = hookstats.Histogram.range(1024, -4.0, 4.0)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
         n = 256 * 2**20 // torch.empty((), dtype=dtype).element_size()
         lines += [f"### {str(dtype)[6:]}", "",
                   "| data | copy | stats | stats+hist64 | stats+hist1024 | stats+exp_hist | norm | norm inf | norm 1 "
@@ -80,6 +81,8 @@ def distribution_section(dev) -> list[str]:
             small = x[: 2**20]  # the reference check, on a slice (float64 on the host)
             assert torch.equal(hookstats.histogram(small, 64, range=(-4.0, 4.0)).cpu(),
                                reference.histogram_of(small.cpu(), h64)), f"{name}: GPU histogram differs"
+            assert torch.equal(hookstats.histogram(small, 1024, range=(-4.0, 4.0)).cpu(),
+                               reference.histogram_of(small.cpu(), h1024)), f"{name}: GPU 1024-bin histogram differs"
             for p in (1.0, 2.0, float("inf")):  # the norms of issue 14's distributions against float64
                 got = float(hookstats.norms([small], p)[1])
                 want = float(torch.linalg.vector_norm(small.double().cpu(), p))

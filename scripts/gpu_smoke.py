@@ -110,7 +110,8 @@ def stats():
 def stats_hist():
     for dtype in DTYPES:
         for name, x in inputs(dtype).items():
-            for h in ((64, (-2.0, 2.0)), "exp"):
+            # 64 bins: thresholds by value (float64: a device table); 1000: a device table (Note [capture-safe tables])
+            for h in ((64, (-2.0, 2.0)), (1000, (-2.0, 2.0)), "exp"):
                 s_gpu, c_gpu = hookstats.stats(x.to(DEV), histogram=h)
                 s_cpu, c_cpu = hookstats.stats(x, histogram=h)
                 compare_stats(s_gpu.to_dict(), s_cpu.to_dict(), dtype, f"{dtype} {name} {h}")

@@ -313,3 +313,88 @@ def test_stats_into_hist_row_is_written_on_every_replay(histogram):
         hookstats.stats_into(x.cpu(), ref, 0)
         torch.testing.assert_close(out[0].cpu(), ref[0], rtol=1e-5, atol=1e-6, equal_nan=True)
         torch.testing.assert_close(out[1].cpu(), ref[0], rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def _edge_data(n, h, dtype, gen):
+    """Values on the bin edges of h (as dtype), their neighbours either side, ReLU-style zeros and spread values:
+    the inputs the thresholds decide (Note [exact bin thresholds])."""
+    k = torch.arange(h.bins + 1, dtype=torch.float64)
+    edges = (h.lo + (h.hi - h.lo) * k / h.bins).to(dtype)
+    on = edges[torch.randint(0, h.bins + 1, (n,), generator=gen)]
+    away = torch.where(torch.rand(n, generator=gen) < 0.5, -float("inf"), float("inf")).to(dtype)
+    near = torch.nextafter(on.float() if dtype in (torch.float16, torch.bfloat16) else on,
+                           away.float() if dtype in (torch.float16, torch.bfloat16) else away).to(dtype)
+    spread = (torch.randn(n, generator=gen, dtype=torch.float64) * (h.hi - h.lo) / 3).to(dtype)
+    pick = torch.randint(0, 4, (n,), generator=gen)
+    x = torch.where(pick == 0, on, torch.where(pick == 1, near, torch.where(pick == 2, spread, torch.zeros_like(on))))
+    x[:3] = torch.tensor([float("nan"), h.lo, h.hi], dtype=torch.float64).to(dtype)
+    return x
+
+
+# Each case its own range, so that its device table is new to the process when the test starts.
+TABLE_CASES = [(torch.float64, 64, -4.0), (torch.float64, 1000, -4.25), (torch.float32, 1000, -4.5),
+               (torch.bfloat16, 2048, -4.75), (torch.float32, 8192, -5.0)]
+
+
+@pytest.mark.parametrize("first", ["in_capture", "eager"])
+@pytest.mark.parametrize("dtype,bins,lo", TABLE_CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_device_threshold_tables_in_graphs_and_streams(dtype, bins, lo, first):
+    """Note [capture-safe tables] (csrc/cuda/device_tables.cuh): float64 inputs and histograms of more than 512 bins
+    read their exact thresholds from a device table. Whether a range's table is first uploaded inside a capture or
+    cached eagerly before it, every replay, every later eager call on the capture's stream and on another stream,
+    and stats_multi_into count exactly what torch.histc on float64 counts."""
+    lo = lo - (0.0 if first == "eager" else 0.125)  # a range no other case uses
+    h = hookstats.Histogram.range(bins, lo, -lo)
+    gen = torch.Generator().manual_seed(bins)
+    n = 3 * 4096 + 7
+    x = _edge_data(n, h, dtype, gen).cuda()
+    y = _edge_data(1000, h, dtype, gen).cuda()
+    out = hookstats.stats_buffer(2, device="cuda")
+    hist = hookstats.histogram_buffer(2, h, dtype, device="cuda")
+
+    def step():
+        hookstats.stats_into(x, out, 0, hist=hist, histogram=h)
+        hookstats.stats_multi_into([y], out, [1], hist=hist, histogram=h)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    if first == "eager":
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        assert torch.equal(hist[0].cpu(), reference.histogram_of(x.cpu(), h))
+        assert torch.equal(hist[1].cpu(), reference.histogram_of(y.cpu(), h))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        step()
+    for k in range(3):
+        x.copy_(_edge_data(n, h, dtype, gen))
+        y.copy_(_edge_data(1000, h, dtype, gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(hist[0].cpu(), reference.histogram_of(x.cpu(), h)), f"replay {k}"
+        assert torch.equal(hist[1].cpu(), reference.histogram_of(y.cpu(), h)), f"replay {k}, stats_multi_into"
+    for stream in (s, torch.cuda.Stream()):
+        x.copy_(_edge_data(n, h, dtype, gen))
+        with torch.cuda.stream(stream):
+            got = hookstats.histogram(x, bins, range=(lo, -lo))
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), reference.histogram_of(x.cpu(), h))
+
+
+def test_device_threshold_tables_past_the_cache():
+    """More ranges than the table cache holds (64 entries, least recently used evicted in stream order): every
+    histogram still counts exactly, the evicted ranges again when they come back."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(20000, generator=gen, dtype=torch.float64)
+    x[::7] = 0.0
+    xs = x.cuda()
+    for rnd in range(2):
+        for k in range(80):
+            lo = -1.0 - k / 64
+            got = hookstats.histogram(xs, 600 + k, range=(lo, -lo))
+            want = reference.histogram_of(x, hookstats.Histogram.range(600 + k, lo, -lo))
+            assert torch.equal(got.cpu(), want), f"round {rnd}, range {k}"
+            f32 = hookstats.histogram(xs.float(), 600 + k, range=(lo, -lo))
+            assert torch.equal(f32.cpu(), reference.histogram_of(x.float(), hookstats.Histogram.range(600 + k, lo, -lo)))

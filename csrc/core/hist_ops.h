@@ -41,8 +41,10 @@ struct HistSpec {
   float scale_f, shift_f;
   int32_t float_ok;  // scale_f is a normal float and shift_f finite: the float transform is accurate
   // The exact thresholds T[0..bins] of Note [exact bin thresholds], where a kernel has them (the
-  // CUDA kernel points this at its shared-memory copy); nullptr otherwise.
+  // CUDA kernel points T at its shared-memory copy or at a device table, T64 at a device table of
+  // float64 thresholds, Note [capture-safe tables]); nullptr otherwise.
   const float* T;
+  const double* T64;
 };
 
 inline HistSpec make_hist_spec(int mode, int64_t bins, double lo, double hi) {
@@ -58,6 +60,7 @@ inline HistSpec make_hist_spec(int mode, int64_t bins, double lo, double hi) {
   h.float_ok = h.scale_f >= 1.1754943508222875e-38f && h.scale_f < 3.0e38f && h.shift_f > -1e30f &&
                h.shift_f < 1e30f;
   h.T = nullptr;
+  h.T64 = nullptr;
   return h;
 }
 
@@ -111,10 +114,11 @@ HS_HD int32_t fixed_slot(acc_t x, const HistSpec& h) {
 // value replace the per-value float64 fallback near edges. Counters are indexed by ordinal (NaN:
 // bins + 2) and mapped back to Note [histogram layouts] slots when they are written out.
 // The table is built on the host by bisection on fixed_slot_exact (the float64 rule itself) and
-// cached per range (cached_thresholds). Float64 inputs get a table of doubles, transformed in double
-// (on the CPU; the CUDA kernel keeps fixed_slot for them). The CPU reads it in place; the CUDA kernel gets a copy
-// by value in its arguments (capture-safe: a replayed graph carries it) for up to
-// kMaxArgThresholds - 1 bins, and keeps fixed_slot (float64 near edges) for more bins.
+// cached per range (cached_thresholds). Float64 inputs get a table of doubles, transformed in double.
+// The CPU reads them in place. The CUDA kernel gets the float ones by value in its arguments
+// (capture-safe: a replayed graph carries them) for up to kMaxArgThresholds - 1 bins, and reads a
+// device copy for float64 inputs and for more bins (Note [capture-safe tables] in
+// cuda/device_tables.cuh); it keeps fixed_slot only where no thresholds apply.
 constexpr int32_t kMaxArgThresholds = 513;  // 2 KB of kernel arguments: up to 512 bins
 
 HS_HD int32_t ordinal_of_slot(int32_t slot, int32_t bins) {
@@ -146,7 +150,7 @@ inline bool thresholds_apply_f32(const HistSpec& h) { return thresholds_apply<fl
 // The ordinal of a value v transformed in F (Note [exact bin thresholds]): r = the nearest integer of
 // t clamped to [0, bins], then r + (v >= T[r]); NaN gets bins + 2. The CPU kernel computes the same in
 // SIMD lanes (slot_lanes, slot_lanes_f64 in cpu/stats_cpu.cpp); this is its scalar tail and the CUDA
-// kernel's per-value rule (F = float).
+// kernel's per-value rule (F = float, and F = double for float64 inputs).
 template <typename F>
 HS_HD int32_t threshold_ordinal(F v, const HistSpec& h, const F* T) {
   if (v != v) return h.bins + 2;
@@ -254,7 +258,7 @@ constexpr int kRangeCacheEntries = 4;
 
 // The thresholds (in F) of a range spec (Note [exact bin thresholds]), cached per calling thread;
 // nullptr when they do not apply. The CPU kernel reads them in place; the CUDA kernel receives a copy
-// of the float ones in its arguments (stats_cuda.cu).
+// of the float ones in its arguments (stats_cuda.cu) or in a device table (bin_tables.cu).
 template <typename F>
 inline const F* cached_thresholds(const HistSpec& h) {
   static thread_local RangeCache<F, kRangeCacheEntries> cache;

@@ -19,32 +19,14 @@
 //     coefficient, rounded to their tensor's acc_t, is 1 (Note [coefficient one]).
 //   clamp_count_: counts with integer atomics, one per block.
 //
-// Note [capture-safe tables]
-// A table is built on the host and written into device memory by fill_table_kernel, whose
-// arguments carry the table's bytes (kSliceWords 16-byte words a launch, under the 4 KB
-// kernel-argument limit of every CUDA version): no pinned host buffer, no host copy, no event.
-// Eagerly, tables are cached (TableCache: up to kCacheEntries tables, kCacheBytes in all, least
-// recently used evicted), keyed by the device, the stream and the table's bytes, which hold the
-// tensors' data pointers, sizes, strides, dtypes and the chunking: calling an op again on the
-// same tensors (the gradients of every training step) launches no fill at all. An entry is
-// only read by kernels on the stream it was written on, so it needs no event, and its memory
-// returns to the caching allocator in stream order when it is evicted.
-// During CUDA graph capture the cache is neither read nor written: the table is allocated from
-// the graph's pool (at::empty under capture) and the fill launches are captured with their
-// arguments, so every replay rewrites the table from the graph itself before the kernel reads
-// it. That is safe on every torch this package supports (it does not depend on the pinned-memory
-// support of recent torch's graph pools), with or without a warm-up step, and a replay costs one
-// extra tiny kernel per ~120 tensors of the list. Reusing an eagerly cached table inside a graph
-// was rejected: the graph would have to pin it forever, and nothing could prove that its upload
-// on another stream had finished before a replay without querying an event, which is illegal
-// during capture. The fused clip_norm_ path is not used under capture (Note [clip_norm_ paths]).
+// Tables: Note [capture-safe tables] (cuda/device_tables.cuh). The fused clip_norm_ path is not used under
+// capture (Note [clip_norm_ paths]).
 // Flat 16-byte-aligned chunks use 16-byte loads and stores; other layouts go element by element
 // (Note [layouts]).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
@@ -56,7 +38,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -68,6 +49,7 @@
 #include "../core/norm_ops.h"
 #include "../core/tensor_list.h"
 #include "cuda_util.cuh"
+#include "device_tables.cuh"
 
 namespace hookstats {
 namespace {
@@ -503,103 +485,6 @@ fused_clip_kernel(scalar_t* __restrict__ x, int64_t n, int64_t per_block, NormSp
 }
 
 // ---------------------------------------------------------------------------------------
-// Tables (Note [capture-safe tables]).
-constexpr int kSliceWords = 240;  // 3,840 bytes of table per fill launch
-struct TableSlice {
-  uint4 words[kSliceWords];
-  int64_t first;  // the slice's first word in the table
-  int32_t count;
-};
-
-__global__ void __launch_bounds__(kSliceWords)
-fill_table_kernel(uint4* __restrict__ dst, const __grid_constant__ TableSlice s) {
-  if (static_cast<int32_t>(threadIdx.x) < s.count) dst[s.first + threadIdx.x] = s.words[threadIdx.x];
-}
-
-// A device copy of words[0, n), written on the current stream by fill launches.
-at::Tensor upload_table(const uint4* words, int64_t n, c10::Device device, cudaStream_t stream) {
-  at::Tensor t = at::empty({n * 16}, at::TensorOptions().dtype(at::kByte).device(device));
-  uint4* dst = reinterpret_cast<uint4*>(t.data_ptr());
-  TableSlice slice;
-  for (int64_t first = 0; first < n; first += kSliceWords) {
-    const int32_t count = static_cast<int32_t>(std::min<int64_t>(kSliceWords, n - first));
-    std::memcpy(slice.words, words + first, static_cast<size_t>(count) * sizeof(uint4));
-    slice.first = first;
-    slice.count = count;
-    fill_table_kernel<<<1, kSliceWords, 0, stream>>>(dst, slice);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  return t;
-}
-
-uint64_t table_hash(const uint4* words, int64_t n) {
-  const uint64_t* w = reinterpret_cast<const uint64_t*>(words);
-  uint64_t h[2] = {0x9e3779b97f4a7c15ull, 0xc2b2ae3d27d4eb4full};
-  for (int64_t i = 0; i < 2 * n; ++i) {
-    uint64_t& x = h[i & 1];
-    x = (x ^ w[i]) * 0xff51afd7ed558ccdull;
-    x ^= x >> 32;
-  }
-  return h[0] ^ (h[1] * 0x94d049bb133111ebull) ^ static_cast<uint64_t>(n);
-}
-
-constexpr size_t kCacheEntries = 64;
-constexpr int64_t kCacheBytes = int64_t(16) << 20;  // host and device bytes of the cached tables, each
-
-struct TableEntry {
-  int device;
-  cudaStream_t stream;
-  uint64_t hash;
-  std::vector<uint4> words;
-  at::Tensor table;
-  uint64_t last_use;
-};
-
-struct TableCache {
-  std::mutex mu;
-  std::vector<TableEntry> entries;
-  int64_t bytes = 0;
-  uint64_t clock = 0;
-};
-
-TableCache& table_cache() {
-  static TableCache* cache = new TableCache();  // never destroyed: its tensors must not outlive CUDA at exit
-  return *cache;
-}
-
-// The cached device table with these words on (device, stream), uploading it on a miss.
-at::Tensor cached_table(const uint4* words, int64_t n, c10::Device device, cudaStream_t stream) {
-  const uint64_t h = table_hash(words, n);
-  const int dev = device.index();
-  TableCache& c = table_cache();
-  std::lock_guard<std::mutex> lock(c.mu);
-  ++c.clock;
-  for (TableEntry& e : c.entries) {
-    if (e.hash == h && e.device == dev && e.stream == stream && static_cast<int64_t>(e.words.size()) == n &&
-        std::memcmp(e.words.data(), words, static_cast<size_t>(n) * sizeof(uint4)) == 0) {
-      e.last_use = c.clock;
-      return e.table;
-    }
-  }
-  at::Tensor t = upload_table(words, n, device, stream);
-  const int64_t nbytes = n * 16;
-  if (nbytes > kCacheBytes) return t;
-  while (!c.entries.empty() && (c.entries.size() >= kCacheEntries || c.bytes + nbytes > kCacheBytes)) {
-    auto lru = std::min_element(c.entries.begin(), c.entries.end(),
-                                [](const TableEntry& a, const TableEntry& b) { return a.last_use < b.last_use; });
-    c.bytes -= static_cast<int64_t>(lru->words.size()) * 16;
-    c.entries.erase(lru);  // freed in stream order: the entry was only used on its own stream
-  }
-  c.entries.push_back(TableEntry{dev, stream, h, std::vector<uint4>(words, words + n), t, c.clock});
-  c.bytes += nbytes;
-  return t;
-}
-
-bool capturing() {
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-}
-
-// ---------------------------------------------------------------------------------------
 // Host side: the chunks of a list (Note [cuda tensor lists]).
 struct DeviceList {
   ListArgs args;
@@ -656,8 +541,7 @@ DeviceList prepare(at::TensorList xs) {
   std::memcpy(h + off_cs, starts.data(), starts.size() * sizeof(int64_t));
   const c10::Device device = xs[0].device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
-  dl.meta = capturing() ? upload_table(words.data(), nwords, device, stream)
-                        : cached_table(words.data(), nwords, device, stream);
+  dl.meta = device_table(words.data(), nwords, device, stream, [&](std::vector<uint4>& w) { w = words; });
   char* d = static_cast<char*>(dl.meta.data_ptr());
   dl.args.descs = reinterpret_cast<const TensorDesc*>(d);
   dl.args.layouts = reinterpret_cast<const StridedLayout*>(d + off_lay);

@@ -7,8 +7,9 @@
 //     holds NaN/Inf (Note [stats nonfinite]), to scale it when its magnitudes ask for another
 //     scale than its first pack did (Note [stats scaling]), or with a better shift;
 //   * histograms go to per-warp shared sub-histograms, warp-aggregated (Note [cuda block histograms]);
-//     range bins of float inputs are decided by exact thresholds passed by value (Note [exact bin
-//     thresholds] in core/hist_ops.h), with no per-value float64 fallback near edges;
+//     range bins are decided by exact thresholds (Note [exact bin thresholds] in core/hist_ops.h),
+//     passed by value for float inputs of up to 512 bins and read from a device table for float64
+//     inputs and more bins (Note [capture-safe tables]), with no per-value float64 fallback near edges;
 //   * partials are merged by warp shuffles and shared memory in a fixed order, written to a
 //     per-block slot of a small workspace (grid <= 2 blocks of 256 threads per SM, ~100 bytes a block);
 //   * the last block to finish (atomic ticket) merges the block partials in block order and
@@ -43,6 +44,7 @@
 #include "../core/multi_bindings.h"
 #include "../core/stats_ops.h"
 #include "cuda_util.cuh"
+#include "device_tables.cuh"
 
 namespace hookstats {
 namespace {
@@ -222,24 +224,36 @@ __device__ __forceinline__ void hist_inc(uint32_t* h, int32_t slot) {
 // The exact thresholds of a range histogram (Note [exact bin thresholds]), by value in the kernel's
 // arguments: a captured graph replays them with the launch, no device table to keep alive. n = 0:
 // none (fp64 input, more than kMaxArgThresholds - 1 bins, or a range the float transform cannot
-// serve); the kernel then keeps fixed_slot.
+// serve); the kernel then reads hs.T or hs.T64 from a device table (exact_thresholds), or keeps
+// fixed_slot where neither is set.
 struct BinThresholds {
   float T[kMaxArgThresholds];
   int32_t n;
 };
 
+// A value's range ordinal from the thresholds of its accumulation type (Note [exact bin thresholds]).
+__device__ __forceinline__ int32_t range_ordinal(float v, const HistSpec& hs) { return threshold_ordinal(v, hs, hs.T); }
+__device__ __forceinline__ int32_t range_ordinal(double v, const HistSpec& hs) {
+  return threshold_ordinal(v, hs, hs.T64);
+}
+
+// Whether a range spec's counters are indexed by ordinal: the kernel has thresholds for it.
+__device__ __forceinline__ bool by_ordinal(const HistSpec& hs) {
+  return hs.mode == kHistRange && (hs.T != nullptr || hs.T64 != nullptr);
+}
+
 // Calls f(value, index) for every element of the share (index: its flat logical position), counting
-// its histogram slot into this warp's sub-histogram h when the spec has one (by ordinal when hs.T is
-// set). Callers that need no index ignore it, and the compiler drops its arithmetic.
+// its histogram slot into this warp's sub-histogram h when the spec has one (by ordinal when hs.T or
+// hs.T64 is set). Callers that need no index ignore it, and the compiler drops its arithmetic.
 template <typename scalar_t, typename F>
 __device__ __forceinline__ void visit_counting(const Share<scalar_t>& share, int64_t tid, int64_t nthreads,
                                                const HistSpec& hs, uint32_t* h, F&& f) {
   using acc_t = typename AccOf<scalar_t>::type;
-  if (hs.mode == kHistRange && hs.T != nullptr) {  // Note [exact bin thresholds]: counted by ordinal
+  if (by_ordinal(hs)) {  // Note [exact bin thresholds]: counted by ordinal
     share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
       const acc_t v = static_cast<acc_t>(r);
       f(v, i);
-      hist_inc(h, threshold_ordinal(static_cast<float>(v), hs, hs.T));
+      hist_inc(h, range_ordinal(v, hs));
     });
   } else if (hs.mode == kHistRange) {
     share.visit_i(tid, nthreads, [&](scalar_t r, int64_t i) {
@@ -346,7 +360,7 @@ __device__ __forceinline__ void stats_block(const Share<scalar_t>& share, int bl
   for (int64_t i = threadIdx.x; i < hist_len; i += kThreads) {
     uint32_t c = 0u;
     for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
-    const int64_t slot = thr.n > 0 ? slot_of_ordinal(static_cast<int32_t>(i), h.bins) : i;
+    const int64_t slot = by_ordinal(h) ? slot_of_ordinal(static_cast<int32_t>(i), h.bins) : i;
     if (c != 0u) atomicAdd(hist_out + slot, static_cast<unsigned long long>(c));
   }
   if (nblocks == 1) {
@@ -403,17 +417,42 @@ stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
                              block_locs, ticket, out, hs, hist_len, hist_copies, hist_out, thr);
 }
 
-// The exact bin thresholds a launch over scalar_t carries (Note [exact bin thresholds]): float32-accumulated
-// inputs, range histograms of up to kMaxArgThresholds - 1 bins; thr.n = 0 otherwise.
+// The exact bin thresholds of a launch over scalar_t (Note [exact bin thresholds]): by value in thr for
+// float32-accumulated inputs and range histograms of up to kMaxArgThresholds - 1 bins (thr.n = 0 otherwise);
+// else, for float64 inputs (float64 thresholds, hs.T64) and more bins (hs.T), a device table, cached per stream
+// and range and uploaded afresh under capture (Note [capture-safe tables]), returned to be kept until the launch
+// is enqueued. Neither where no thresholds apply: the kernel keeps fixed_slot.
 template <typename scalar_t>
-void exact_thresholds(const HistSpec& hs, int64_t hist_len, BinThresholds& thr) {
+at::Tensor exact_thresholds(HistSpec& hs, int64_t hist_len, BinThresholds& thr, const at::Tensor& like,
+                            cudaStream_t stream) {
+  using F = typename AccOf<scalar_t>::type;
   thr.n = 0;
-  if (hist_len > 0 && hs.mode == kHistRange && !std::is_same<scalar_t, double>::value && hs.bins < kMaxArgThresholds) {
-    if (const float* T = cached_thresholds_f32(hs)) {
-      thr.n = hs.bins + 1;
-      std::memcpy(thr.T, T, static_cast<size_t>(thr.n) * sizeof(float));
-    }
+  hs.T = nullptr;
+  hs.T64 = nullptr;
+  if (hist_len == 0 || hs.mode != kHistRange) return at::Tensor();
+  const F* T = cached_thresholds<F>(hs);
+  if (T == nullptr) return at::Tensor();
+  if (sizeof(F) == 4 && hs.bins < kMaxArgThresholds) {
+    thr.n = hs.bins + 1;
+    std::memcpy(thr.T, T, static_cast<size_t>(thr.n) * sizeof(float));
+    return at::Tensor();
   }
+  struct Key {  // 32 bytes: two table words
+    int32_t width, bins;
+    double lo, hi;
+    int64_t zero;
+  } key{static_cast<int32_t>(sizeof(F)), hs.bins, hs.lo, hs.hi, 0};
+  static_assert(sizeof(Key) == 2 * sizeof(uint4), "the key is two 16-byte words");
+  uint4 kw[2];
+  std::memcpy(kw, &key, sizeof kw);
+  const size_t bytes = (static_cast<size_t>(hs.bins) + 1) * sizeof(F);
+  at::Tensor table = device_table(kw, 2, like.device(), stream, [&](std::vector<uint4>& w) {
+    w.assign((bytes + 15) / 16, uint4{0u, 0u, 0u, 0u});
+    std::memcpy(w.data(), T, bytes);
+  });
+  if (sizeof(F) == 8) hs.T64 = reinterpret_cast<const double*>(table.data_ptr());
+  else hs.T = reinterpret_cast<const float*>(table.data_ptr());
+  return table;
 }
 
 // The blocks of a stats launch over n values: one per kThreads * kUnroll packs, at most two per SM.
@@ -477,16 +516,17 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
     // Note [cuda block histograms]: a sub-histogram per warp when they fit, else one per block
     // (<= 8192 + 3 bins or 4098 exponent slots: at most 32 KB).
     const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
-    // Note [exact bin thresholds]: float32-accumulated inputs, up to kMaxArgThresholds - 1 bins.
+    // Note [exact bin thresholds]: by value or from a device table.
     BinThresholds thr;
-    exact_thresholds<scalar_t>(hs, hist_len, thr);
+    HistSpec h = hs;
+    const at::Tensor table = exact_thresholds<scalar_t>(h, hist_len, thr, x, stream);
     const size_t smem = (static_cast<size_t>(hist_len) * copies + static_cast<size_t>(thr.n)) * sizeof(uint32_t);
     if (want_loc) {
       stats_kernel<scalar_t, true><<<blocks, kThreads, smem, stream>>>(
-          share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), locs, thr);
+          share, partials, ticket, out, h, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), locs, thr);
     } else {
       stats_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
-          share, partials, ticket, out, hs, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), nullptr,
+          share, partials, ticket, out, h, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), nullptr,
           thr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -593,10 +633,11 @@ void launch_pack(const std::vector<MultiItem>& items, const std::vector<size_t>&
   C10_CUDA_CHECK(cudaMemsetAsync(tickets, 0, kPackTensors * 4, stream));
   const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
   BinThresholds thr;
-  exact_thresholds<scalar_t>(hs, hist_len, thr);
+  HistSpec h = hs;
+  const at::Tensor table = exact_thresholds<scalar_t>(h, hist_len, thr, *items[idx[from]].x, stream);
   const size_t smem = (static_cast<size_t>(hist_len) * copies + static_cast<size_t>(thr.n)) * sizeof(uint32_t);
   multi_stats_kernel<scalar_t><<<static_cast<unsigned int>(blocks), kThreads, smem, stream>>>(
-      pk, hs, hist_len, copies, partials, tickets, thr);
+      pk, h, hist_len, copies, partials, tickets, thr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
