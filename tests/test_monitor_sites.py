@@ -14,6 +14,7 @@ import math
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -292,6 +293,64 @@ def test_flush_is_one_block_of_columns():
     recs = block.records()  # the dicts, built on demand from the columns
     assert recs[0]["histogram"] is not None and sum(recs[0]["histogram"]) == recs[0]["stats"]["numel"]
     assert mon._buf.rec.pending_slots == 0
+
+
+def _dense_gather(block, slot, row):
+    return block[slot, row]
+
+
+@pytest.mark.parametrize("order", ["consecutive", "scattered", "one_row", "empty"])
+@pytest.mark.parametrize("big", [False, True], ids=["int32", "int64"])
+def test_flushed_histogram_rows_keep_their_nonzero_columns(order, big):
+    """A flush keeps a block's histogram rows as the columns that hold a count somewhere (HistRows, int32 when every
+    count fits): indexing them gives the dense int64 rows, for consecutive rows (one copy) and gathered ones, across
+    more rows than one scan pass (_SCAN_ROWS), and counts past int32."""
+    from hookstats.monitor.buffers import _SCAN_ROWS, HistRows, gather_rows
+    gen = np.random.default_rng(0)
+    slots, sites, length = 3, _SCAN_ROWS // 2 + 7, 66
+    block = np.zeros((slots, sites, length), dtype=np.int64)
+    used = gen.choice(length, 9, replace=False)  # a few columns only, as exponent histograms have
+    block[:, :, used] = gen.integers(0, 5, (slots, sites, 9))
+    block[1, 3, used[0]] = 2**40 if big else 2**31 - 1
+    slot = np.repeat(np.arange(slots), sites)
+    row = np.tile(np.arange(sites), slots)
+    if order == "scattered":
+        perm = gen.permutation(len(slot))
+        slot, row = slot[perm], row[perm]
+    elif order == "one_row":
+        slot, row = slot[sites + 3:sites + 4], row[sites + 3:sites + 4]
+    elif order == "empty":
+        slot, row = slot[:0], row[:0]
+    got = gather_rows(block, slot, row)
+    want = _dense_gather(block, slot, row)
+    assert isinstance(got, HistRows) and got.shape == want.shape and len(got) == len(want)
+    assert got.data.dtype == (np.int64 if big and order != "empty" else np.int32)
+    assert got.data.shape[1] <= 9  # only the used columns are stored
+    assert np.array_equal(got[:], want) and got[:].dtype == np.int64 and np.array_equal(np.asarray(got), want)
+    if len(want):
+        i = len(want) // 2
+        assert np.array_equal(got[i], want[i]) and got[i].tolist() == want[i].tolist()
+        pick = np.array([len(want) - 1, 0, i])
+        assert np.array_equal(got[pick], want[pick])
+
+
+def test_flush_leaves_the_recorder_rows_free_for_the_next_steps():
+    """CPU blocks are read in place by the flush (no copy first): what the next steps write does not reach the
+    rows an earlier flush returned."""
+    torch.manual_seed(0)
+    m = mlp()
+    mon = hookstats.Monitor(m, histogram="exp")
+    x = torch.randn(4, 4)
+    m(x).sum().backward()
+    mon.step()
+    first = [dict(r, stats=dict(r["stats"])) for r in mon.flush()]
+    for _ in range(2):
+        m(x * 1e6).sum().backward()
+        mon.step()
+    mon.flush()
+    again = mon.records()[:len(first)]
+    assert [r["histogram"] for r in again] == [r["histogram"] for r in first]
+    assert [r["stats"] for r in again] == [r["stats"] for r in first]
 
 
 def test_dropped_monitor_frees_model_and_grads():

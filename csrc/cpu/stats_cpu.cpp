@@ -78,11 +78,35 @@ struct HistCounters {
 };
 
 inline void flush_counters(HistCounters& h) {
+  const int64_t len = h.len;
+  int64_t* __restrict__ total = h.total;
   for (int r = 0; r < h.copies; ++r) {
-    uint32_t* c = h.c + r * h.len;
-    for (int64_t i = 0; i < h.len; ++i) { h.total[i] += c[i]; c[i] = 0; }
+    uint32_t* __restrict__ c = h.c + r * len;
+    for (int64_t i = 0; i < len; ++i) total[i] += c[i];
+    std::memset(c, 0, static_cast<size_t>(len) * sizeof(uint32_t));
   }
   h.pending = 0;
+}
+
+// Adds (accumulate) or writes the counts c[0, len) to their slots of out (by ordinal: Note [exact bin
+// thresholds], slot_of_ordinal as three runs), then zeroes c.
+inline void write_counts(int64_t* __restrict__ c, int64_t len, bool ordinal, int32_t bins, bool accumulate,
+                         int64_t* __restrict__ out) {
+  auto run = [&](int64_t to, int64_t from, int64_t n) {
+    if (accumulate) {
+      for (int64_t i = 0; i < n; ++i) out[to + i] += c[from + i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[to + i] = c[from + i];
+    }
+  };
+  if (ordinal) {  // ordinal 0 (underflow) -> slot bins, 1 + b -> b, bins + 1 and bins + 2 stay
+    run(0, 1, bins);
+    run(bins, 0, 1);
+    run(bins + 1, bins + 1, len - bins - 1);
+  } else {
+    run(0, 0, len);
+  }
+  std::memset(c, 0, static_cast<size_t>(len) * sizeof(int64_t));
 }
 
 // Constants of the SIMD range binning, see slot_lanes. Built once per call (bin_plan).
@@ -747,13 +771,23 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   // per thread than counters, where zeroing and merging the copies would cost more than the counting itself.
   int copies = len <= 1024 ? 8 : 2;
   while (copies > 1 && numel / nthreads < static_cast<int64_t>(copies) * len) copies /= 2;
+  // The caches are all zero between calls (each call zeroes what it used as it reads it out), so a call
+  // zeroes nothing up front: a small tensor's histogram costs its counters once, not three times.
   static thread_local std::vector<uint32_t> counter_cache;
   static thread_local std::vector<int64_t> total_cache;
   static thread_local std::vector<HistCounters> counter_refs;
+  static thread_local bool caches_zero = true;  // false only after a call that did not finish
   HistCounters* counters = nullptr;
   if (mode != kHistNone) {
-    counter_cache.assign(static_cast<size_t>(nthreads * copies * len), 0u);
-    total_cache.assign(static_cast<size_t>(nthreads * len), 0);
+    if (!caches_zero) {
+      std::fill(counter_cache.begin(), counter_cache.end(), 0u);
+      std::fill(total_cache.begin(), total_cache.end(), 0);
+    }
+    caches_zero = false;
+    if (counter_cache.size() < static_cast<size_t>(nthreads * copies * len)) {
+      counter_cache.resize(static_cast<size_t>(nthreads * copies * len), 0u);
+    }
+    if (total_cache.size() < static_cast<size_t>(nthreads * len)) total_cache.resize(static_cast<size_t>(nthreads * len), 0);
     counter_refs.resize(static_cast<size_t>(nthreads));
     counters = counter_refs.data();
     for (int64_t t = 0; t < nthreads; ++t) {
@@ -831,14 +865,16 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   }
   if (mode != kHistNone) {
     for (int64_t t = 0; t < nthreads; ++t) flush_counters(counters[t]);
+    int64_t* __restrict__ sum = counters[0].total;
+    for (int64_t t = 1; t < nthreads; ++t) {
+      int64_t* __restrict__ tt = counters[t].total;
+      for (int64_t i = 0; i < len; ++i) sum[i] += tt[i];
+      std::memset(tt, 0, static_cast<size_t>(len) * sizeof(int64_t));
+    }
     // Note [exact bin thresholds]
     const bool ordinal = mode == kHistRange && (plan.rc.T != nullptr || plan.rc.T64 != nullptr);
-    for (int64_t i = 0; i < len; ++i) {
-      int64_t c = 0;
-      for (int64_t t = 0; t < nthreads; ++t) c += counters[t].total[i];
-      const int64_t slot = ordinal ? slot_of_ordinal(static_cast<int32_t>(i), ho.spec.bins) : i;
-      ho.counts[slot] = ho.accumulate ? ho.counts[slot] + c : c;
-    }
+    write_counts(sum, len, ordinal, ho.spec.bins, ho.accumulate, ho.counts);
+    caches_zero = true;
   }
   return total;
 }

@@ -36,6 +36,72 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.cpu() if t.device.type != "cpu" else t.clone()
 
 
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A flush's block as numpy: CPU tensors in place (read before the recorder's reset), others copied."""
+    return t.numpy() if t.device.type == "cpu" else to_host(t).numpy()
+
+
+class HistRows:
+    """The histogram rows of a flushed block, [n, length] int64 counts, stored as the columns that hold a nonzero
+    count somewhere in the block (int32 when every count fits): an exponent histogram has 514 slots for float32 and
+    a layer's values span a few dozen binades, so a Monitor keeps, and page-faults in, a fraction of the dense rows
+    (1,000 modules over 10 steps: ~6 MB a flush instead of 82 MB). Indexing (an int, a slice or an index array)
+    gives dense int64 rows, as a [n, length] array would."""
+
+    __slots__ = ("data", "cols", "length")
+    dtype = np.dtype(np.int64)
+
+    def __init__(self, data: np.ndarray, cols: np.ndarray, length: int):
+        self.data, self.cols, self.length = data, cols, length
+
+    @property
+    def shape(self) -> tuple:
+        return (len(self.data), self.length)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        d = self.data[idx]
+        out = np.zeros(d.shape[:-1] + (self.length,), dtype=np.int64)
+        out[..., self.cols] = d
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+
+_SCAN_ROWS = 1024  # rows per pass of the nonzero-column scan (a 4 MB temporary at most for 514 int64 columns)
+
+
+def gather_rows(block: np.ndarray, slot: np.ndarray, row: np.ndarray) -> HistRows:
+    """block[slot[i], row[i]] for every i, as HistRows (new memory: the block's nonzero columns only). The pairs are
+    usually consecutive rows of the flattened block (every step's sites written in the same order): then the scan
+    and the copy read one contiguous range, else they gather."""
+    length = block.shape[-1]
+    flat = block.reshape(-1, length)
+    n = len(slot)
+    if n == 0:
+        return HistRows(np.empty((0, 0), dtype=np.int32), np.empty(0, dtype=np.int64), length)
+    idx = slot * block.shape[1] + row
+    first = int(idx[0])
+    run = int(idx[-1]) - first == n - 1 and (n == 1 or bool(np.all(np.diff(idx) == 1)))
+    rows = flat[first:first + n] if run else None
+
+    def part(c: int) -> np.ndarray:
+        return rows[c:c + _SCAN_ROWS] if run else flat[idx[c:c + _SCAN_ROWS]]
+
+    seen = np.zeros(length, dtype=np.int64)  # the OR of the rows: nonzero where a count is, and >= every count
+    for c in range(0, n, _SCAN_ROWS):
+        seen |= np.bitwise_or.reduce(part(c), axis=0)
+    cols = np.flatnonzero(seen)
+    data = np.empty((n, len(cols)), dtype=np.int32 if int(seen.max()) < 2**31 else np.int64)
+    for c in range(0, n, _SCAN_ROWS):
+        data[c:c + _SCAN_ROWS] = part(c)[:, cols]
+    return HistRows(data, cols, length)
+
+
 def _extension():
     from .. import _ops
 
@@ -83,7 +149,8 @@ def unravel_rows(flat: np.ndarray, ndim: np.ndarray, dims: np.ndarray) -> list:
 
 class Block:
     """The records of one flush, as columns. Row i: steps[i], sites[i] (ids into the site table), stats[i] (the 13
-    STATS_FIELDS, float64), and its histogram counts hists[hist_group[i]][hist_row[i]] where hist_group[i] >= 0.
+    STATS_FIELDS, float64), and its histogram counts hists[hist_group[i]][hist_row[i]] where hist_group[i] >= 0
+    (hists[g]: HistRows, which index like [rows, length] int64 arrays).
     `seq0` is the seq of row 0 (records are numbered on in flush order). With locations (Monitor(locations=True)):
     loc[i] = (argmax_abs, first_nonfinite) flat indices (-1: none) and the record's shape, shape_ndim[i] sizes
     starting at shape_dims[shape_off[i]]; otherwise loc is None."""
@@ -297,17 +364,12 @@ class Buffers:
         self.table.sync(self.rec)
         if self.group is not None:
             stats_blocks, hist_blocks = self._merge(stats_blocks, hist_blocks, steps)
-        host_stats = [to_host(b).numpy() for b in stats_blocks]
-        host_hists = [(dev, to_host(b).numpy()) for dev, _, b in hist_blocks]
-        host_locs = [to_host(b).numpy() for b in taken[6]] if self.locations else None
-        dropped = self.rec.dropped_replays
-        self.rec.reset()
-        dropped = self.rec.dropped_replays - dropped
-        if dropped:
-            warnings.warn(f"hookstats.Monitor: {dropped} replays of a captured CUDA graph were overwritten before "
-                          f"this flush: a captured step keeps the rows of its last `slots` replays. Flush at least "
-                          f"every `slots` replays (flush_every=), or give the Monitor more slots (slots=).",
-                          RuntimeWarning, stacklevel=3)
+        # CPU blocks are read in place: the gathers below copy the rows out before reset() (a copy of the whole
+        # block first would double the flush's memory traffic: 80 MB a flush for exponent histograms of 1,000
+        # modules over 10 steps)
+        host_stats = [host_view(b) for b in stats_blocks]
+        host_hists = [(dev, host_view(b)) for dev, _, b in hist_blocks]
+        host_locs = [host_view(b) for b in taken[6]] if self.locations else None
         block = self._columns(host_stats, host_hists, np.asarray(steps, dtype=np.int64),
                               np.asarray(hist_on, dtype=bool), order_slots.astype(np.int64),
                               order_sites.astype(np.int64))
@@ -322,6 +384,15 @@ class Buffers:
             block.loc, block.shape_ndim, block.shape_dims = loc, taken[7].astype(np.int64), taken[8]
             block.shape_off = np.zeros(len(site) + 1, dtype=np.int64)
             np.cumsum(block.shape_ndim, out=block.shape_off[1:])
+        del host_stats, host_hists, host_locs  # views of the device rows (CPU) that reset() clears
+        dropped = self.rec.dropped_replays
+        self.rec.reset()
+        dropped = self.rec.dropped_replays - dropped
+        if dropped:
+            warnings.warn(f"hookstats.Monitor: {dropped} replays of a captured CUDA graph were overwritten before "
+                          f"this flush: a captured step keeps the rows of its last `slots` replays. Flush at least "
+                          f"every `slots` replays (flush_every=), or give the Monitor more slots (slots=).",
+                          RuntimeWarning, stacklevel=3)
         self._seq += len(block)
         if self.keep and len(block):
             self.blocks.append(block)
@@ -346,8 +417,7 @@ class Buffers:
             on = hist_on[slot] & (g_of >= 0)
             for g, (_, hb) in enumerate(hists):
                 sel = np.flatnonzero(on & (g_of == g))
-                out_hists.append(hb[slot[sel], t.hrow[site[sel]]] if len(sel) else
-                                 np.empty((0, hb.shape[-1]), dtype=np.int64))
+                out_hists.append(gather_rows(hb, slot[sel], t.hrow[site[sel]]))
                 hgroup[sel] = g
                 hrow[sel] = np.arange(len(sel))
         return Block(t, steps[slot] if n else np.empty(0, dtype=np.int64), site, stat, hgroup, hrow, out_hists,
