@@ -375,12 +375,7 @@ class Buffers:
                               order_sites.astype(np.int64))
         if host_locs is not None:  # Note [monitor sites]: location rows beside the stats rows, shapes per record
             slot, site = order_slots.astype(np.int64), order_sites.astype(np.int64)
-            loc = np.full((len(site), 2), -1, dtype=np.int64)
-            dev, row = self.table.dev[site], self.table.row[site]
-            for d, b in enumerate(host_locs):
-                sel = np.flatnonzero(dev == d)
-                if len(sel):
-                    loc[sel] = b[slot[sel], row[sel]]
+            loc = self._device_rows(host_locs, slot, site, np.full((len(site), 2), -1, dtype=np.int64))
             block.loc, block.shape_ndim, block.shape_dims = loc, taken[7].astype(np.int64), taken[8]
             block.shape_off = np.zeros(len(site) + 1, dtype=np.int64)
             np.cumsum(block.shape_ndim, out=block.shape_off[1:])
@@ -398,17 +393,21 @@ class Buffers:
             self.blocks.append(block)
         return block
 
+    def _device_rows(self, blocks: list, slot: np.ndarray, site: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out[i] = the row (slot[i], site[i]) of its device's block (blocks[d]: [slots, rows, k]), for every i."""
+        dev, row = self.table.dev[site], self.table.row[site]
+        for d, b in enumerate(blocks):
+            sel = np.flatnonzero(dev == d)
+            if len(sel):
+                out[sel] = b[slot[sel], row[sel]]
+        return out
+
     def _columns(self, stats: list, hists: list, steps: np.ndarray, hist_on: np.ndarray, slot: np.ndarray,
                  site: np.ndarray) -> Block:
         """The written rows (slot[i], site[i]), in the order they were written, as a Block."""
         t = self.table
         n = len(site)
-        stat = np.empty((n, _NF))
-        dev, row = t.dev[site], t.row[site]
-        for d, b in enumerate(stats):
-            sel = np.flatnonzero(dev == d)
-            if len(sel):
-                stat[sel] = b[slot[sel], row[sel]]
+        stat = self._device_rows(stats, slot, site, np.empty((n, _NF)))
         hgroup = np.full(n, -1, dtype=np.int64)
         hrow = np.zeros(n, dtype=np.int64)
         out_hists = []
