@@ -109,6 +109,29 @@ def unravel(index, shape) -> Optional[tuple]:
     return tuple(reversed(out))
 
 
+def unravel_many(flat, ndim, dims):
+    """`unravel` of many records at once (records of different ndim): flat[i] in record i's shape, its ndim[i]
+    sizes at dims[off[i]:off[i + 1]] (off: the running sum of ndim). Returns (coords, valid, off): coords laid out
+    like dims (int64; zeros where flat[i] is -1), valid = flat >= 0."""
+    import numpy as np
+
+    flat = np.asarray(flat, dtype=np.int64)
+    ndim = np.asarray(ndim, dtype=np.int64)
+    dims = np.asarray(dims, dtype=np.int64)
+    off = np.zeros(len(ndim) + 1, dtype=np.int64)
+    np.cumsum(ndim, out=off[1:])
+    valid = flat >= 0
+    coords = np.zeros(len(dims), dtype=np.int64)
+    rest = np.where(valid, flat, 0)
+    for k in range(int(ndim.max()) if len(ndim) else 0):  # row-major: the last dim first
+        has = ndim > k
+        pos = off[:-1][has] + ndim[has] - 1 - k
+        d = dims[pos]
+        coords[pos] = rest[has] % d
+        rest[has] //= d
+    return coords, valid, off
+
+
 def result_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

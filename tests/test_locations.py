@@ -496,3 +496,27 @@ def test_locations_without_extension_use_the_reference():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_unravel_many_equals_unravel_record_by_record():
+    """The flush's and the Arrow table's vectorized unravel (hookstats._ops.unravel_many) against hookstats.unravel,
+    over records of mixed ndim (0-d included) with and without a location."""
+    import numpy as np
+
+    from hookstats._ops import unravel_many
+    from hookstats.monitor.buffers import unravel_rows
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [tuple(int(d) for d in torch.randint(1, 6, (int(torch.randint(0, 5, (1,), generator=gen)),),
+                                                  generator=gen)) for _ in range(200)]
+    flat = [-1 if torch.rand(1, generator=gen) < 0.2 else
+            int(torch.randint(0, max(1, math.prod(s)), (1,), generator=gen)) for s in shapes]
+    ndim = np.array([len(s) for s in shapes])
+    dims = np.array([d for s in shapes for d in s], dtype=np.int64)
+    want = [hookstats.unravel(f, s) for f, s in zip(flat, shapes)]
+    assert unravel_rows(np.array(flat), ndim, dims) == want
+    coords, valid, off = unravel_many(flat, ndim, dims)
+    assert valid.tolist() == [f >= 0 for f in flat] and off[-1] == len(dims)
+    assert [tuple(coords[off[i]:off[i + 1]].tolist()) for i in range(len(shapes)) if valid[i]] == \
+        [w for w in want if w is not None]
+    assert unravel_rows(np.array([], dtype=np.int64), np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []

@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .._ops import COUNT_FIELDS, STATS_FIELDS, Histogram, as_histogram
+from .._ops import COUNT_FIELDS, STATS_FIELDS, Histogram, as_histogram, unravel_many
 from .sites import SiteTable
 
 _NF = len(STATS_FIELDS)
@@ -132,19 +132,9 @@ class Record(dict):
 
 def unravel_rows(flat: np.ndarray, ndim: np.ndarray, dims: np.ndarray) -> list:
     """Coordinates (tuples, None for -1) of flat indices flat[i] in record i's shape (ndim[i] sizes in dims)."""
-    off = np.zeros(len(ndim) + 1, dtype=np.int64)
-    np.cumsum(ndim, out=off[1:])
-    out = []
-    for i, f in enumerate(flat.tolist()):
-        if f < 0:
-            out.append(None)
-            continue
-        c = []
-        for d in reversed(dims[off[i]:off[i + 1]].tolist()):
-            c.append(f % d)
-            f //= d
-        out.append(tuple(reversed(c)))
-    return out
+    coords, valid, off = unravel_many(flat, ndim, dims)
+    c, o = coords.tolist(), off.tolist()
+    return [tuple(c[o[i]:o[i + 1]]) if v else None for i, v in enumerate(valid.tolist())]
 
 
 class Block:

@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from .._ops import COUNT_FIELDS, STATS_FIELDS
+from .._ops import COUNT_FIELDS, STATS_FIELDS, unravel_many
 
 SITE_COLUMNS = ("module", "kind", "dtype")
 RECORD_COLUMNS = ("seq", "step", "module", "kind", "index", "dtype") + STATS_FIELDS
@@ -145,20 +145,8 @@ def _location_columns(pa, block, cols: dict) -> None:
     ndim = np.asarray(block.shape_ndim, dtype=np.int64)
     dims = np.asarray(block.shape_dims, dtype=np.int64)
     cols["shape"] = _ragged(pa, dims, ndim)
-    n = len(ndim)
-    off = np.asarray(block.shape_off[:-1], dtype=np.int64)
     for j, name in enumerate(("argmax_abs_index", "first_nonfinite_index")):
-        flat = np.asarray(block.loc[:, j], dtype=np.int64)
-        valid = flat >= 0
-        coords = np.zeros(len(dims), dtype=np.int64)
-        rest = np.where(valid, flat, 0)
-        # row-major unravel, the last dim first, over every record at once (records of different ndim)
-        for k in range(int(ndim.max()) if n else 0):
-            has = ndim > k
-            pos = off[has] + ndim[has] - 1 - k
-            d = dims[pos]
-            coords[pos] = rest[has] % d
-            rest[has] //= d
+        coords, valid, _ = unravel_many(block.loc[:, j], ndim, dims)
         keep = np.repeat(valid, ndim)
         cols[name] = _ragged(pa, coords[keep], np.where(valid, ndim, 0), valid)
 
