@@ -258,7 +258,7 @@ constexpr int kRangeCacheEntries = 4;
 
 // The thresholds (in F) of a range spec (Note [exact bin thresholds]), cached per calling thread;
 // nullptr when they do not apply. The CPU kernel reads them in place; the CUDA kernel receives a copy
-// of the float ones in its arguments (stats_cuda.cu) or in a device table (bin_tables.cu).
+// of the float ones in its arguments (stats_cuda.cu) or in a device table (cuda/device_tables.cu).
 template <typename F>
 inline const F* cached_thresholds(const HistSpec& h) {
   static thread_local RangeCache<F, kRangeCacheEntries> cache;

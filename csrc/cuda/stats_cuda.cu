@@ -536,8 +536,8 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
 // Note [multi-tensor stats launches]
 // stats_multi_into on CUDA: the flat tensors of one dtype go up to kPackTensors at a time into one
 // launch whose arguments carry each tensor's pointer, length, rows and block range (MultiPack,
-// ~1.2 KB, with the 2 KB of exact bin thresholds under the 4 KB kernel-argument limit of every CUDA version: no table in device memory,
-// so a launch is capture-safe as it is). Each tensor gets the blocks a stats_into launch would
+// ~1.2 KB, with the 2 KB of exact bin thresholds under the 4 KB kernel-argument limit of every CUDA version; float64
+// inputs and more than 512 bins read a device table instead, Note [capture-safe tables]). Each tensor gets the blocks a stats_into launch would
 // give it (launch_blocks), and its blocks run what that launch runs: the same grid-stride shares,
 // the same block merges, and the last of its blocks to finish (a ticket per tensor) merges its
 // block partials in block order. Every row therefore equals stats_into's, bit for bit. A block
