@@ -889,6 +889,12 @@ def format_large_table(rows: list[dict]) -> str:
                 v, goal = r[key], t.get(key)
                 verdict = "" if goal is None else f" (target <= {goal * 1e6:.2f} us: {'met' if v <= goal else 'missed'})"
                 lines.append(f"- {label}: {v * 1e6:.2f} us{verdict}")
+            if r.get("flush_exp_per_record_s") is not None:
+                kept, dense = r.get("hist_kept_bytes", 0), r.get("hist_dense_bytes", 0)
+                share = f", {kept / dense:.0%} of the dense rows" if dense else ""
+                lines.append(f"- flush per record with exponent histograms ({r['flush_exp_records']} records, "
+                             f"{r.get('flush_every')} steps): {r['flush_exp_per_record_s'] * 1e6:.2f} us; histogram rows "
+                             f"kept: {kept / 1e6:.1f} MB{share}")
     return "\n".join(lines) + "\n"
 
 

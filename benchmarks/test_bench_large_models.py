@@ -16,6 +16,8 @@ every case alike; one torch thread, since 2-thread regions stall on a shared 2-c
     record_host    Monitor forward-only on Linear(4, 4) with a 1 x 4 input: (time with - without) per record, the
                    kernel on 4 elements included (fastest of 9 interleaved rounds of 20,000 calls each side)
     flush          flush() of a step of the MLP's records (2,002) divided by their number
+    flush (exp)    the same with exponent histograms, FLUSH_EVERY steps a flush, and the bytes of histogram rows kept
+                   (HistRows: the nonzero columns) beside the dense rows
 
 The ratios (case / none, of each case's fastest flush period; medians beside them) go into extra_info and benchmarks/report.py prints them against the targets of issue
 #13: MLP monitor <= 1.20x, + grads <= 1.30x; transformer <= 1.10x, + grads <= 1.15x; <= 2 us host time per record;
@@ -245,10 +247,27 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
         flush.append((time.perf_counter() - t0) / max(len(block), 1))
     records = len(block)
     mon.detach()
+    # The same flush with exponent histograms (514 counts a record), FLUSH_EVERY steps a flush as a Monitor runs:
+    # the rows are copied out as their nonzero columns (HistRows in hookstats/monitor/buffers.py)
+    mon = hookstats.Monitor(model, histogram="exp", flush_every=None)
+    flush_exp, kept, dense = [], 0, 0
+    for _ in range(1 if smoke else 5):
+        for _ in range(FLUSH_EVERY):
+            loss(model(xin)).backward()
+            mon.step()
+        t0 = time.perf_counter()
+        block = mon._buf.flush()
+        flush_exp.append((time.perf_counter() - t0) / max(len(block), 1))
+        kept = sum(h.data.nbytes for h in block.hists)
+        dense = sum(len(h) * h.length * 8 for h in block.hists)
+    exp_records = len(block)
+    mon.detach()
     benchmark.group = "large-host"
     benchmark.extra_info.update(family="large", bench="host", record_host_s=record_host,
                                 bare_forward_s=min(bare), flush_per_record_s=statistics.median(flush),
                                 flush_records=records, pending_slots=k, case="record_host",
+                                flush_exp_per_record_s=statistics.median(flush_exp), flush_exp_records=exp_records,
+                                hist_kept_bytes=kept, hist_dense_bytes=dense, flush_every=FLUSH_EVERY,
                                 targets={"record_host_s": 2e-6, "flush_per_record_s": 0.5e-6})
     assert math.isfinite(record_host)
     benchmark.pedantic(lambda: lin(x), rounds=1 if smoke else 100, iterations=1 if smoke else 100)
