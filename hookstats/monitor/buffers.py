@@ -71,6 +71,12 @@ class HistRows:
         out = self[:]
         return out if dtype is None else out.astype(dtype)
 
+    def __getattr__(self, name: str):
+        """Any other array attribute or method (sum, ndim, T, ...) of the dense rows, built for the call."""
+        if name.startswith("__") or name in HistRows.__slots__:
+            raise AttributeError(name)
+        return getattr(self[:], name)
+
 
 _SCAN_ROWS = 1024  # rows per pass of the nonzero-column scan (a 4 MB temporary at most for 514 int64 columns)
 
