@@ -198,6 +198,7 @@ def main() -> None:
         lines += ["", f"## Where in the tensor: FAILED: {type(e).__name__}: {e}"]
     save(args.out, lines)
     lines += distribution_section(dev)
+    save(args.out, lines)
     lines += clip_section(dev)
     save(args.out, lines)
     lines += monitor_section(dev)
