@@ -128,9 +128,10 @@ def stats_into():
         hexp = hookstats.histogram_buffer(len(xs), "exp", dtype=dtype, device=DEV)
         for i, x in enumerate(xs.values()):
             xc = x.to(DEV)
-            hookstats.stats_into(xc, buf, i, hist=hist, histogram=h)
-            hookstats.stats_into(xc, buf, i, hist=hist, histogram=h)  # histograms add up across calls
             hookstats.stats_into(xc, buf, i, hist=hexp, histogram="exp")
+            hookstats.stats_into(xc, buf, i, hist=hexp, histogram="exp")  # written: the second leaves one count
+            hookstats.stats_into(xc, buf, i, hist=hist, histogram=h)
+            hookstats.stats_into(xc, buf, i, hist=hist, histogram=h, accumulate=True)  # added: two counts
         rows, hist, hexp = buf.cpu(), hist.cpu(), hexp.cpu()
         for i, (name, x) in enumerate(xs.items()):
             compare_stats(hookstats.Stats.from_row(rows[i]).to_dict(), hookstats.stats(x).to_dict(), dtype,

@@ -139,9 +139,15 @@ def test_captured_training_step_with_optimizer_grads():
     mon.detach()
 
 
-def test_stats_into_ring_in_a_graph_writes_a_new_row_each_replay():
+# One block (writes its row itself, Note [single-block rows] in csrc/cuda/stats_cuda.cu) and several (zeroed row,
+# atomics)
+SIZES = [1000, 3 * 4096 + 5]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_stats_into_ring_in_a_graph_writes_a_new_row_each_replay(n):
     """The op-level mechanism (Note [ring rows]): a captured _ring_advance, then stats_into with ring."""
-    x = torch.randn(1000, device="cuda")
+    x = torch.randn(n, device="cuda")
     out = torch.full((4, 1, 13), float("nan"), dtype=torch.float64, device="cuda")
     hist = torch.zeros(4, 1, hookstats._ops.as_histogram("exp").length(torch.float32), dtype=torch.int64,
                        device="cuda")
@@ -154,7 +160,7 @@ def test_stats_into_ring_in_a_graph_writes_a_new_row_each_replay():
         torch.ops.hookstats._ring_advance(state, steps, step)
         hookstats.stats_into(x, out, 0, hist, 0, "exp", ring=state[1:])
     for i in range(6):
-        x.copy_(torch.randn(1000, device="cuda") * (i + 1))
+        x.copy_(torch.randn(n, device="cuda") * (i + 1))
         step.fill_(10 + i)
         graph.replay()
         want = hookstats.stats_buffer(1, device="cuda")
@@ -276,12 +282,13 @@ def test_clip_norm_captures_the_two_launch_path():
     with pytest.raises(ValueError, match="not under CUDA graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             op(x, 2.0, 1.0, 1e-6, 0, 2)
+@pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("histogram", ["exp", (16, (-2.0, 2.0))])
-def test_stats_into_hist_row_is_written_on_every_replay(histogram):
+def test_stats_into_hist_row_is_written_on_every_replay(histogram, n):
     """Note [histogram rows] (csrc/core/bindings.h): a captured stats_into leaves, after each replay, the histogram
     of that replay's input in its row, as it does the statistics; with accumulate=True the replays' counts add up."""
     h = hookstats._ops.as_histogram(histogram)
-    x = torch.randn(4097, device="cuda")
+    x = torch.randn(n, device="cuda")
     out = hookstats.stats_buffer(2, device="cuda")
     written = hookstats.histogram_buffer(1, h, device="cuda")
     summed = hookstats.histogram_buffer(1, h, device="cuda")
@@ -302,7 +309,7 @@ def test_stats_into_hist_row_is_written_on_every_replay(histogram):
         step()
     total = torch.zeros(h.length(torch.float32), dtype=torch.int64)
     for k in (1, 2, 3):
-        x.copy_(torch.randn(4097, device="cuda") * k)
+        x.copy_(torch.randn(n, device="cuda") * k)
         graph.replay()
         torch.cuda.synchronize()
         want = reference.histogram_of(x.cpu(), h)

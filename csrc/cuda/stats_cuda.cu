@@ -322,6 +322,15 @@ __device__ StatsPartial thread_partial(const Share<scalar_t>& share, int64_t tid
   return fast_to_partial<acc_t>(f);
 }
 
+// Note [single-block rows]
+// How a launch's blocks put their counts into the histogram row. With several blocks, each adds its nonzero
+// counts with global atomics into a row the host zeroed first (unless accumulating): kRowAtomic. A launch of one
+// block (every tensor of up to kThreads * kVec * kUnroll values: a Monitor's small activations) owns its row, so it
+// writes every slot with a plain store (kRowStore), or adds to it (kRowAdd, accumulate): no zeroing launch, and it
+// needs no workspace and no ticket either (it writes its results itself), so such a stats_into is one launch and
+// no allocation, where it was a memset, an allocation, a second memset and the launch.
+enum RowMode : int { kRowAtomic = 0, kRowStore = 1, kRowAdd = 2 };
+
 // block_locs: one LocPartial per block (LOC only).
 // Block `block` of the `nblocks` blocks that reduce share (a stats launch, or one tensor's blocks in a multi-tensor
 // launch, Note [multi-tensor stats launches]): its threads' partials (and histogram counts) merged in a fixed order
@@ -332,7 +341,7 @@ __device__ __forceinline__ void stats_block(const Share<scalar_t>& share, int bl
                                             StatsPartial* __restrict__ block_partials, LocPartial* __restrict__ block_locs,
                                             unsigned int* __restrict__ ticket, const StatsOut& out, const HistSpec& hs,
                                             int64_t hist_len, int hist_copies, unsigned long long* hist_out,
-                                            const BinThresholds& thr) {
+                                            const BinThresholds& thr, int row_mode) {
   using acc_t = typename AccOf<scalar_t>::type;
   __shared__ StatsPartial smem[kWarps];
   __shared__ bool is_last;
@@ -361,7 +370,11 @@ __device__ __forceinline__ void stats_block(const Share<scalar_t>& share, int bl
     uint32_t c = 0u;
     for (int r = 0; r < hist_copies; ++r) c += sh_hist[r * hist_len + i];
     const int64_t slot = by_ordinal(h) ? slot_of_ordinal(static_cast<int32_t>(i), h.bins) : i;
-    if (c != 0u) atomicAdd(hist_out + slot, static_cast<unsigned long long>(c));
+    if (row_mode == kRowAtomic) {  // Note [single-block rows]
+      if (c != 0u) atomicAdd(hist_out + slot, static_cast<unsigned long long>(c));
+    } else {
+      hist_out[slot] = (row_mode == kRowAdd ? hist_out[slot] : 0ull) + static_cast<unsigned long long>(c);
+    }
   }
   if (nblocks == 1) {
     if (threadIdx.x == 0) {
@@ -410,11 +423,11 @@ __device__ __forceinline__ void stats_block(const Share<scalar_t>& share, int bl
 template <typename scalar_t, bool LOC = false>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(Share<scalar_t> share, StatsPartial* __restrict__ block_partials,
-             unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len, int hist_copies,
+             unsigned int* __restrict__ ticket, StatsOut out, HistSpec hs, int64_t hist_len, int hist_copies, int row_mode,
              unsigned long long* __restrict__ hist_out, LocPartial* __restrict__ block_locs,
              const __grid_constant__ BinThresholds thr) {
   stats_block<scalar_t, LOC>(share, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), block_partials,
-                             block_locs, ticket, out, hs, hist_len, hist_copies, hist_out, thr);
+                             block_locs, ticket, out, hs, hist_len, hist_copies, hist_out, thr, row_mode);
 }
 
 // The exact bin thresholds of a launch over scalar_t (Note [exact bin thresholds]): by value in thr for
@@ -474,7 +487,7 @@ __global__ void zero_ring_row_kernel(unsigned long long* __restrict__ hist, int6
   }
 }
 
-// hist: int64 counts on x's device (nullptr: no histogram); zeroed first unless accumulate.
+// hist: int64 counts on x's device (nullptr: no histogram); written, or added to with accumulate (Note [single-block rows]).
 void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int64_t* hist, int64_t hist_len,
               bool accumulate) {
   const c10::cuda::CUDAGuard guard(x.device());
@@ -483,15 +496,6 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
   const StridedLayout layout = layout_of(x, want_loc);  // Note [element locations]
   const int64_t n = x.numel();
   if (hist == nullptr) hist_len = 0;
-  if (hist_len > 0 && !accumulate) {
-    if (out.ring != nullptr) {
-      const int zb = static_cast<int>(hist_len < 4 * 256 ? (hist_len + 255) / 256 : 4);
-      zero_ring_row_kernel<<<zb, 256, 0, stream>>>(reinterpret_cast<unsigned long long*>(hist), hist_len, out);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else {
-      C10_CUDA_CHECK(cudaMemsetAsync(hist, 0, hist_len * sizeof(int64_t), stream));
-    }
-  }
   HOOKSTATS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "hookstats_stats_cuda", [&] {
     Share<scalar_t> share;
     share.x = static_cast<const scalar_t*>(first_element(x));
@@ -502,17 +506,33 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
     const int64_t head = static_cast<int64_t>(((16 - addr % 16) % 16) / sizeof(scalar_t));
     share.head = head < n ? head : n;
     const int blocks = launch_blocks<scalar_t>(n, x.device().index());
-    // Workspace: one partial per block and the ticket, from the caching allocator (stream
-    // ordered, no cudaMalloc once warm).
-    // With locations, one LocPartial per block follows the partials.
-    const int64_t loc_bytes = want_loc ? static_cast<int64_t>(blocks) * sizeof(LocPartial) : 0;
-    const int64_t ws_bytes = static_cast<int64_t>(blocks) * sizeof(StatsPartial) + loc_bytes + 16;
-    at::Tensor ws = at::empty({ws_bytes}, x.options().dtype(at::kByte));
-    auto* partials = reinterpret_cast<StatsPartial*>(ws.data_ptr());
-    auto* locs = reinterpret_cast<LocPartial*>(static_cast<char*>(ws.data_ptr()) +
-                                               static_cast<int64_t>(blocks) * sizeof(StatsPartial));
-    auto* ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes - 16);
-    C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
+    // Note [single-block rows]: one block writes its histogram row and results itself.
+    const int row_mode = blocks > 1 ? kRowAtomic : (accumulate ? kRowAdd : kRowStore);
+    if (hist_len > 0 && !accumulate && blocks > 1) {
+      if (out.ring != nullptr) {
+        const int zb = static_cast<int>(hist_len < 4 * 256 ? (hist_len + 255) / 256 : 4);
+        zero_ring_row_kernel<<<zb, 256, 0, stream>>>(reinterpret_cast<unsigned long long*>(hist), hist_len, out);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      } else {
+        C10_CUDA_CHECK(cudaMemsetAsync(hist, 0, hist_len * sizeof(int64_t), stream));
+      }
+    }
+    // Workspace (several blocks only): one partial per block and the ticket, from the caching allocator
+    // (stream ordered, no cudaMalloc once warm). With locations, one LocPartial per block follows the partials.
+    at::Tensor ws;
+    StatsPartial* partials = nullptr;
+    LocPartial* locs = nullptr;
+    unsigned int* ticket = nullptr;
+    if (blocks > 1) {
+      const int64_t loc_bytes = want_loc ? static_cast<int64_t>(blocks) * sizeof(LocPartial) : 0;
+      const int64_t ws_bytes = static_cast<int64_t>(blocks) * sizeof(StatsPartial) + loc_bytes + 16;
+      ws = at::empty({ws_bytes}, x.options().dtype(at::kByte));
+      partials = reinterpret_cast<StatsPartial*>(ws.data_ptr());
+      locs = reinterpret_cast<LocPartial*>(static_cast<char*>(ws.data_ptr()) +
+                                           static_cast<int64_t>(blocks) * sizeof(StatsPartial));
+      ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes - 16);
+      C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
+    }
     // Note [cuda block histograms]: a sub-histogram per warp when they fit, else one per block
     // (<= 8192 + 3 bins or 4098 exponent slots: at most 32 KB).
     const int copies = hist_len == 0 ? 0 : (hist_len * kWarps * 4 <= kHistSmemBytes ? kWarps : 1);
@@ -523,11 +543,12 @@ void run_cuda(const at::Tensor& x, const StatsOut& out, const HistSpec& hs, int6
     const size_t smem = (static_cast<size_t>(hist_len) * copies + static_cast<size_t>(thr.n)) * sizeof(uint32_t);
     if (want_loc) {
       stats_kernel<scalar_t, true><<<blocks, kThreads, smem, stream>>>(
-          share, partials, ticket, out, h, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), locs, thr);
+          share, partials, ticket, out, h, hist_len, copies, row_mode, reinterpret_cast<unsigned long long*>(hist),
+          locs, thr);
     } else {
       stats_kernel<scalar_t><<<blocks, kThreads, smem, stream>>>(
-          share, partials, ticket, out, h, hist_len, copies, reinterpret_cast<unsigned long long*>(hist), nullptr,
-          thr);
+          share, partials, ticket, out, h, hist_len, copies, row_mode, reinterpret_cast<unsigned long long*>(hist),
+          nullptr, thr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -596,7 +617,7 @@ multi_stats_kernel(const __grid_constant__ MultiPack pk, HistSpec hs, int64_t hi
   out.values = d.row;
   stats_block<scalar_t, false>(share, static_cast<int>(blockIdx.x) - d.first_block, d.nblocks,
                                block_partials + d.first_block, nullptr, tickets + t, out, hs, hist_len, hist_copies,
-                               reinterpret_cast<unsigned long long*>(d.hist), thr);
+                               reinterpret_cast<unsigned long long*>(d.hist), thr, kRowAtomic);
 }
 
 template <typename scalar_t>
