@@ -282,6 +282,8 @@ def test_clip_norm_captures_the_two_launch_path():
     with pytest.raises(ValueError, match="not under CUDA graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             op(x, 2.0, 1.0, 1e-6, 0, 2)
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("histogram", ["exp", (16, (-2.0, 2.0))])
 def test_stats_into_hist_row_is_written_on_every_replay(histogram, n):

@@ -10,10 +10,11 @@
 //     range bins are decided by exact thresholds (Note [exact bin thresholds] in core/hist_ops.h),
 //     passed by value for float inputs of up to 512 bins and read from a device table for float64
 //     inputs and more bins (Note [capture-safe tables]), with no per-value float64 fallback near edges;
-//   * partials are merged by warp shuffles and shared memory in a fixed order, written to a
-//     per-block slot of a small workspace (grid <= 2 blocks of 256 threads per SM, ~100 bytes a block);
-//   * the last block to finish (atomic ticket) merges the block partials in block order and
-//     writes the results. No float atomics: results are bitwise reproducible on a device.
+//   * partials are merged by warp shuffles and shared memory in a fixed order; with several blocks,
+//     written to a per-block slot of a small workspace (grid <= 2 blocks of 256 threads per SM, ~100
+//     bytes a block), and the last block to finish (atomic ticket) merges the block partials in block
+//     order and writes the results; a single block writes them itself (Note [single-block rows]).
+//     No float atomics: results are bitwise reproducible on a device.
 // Non-dense layouts are read element by element through StridedLayout (Note [layouts]).
 // With locations (Note [element locations]) a second instantiation of the kernel (LOC = true) also
 // keeps, per thread, the first largest |x| and first NaN/Inf of its share with their flat indices
@@ -210,8 +211,9 @@ __device__ __forceinline__ int32_t exp_slot_raw(c10::BFloat16 v) { return exp_sl
 // shared atomic, a warp's lanes that hold the same slot are combined (__match_any_sync): the
 // lowest of them adds the group's size. Data concentrated in one bin (ReLU zeros, dead units,
 // saturated values) then costs one atomic per warp and value position instead of 32 serialized
-// ones on one address. Integer counts: exact, order-free. The block adds its sub-histograms
-// into the int64 output row with one global atomic per nonzero slot.
+// ones on one address. Integer counts: exact, order-free. With several blocks, each adds its
+// sub-histograms into the int64 output row with one global atomic per nonzero slot; a single block
+// stores its row (Note [single-block rows]).
 constexpr int64_t kHistSmemBytes = 32 * 1024;
 
 __device__ __forceinline__ void hist_inc(uint32_t* h, int32_t slot) {
@@ -335,7 +337,9 @@ enum RowMode : int { kRowAtomic = 0, kRowStore = 1, kRowAdd = 2 };
 // Block `block` of the `nblocks` blocks that reduce share (a stats launch, or one tensor's blocks in a multi-tensor
 // launch, Note [multi-tensor stats launches]): its threads' partials (and histogram counts) merged in a fixed order
 // into block_partials[block]; the last of the nblocks blocks to finish (the ticket) merges them in block order and
-// writes the row. No float atomics: results are bitwise reproducible on a device.
+// writes the row. A single block (nblocks == 1) writes its row at once and touches neither block_partials,
+// block_locs nor ticket (nullptr then, Note [single-block rows]). No float atomics: results are bitwise
+// reproducible on a device.
 template <typename scalar_t, bool LOC>
 __device__ __forceinline__ void stats_block(const Share<scalar_t>& share, int block, int nblocks,
                                             StatsPartial* __restrict__ block_partials, LocPartial* __restrict__ block_locs,
