@@ -124,7 +124,7 @@ def unravel_many(flat, ndim, dims):
     coords = np.zeros(len(dims), dtype=np.int64)
     rest = np.where(valid, flat, 0)
     for k in range(int(ndim.max()) if len(ndim) else 0):  # row-major: the last dim first
-        has = ndim > k
+        has = valid & (ndim > k)  # (a record without a location may have a 0-size dim)
         pos = off[:-1][has] + ndim[has] - 1 - k
         d = dims[pos]
         coords[pos] = rest[has] % d

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -520,3 +521,6 @@ def test_unravel_many_equals_unravel_record_by_record():
     assert [tuple(coords[off[i]:off[i + 1]].tolist()) for i in range(len(shapes)) if valid[i]] == \
         [w for w in want if w is not None]
     assert unravel_rows(np.array([], dtype=np.int64), np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []
+    with warnings.catch_warnings():  # a zero-size record has no location, and no dim is divided by
+        warnings.simplefilter("error")
+        assert unravel_rows(np.array([-1, 5]), np.array([2, 1]), np.array([0, 4, 7])) == [None, (5,)]

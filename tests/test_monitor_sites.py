@@ -309,7 +309,8 @@ def test_flushed_histogram_rows_keep_their_nonzero_columns(order, big):
     from hookstats.monitor.buffers import _SCAN_ROWS, HistRows, gather_rows
     gen = np.random.default_rng(0)
     slots, sites, length = 3, _SCAN_ROWS // 2 + 7, 66
-    block = np.zeros((slots, sites, length), dtype=np.int64)
+    buf = np.zeros((slots + 1, sites + 5, length), dtype=np.int64)
+    block = buf[:slots, :sites]  # what a flush gets: the used rows of a larger buffer (not contiguous)
     used = gen.choice(length, 9, replace=False)  # a few columns only, as exponent histograms have
     block[:, :, used] = gen.integers(0, 5, (slots, sites, 9))
     block[1, 3, used[0]] = 2**40 if big else 2**31 - 1
@@ -330,12 +331,15 @@ def test_flushed_histogram_rows_keep_their_nonzero_columns(order, big):
     assert np.array_equal(got[:], want) and got[:].dtype == np.int64 and np.array_equal(np.asarray(got), want)
     # array methods and attributes answer as the dense rows do (exporters written against [rows, bins] arrays)
     assert np.array_equal(got.sum(axis=0), want.sum(axis=0)) and got.ndim == 2 and got.T.shape == want.T.shape
+    assert np.array_equal(got[:, used[0]], want[:, used[0]]) and np.array_equal(got[..., 3], want[..., 3])
+    assert np.array_equal(got + 1, want + 1) and np.array_equal(np.minimum(got, 2), np.minimum(want, 2))
     assert np.array_equal(pickle.loads(pickle.dumps(got))[:], want)
     if len(want):
         i = len(want) // 2
         assert np.array_equal(got[i], want[i]) and got[i].tolist() == want[i].tolist()
         pick = np.array([len(want) - 1, 0, i])
         assert np.array_equal(got[pick], want[pick])
+        assert got[i, used[1]] == want[i, used[1]] and np.array_equal(got[1:3, used], want[1:3, used])
 
 
 def test_flush_leaves_the_recorder_rows_free_for_the_next_steps():

@@ -41,15 +41,17 @@ def host_view(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else to_host(t).numpy()
 
 
-class HistRows:
+class HistRows(np.lib.mixins.NDArrayOperatorsMixin):
     """The histogram rows of a flushed block, [n, length] int64 counts, stored as the columns that hold a nonzero
     count somewhere in the block (int32 when every count fits): an exponent histogram has 514 slots for float32 and
     a layer's values span a few dozen binades, so a Monitor keeps, and page-faults in, a fraction of the dense rows
-    (1,000 modules over 10 steps: ~6 MB a flush instead of 82 MB). Indexing (an int, a slice or an index array)
-    gives dense int64 rows, as a [n, length] array would."""
+    (1,000 modules over 10 steps: ~5 MB a flush instead of 82 MB). Read-only; it indexes (ints, slices, index
+    arrays, tuples of them), converts (np.asarray), computes (operators, ufuncs) and answers array attributes and
+    methods as the dense [n, length] int64 array would, which it builds for the call."""
 
     __slots__ = ("data", "cols", "length")
     dtype = np.dtype(np.int64)
+    ndim = 2
 
     def __init__(self, data: np.ndarray, cols: np.ndarray, length: int):
         self.data, self.cols, self.length = data, cols, length
@@ -62,17 +64,29 @@ class HistRows:
         return len(self.data)
 
     def __getitem__(self, idx) -> np.ndarray:
+        if isinstance(idx, tuple):  # rows first, then the rest on the dense rows
+            if not idx or idx[0] is Ellipsis or idx[0] is None:
+                return self[:][idx]
+            return self[idx[0]][(Ellipsis,) + idx[1:]]
         d = self.data[idx]
         out = np.zeros(d.shape[:-1] + (self.length,), dtype=np.int64)
         out[..., self.cols] = d
         return out
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("HistRows holds only its nonzero columns: np.asarray(copy=False) cannot be a view")
         out = self[:]
         return out if dtype is None else out.astype(dtype)
 
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        args = [x[:] if isinstance(x, HistRows) else x for x in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(x[:] if isinstance(x, HistRows) else x for x in kwargs["out"])
+        return getattr(ufunc, method)(*args, **kwargs)
+
     def __getattr__(self, name: str):
-        """Any other array attribute or method (sum, ndim, T, ...) of the dense rows, built for the call."""
+        """Any other array attribute or method (sum, T, max, ...) of the dense rows."""
         if name.startswith("__") or name in HistRows.__slots__:
             raise AttributeError(name)
         return getattr(self[:], name)
@@ -82,21 +96,22 @@ _SCAN_ROWS = 1024  # rows per pass of the nonzero-column scan (a 4 MB temporary 
 
 
 def gather_rows(block: np.ndarray, slot: np.ndarray, row: np.ndarray) -> HistRows:
-    """block[slot[i], row[i]] for every i, as HistRows (new memory: the block's nonzero columns only). The pairs are
-    usually consecutive rows of the flattened block (every step's sites written in the same order): then the scan
-    and the copy read one contiguous range, else they gather."""
+    """block[slot[i], row[i]] for every i (block: [slots, rows, length], usually a view of the first rows of a larger
+    buffer), as HistRows (new memory: the block's nonzero columns only). The pairs go in pieces of _SCAN_ROWS: a piece
+    of consecutive rows of one slot (every step's sites written in the same order: the usual case) is read in place,
+    others are gathered."""
     length = block.shape[-1]
-    flat = block.reshape(-1, length)
     n = len(slot)
     if n == 0:
         return HistRows(np.empty((0, 0), dtype=np.int32), np.empty(0, dtype=np.int64), length)
-    idx = slot * block.shape[1] + row
-    first = int(idx[0])
-    run = int(idx[-1]) - first == n - 1 and (n == 1 or bool(np.all(np.diff(idx) == 1)))
-    rows = flat[first:first + n] if run else None
 
     def part(c: int) -> np.ndarray:
-        return rows[c:c + _SCAN_ROWS] if run else flat[idx[c:c + _SCAN_ROWS]]
+        s, r = slot[c:c + _SCAN_ROWS], row[c:c + _SCAN_ROWS]
+        r0, m = int(r[0]), len(r)
+        if s[0] == s[-1] and int(r[-1]) - r0 == m - 1 and (m == 1 or (bool(np.all(s == s[0])) and
+                                                                     bool(np.all(np.diff(r) == 1)))):
+            return block[int(s[0]), r0:r0 + m]
+        return block[s, r]
 
     seen = np.zeros(length, dtype=np.int64)  # the OR of the rows: nonzero where a count is, and >= every count
     for c in range(0, n, _SCAN_ROWS):
