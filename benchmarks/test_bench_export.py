@@ -7,7 +7,7 @@ forward_pre + forward: 2,002 records a step, flushed every
 FLUSH_EVERY steps. What is measured (one torch thread; one run per writer, not interleaved: each case is a whole
 run of its writer):
   step_thread_s      the training thread's time in Monitor.step() per step, flushes included
-  flush_s            of it, in the flush proper (the device-to-host copy into a Block: hookstats.monitor.buffers,
+  flush_s            of it, in the flush proper (the device-to-host copy into a Block: hookstats.monitor.buffers and .block,
                      issue #13's flush; timed by wrapping the Monitor's Buffers.flush in this run)
   wait_s             of it, waiting for a free place in the export queue (the writer `export_queue` flushes behind;
                      the count is export_waits). This model's "training" is only its hooks (a few ms a step): a

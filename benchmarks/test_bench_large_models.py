@@ -248,7 +248,7 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
     records = len(block)
     mon.detach()
     # The same flush with exponent histograms (514 counts a record), FLUSH_EVERY steps a flush as a Monitor runs:
-    # the rows are copied out as their nonzero columns (HistRows in hookstats/monitor/buffers.py)
+    # the rows are copied out as their nonzero columns (HistRows in hookstats/monitor/block.py)
     mon = hookstats.Monitor(model, histogram="exp", flush_every=None)
     flush_exp, kept, dense = [], 0, 0
     for _ in range(1 if smoke else 5):

@@ -505,7 +505,7 @@ def test_unravel_many_equals_unravel_record_by_record():
     import numpy as np
 
     from hookstats._ops import unravel_many
-    from hookstats.monitor.buffers import unravel_rows
+    from hookstats.monitor.block import unravel_rows
 
     gen = torch.Generator().manual_seed(3)
     shapes = [tuple(int(d) for d in torch.randint(1, 6, (int(torch.randint(0, 5, (1,), generator=gen)),),

@@ -306,7 +306,7 @@ def test_flushed_histogram_rows_keep_their_nonzero_columns(order, big):
     """A flush keeps a block's histogram rows as the columns that hold a count somewhere (HistRows, int32 when every
     count fits): indexing them gives the dense int64 rows, for consecutive rows (one copy) and gathered ones, across
     more rows than one scan pass (_SCAN_ROWS), and counts past int32."""
-    from hookstats.monitor.buffers import _SCAN_ROWS, HistRows, gather_rows
+    from hookstats.monitor.block import _SCAN_ROWS, HistRows, gather_rows
     gen = np.random.default_rng(0)
     slots, sites, length = 3, _SCAN_ROWS // 2 + 7, 66
     buf = np.zeros((slots + 1, sites + 5, length), dtype=np.int64)

@@ -2,7 +2,7 @@
 `tensorboard` package), Weights & Biases (when `wandb` is installed), and plots plus a one-page report (matplotlib)
 made from a run directory.
 
-An exporter is any object with `write_block(block, scalars)` (a flush's columns: hookstats.monitor.buffers.Block)
+An exporter is any object with `write_block(block, scalars)` (a flush's columns: hookstats.monitor.block.Block)
 or `write(records, scalars)` (record dicts); `begin(info)` (called when a Monitor attaches) and `close()` (called by
 Monitor.detach) are optional. Exporters run on the Monitor's export thread (Note [export off the training thread]).
 The optional packages are imported when an exporter is made, so `import hookstats` never needs them.

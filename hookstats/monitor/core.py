@@ -1,7 +1,7 @@
 """hookstats.Monitor: statistics of every matching layer, every step, into device buffers, read back when you choose.
 
 The data path: hooks (hooks.py, C++ callables of csrc/monitor/) -> site rows of device buffers (buffers.py; Note
-[monitor sites] in csrc/monitor/recorder.h) -> flush: one host copy per buffer, a columnar Block -> records(),
+[monitor sites] in csrc/monitor/recorder.h) -> flush: one host copy per buffer, a columnar Block (block.py) -> records(),
 summary(), first_nonfinite(), exporters.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 
 from .._ops import STATS_FIELDS
 from . import hooks as _hooks
-from .buffers import Buffers, LazyRecords
+from .block import LazyRecords
+from .buffers import Buffers
 from .export_thread import ExportThread
 from .summary import format_summary, summary_from_columns
 
