@@ -122,6 +122,11 @@ def distribution_section(dev) -> list[str]:
         one_bin = max(times["zeros"]["stats+hist64"], times["on_edge"]["stats+hist64"])
         lines.append(f"- stats+hist64, all in one bin / uniform: {one_bin / times['uniform']['stats+hist64']:.2f}x "
                      "(target <= 1.3x)")
+        # bytes read / time against the copy's bandwidth (a copy reads and writes the bytes: 2x them / its time)
+        share = {d: times[d]["copy"] / (2 * times[d]["stats+hist64"]) for d in DISTRIBUTIONS}
+        worst = min(share, key=share.get)
+        lines.append(f"- stats+hist64 at 256 MB: {share['randn']:.0%} of copy bandwidth on randn, {share[worst]:.0%} "
+                     f"at the least ({worst}) (target >= 75%)")
         lines.append("")
     return lines
 
