@@ -190,9 +190,8 @@ LOC_DATA = ("randn", "late_nan")
 @pytest.mark.parametrize("size_log2", LOC_SIZES, ids=[f"2^{k}" for k in LOC_SIZES])
 def test_locations_on_off(benchmark, hookstats, device, dtype_name, size_log2, data):
     import statistics
-    import time
 
-    from conftest import DTYPES as _DT
+    from conftest import DTYPES as _DT, interleaved_timer
 
     n = 2**size_log2
     g = torch.Generator().manual_seed(SEED + size_log2)
@@ -207,7 +206,7 @@ def test_locations_on_off(benchmark, hookstats, device, dtype_name, size_log2, d
     assert int(s.argmax_abs_index) == int((want == want.max()).nonzero()[0, 0])
     assert int(s.first_nonfinite_index) == (n // 2 if data == "late_nan" else -1)
     fns = {"off": lambda: hookstats.stats(x), "on": lambda: hookstats.stats(x, locations=True)}
-    times = {c: [] for c in fns}
+    times, timed = interleaved_timer(fns, device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -216,13 +215,7 @@ def test_locations_on_off(benchmark, hookstats, device, dtype_name, size_log2, d
             f()
         for r in range(reps):
             for c in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fns[c]()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times[c].append(time.perf_counter() - t0)
+                timed(c)
     finally:
         torch.set_num_threads(threads)
     med = {c: statistics.median(ts) for c, ts in times.items()}
