@@ -135,7 +135,6 @@ inline double threshold_band(const HistSpec& h) {
   const double shift = sizeof(F) == 4 ? std::fabs(static_cast<double>(h.shift_f)) : std::fabs(h.shift);
   return (2.0 * tmax + 2.0 * shift + 1.0) * static_cast<double>(BinTolerance<F>::rel);
 }
-inline double threshold_band_f32(const HistSpec& h) { return threshold_band<float>(h); }
 
 // Whether Note [exact bin thresholds] applies to a range spec for inputs transformed in F (float:
 // fp32, fp16, bf16; double: fp64): the transform is accurate to well within 1/2 everywhere.
@@ -145,7 +144,6 @@ inline bool thresholds_apply(const HistSpec& h) {
   const double band = threshold_band<F>(h);
   return std::isfinite(band) && band < 0.25;
 }
-inline bool thresholds_apply_f32(const HistSpec& h) { return thresholds_apply<float>(h); }
 
 // The ordinal of a value v transformed in F (Note [exact bin thresholds]): r = the nearest integer of
 // t clamped to [0, bins], then r + (v >= T[r]); NaN gets bins + 2. The CPU kernel computes the same in
@@ -268,7 +266,6 @@ inline const F* cached_thresholds(const HistSpec& h) {
     return exact_thresholds<F>(h, T.data());
   });
 }
-inline const float* cached_thresholds_f32(const HistSpec& h) { return cached_thresholds<float>(h); }
 
 // Note [16-bit ordinal tables]
 // An fp16 or bf16 input has 65,536 values, so its range ordinals (Note [exact bin thresholds]) can

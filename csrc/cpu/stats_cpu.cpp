@@ -157,7 +157,7 @@ inline RangeConsts range_consts(const HistSpec& hs) {
   r.lo_clamp = -1.5f;
   r.hi_clamp = static_cast<float>(hs.bins) + 1.5f;
   r.fbins = static_cast<float>(hs.bins);
-  r.band = static_cast<float>(threshold_band_f32(hs));  // fixed_slot's band for every t in [lo_clamp, hi_clamp]
+  r.band = static_cast<float>(threshold_band<float>(hs));  // fixed_slot's band for every t in [lo_clamp, hi_clamp]
   r.bins = hs.bins;
   // HistSpec::float_ok: a zero or subnormal float scale (huge ranges like (-1e300, 1e300)) or
   // an overflowing one (tiny ranges) would break the band's accuracy assumption.
@@ -178,7 +178,7 @@ BinPlan bin_plan(const HistSpec& hs, int64_t numel) {
   bp.lut = nullptr;
   if (hs.mode == kHistRange && std::is_same<scalar_t, double>::value) bp.rc.T64 = cached_thresholds<double>(hs);
   if (hs.mode == kHistRange && std::is_same<acc_of<scalar_t>, float>::value && !bp.rc.exact_only) {
-    bp.rc.T = cached_thresholds_f32(hs);  // Note [exact bin thresholds]
+    bp.rc.T = cached_thresholds<float>(hs);  // Note [exact bin thresholds]
     if (bp.rc.T != nullptr && numel >= kLutMinNumel) {
       if (std::is_same<scalar_t, c10::Half>::value) bp.lut = cached_ordinal_lut<5>(hs);
       if (std::is_same<scalar_t, c10::BFloat16>::value) bp.lut = cached_ordinal_lut<8>(hs);
