@@ -13,6 +13,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
 TEST_DEPS ?= ninja pytest pytest-benchmark numpy expecttest setuptools wheel tensorboard matplotlib tqdm pyarrow pandas wandb
+# real models, per-sample references and the training-framework integrations (tests only; hookstats imports none)
+MODEL_DEPS ?= transformers==5.24.0 timm==1.0.31 torchvision==0.29.1 opacus==1.6.0 accelerate==1.15.0 lightning==2.6.6 duckdb==2.0.1 polars==2.1.0
 PYTEST_ARGS ?=
 
 ifeq ($(wildcard /usr/local/cuda/bin/nvcc),)
@@ -38,7 +40,7 @@ all: test
 $(VENV)/.deps-installed:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --upgrade pip
-	$(VENV)/bin/python -m pip install "$(TORCH_SPEC)" $(TEST_DEPS)
+	$(VENV)/bin/python -m pip install "$(TORCH_SPEC)" $(TEST_DEPS) $(MODEL_DEPS)
 	touch $@
 
 $(BUILD_STAMP): $(DEPS) $(SOURCES)
