@@ -114,7 +114,9 @@ def test_parquet_round_trip(tmp_path, stats_dtype):
     assert sorted(os.listdir(path))[:2] == ["records-000001.parquet", "records-000002.parquet"]  # one per flush
     mon.detach()
     names = sorted(os.listdir(path))
-    assert names == ["records-000001-000003.parquet", "run.json", "scalars-000001-000003.parquet"]  # compacted
+    assert names == ["records-000001-000003.parquet"]  # compacted; nothing but records in the records dataset
+    assert sorted(os.listdir(tmp_path / "log.scalars.parquet")) == ["scalars-000001-000003.parquet"]
+    assert (tmp_path / "log.run.json").is_file() and not any(n.startswith(".") for n in os.listdir(tmp_path))
     import pyarrow.parquet as pq
 
     assert pq.ParquetFile(path / names[0]).num_row_groups == 3  # a row group per flush

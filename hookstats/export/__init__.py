@@ -9,7 +9,8 @@ The optional packages are imported when an exporter is made, so `import hookstat
 
 Run directory layout (what `python -m hookstats demo` writes and `python -m hookstats report` reads):
   RUN_DIR/log.jsonl       JSONLWriter
-  RUN_DIR/log.parquet/    ParquetWriter (read_log reads either)
+  RUN_DIR/log.parquet/    ParquetWriter: the records, Parquet files only (pandas, pyarrow, DuckDB, Polars read it as is);
+  RUN_DIR/log.scalars.parquet/, RUN_DIR/log.run.json   its logged scalars and run header (read_log reads either log)
   RUN_DIR/tensorboard/    TensorBoardWriter (tensorboard --logdir RUN_DIR/tensorboard)
   RUN_DIR/report/         make_report: PNG plots, report.md, report.html
 """

@@ -1,6 +1,6 @@
 """Reading a run log back as tables: `read_log(path)` (records, a pyarrow.Table) and `read_run(path)` (the run
-header, records and scalars), from a Parquet log directory (ParquetWriter) or a JSONL log (JSONLWriter), or a run
-directory holding either (log.parquet first)."""
+header, records and scalars), from a Parquet log (ParquetWriter: its records directory; logs of the layout before
+the sidecar files too) or a JSONL log (JSONLWriter), or a run directory holding either (log.parquet first)."""
 from __future__ import annotations
 
 import os
@@ -29,10 +29,10 @@ def find_log(path) -> str:
         return path
     if not os.path.isdir(path):
         raise FileNotFoundError(f"hookstats: {path!r} does not exist")
-    from .parquet import RUN_FILE, _parts
+    from .parquet import is_parquet_log
 
-    if os.path.isfile(os.path.join(path, RUN_FILE)) or any(_parts(path).values()):
-        return path  # a Parquet log directory itself
+    if is_parquet_log(path):
+        return path  # a Parquet log's records directory itself
     for name in (PARQUET_NAME, JSONL_NAME):
         p = os.path.join(path, name)
         if os.path.exists(p):

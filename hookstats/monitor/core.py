@@ -50,7 +50,10 @@ class Monitor:
     kinds (a name or a sequence of names): "forward" (module outputs), "forward_pre" (positional inputs),
     "backward_pre" (grad_output, alias "grad_output"), "backward" (grad_input, alias "grad_input"), "grad" (each
     parameter's .grad: after each accumulation, or, with `optimizer=`, once per step in one call per device at the
-    optimizer's step; `record_grads()` records them on demand).
+    optimizer's step, or, with `optimizer="manual"`, only when `record_grads()` is called: a training framework's
+    callback calls it after the framework clipped the grads, hookstats.integrations).
+    start_step: the first step's number (a resumed run continues its numbering; `every` counts from step 0).
+    pause() / resume(): record nothing in between (an evaluation pass between two training steps).
     include / exclude: globs on qualified module names or class names ("" is the model itself, "*Linear*" every
     nn.Linear; "grad" uses parameter names).
     channel_stats={"inputs": -1} (and/or "outputs"): per-channel absmax, sum |x|, sum x^2, min, max and non-finite
@@ -90,7 +93,7 @@ class Monitor:
                  keep_records: bool = True, process_group=None, export_rank: int = 0,
                  histogram_every: int = 1, optimizer: Optional[torch.optim.Optimizer] = None,
                  channel_stats: Optional[dict] = None, per_sample: bool = False,
-                 export_queue: int = 8, locations: bool = False):
+                 export_queue: int = 8, locations: bool = False, start_step: int = 0):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"hookstats.Monitor needs a torch.nn.Module, got {type(model).__name__}")
         self.every = _positive("every", every)
@@ -108,9 +111,12 @@ class Monitor:
         self.export_queue = _positive("export_queue", export_queue)
         if not keep_records and not exporters:
             raise ValueError("hookstats.Monitor: keep_records=False without exporters would throw every record away")
-        if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
-            raise TypeError(f"hookstats.Monitor: optimizer= needs a torch.optim.Optimizer, got "
+        if optimizer is not None and optimizer != "manual" and \
+                not callable(getattr(optimizer, "register_step_pre_hook", None)):
+            raise TypeError(f"hookstats.Monitor: optimizer= needs a torch.optim.Optimizer (or \"manual\"), got "
                             f"{type(optimizer).__name__}")
+        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
+            raise ValueError(f"hookstats.Monitor: start_step must be an int >= 0, got {start_step!r}")
         if not isinstance(locations, bool):
             raise TypeError(f"hookstats.Monitor: locations must be True or False, got {locations!r}")
         if locations and process_group is not None:
@@ -129,8 +135,9 @@ class Monitor:
             self._buf.group = resolve_group(process_group)
             self.rank = dist.get_rank(self._buf.group)
             self._exporting = self.rank == export_rank
-        self._step = 0
-        self._recorded_steps = 0  # steps recorded so far (histogram_every counts these)
+        self._step = start_step
+        self._recorded_steps = -(-start_step // self.every)  # steps recorded so far (histogram_every counts these)
+        self._step_flags = (False, False)
         self._handles: list = []
         self._model = model
         self._optimizer = optimizer
@@ -186,7 +193,7 @@ class Monitor:
                     self._params.append((hid, p))
                     if self._optimizer is None:
                         self._handles.append(p.register_post_accumulate_grad_hook(_hooks.grad_hook(rec, mid, hid)))
-            if self._optimizer is not None:
+            if self._optimizer is not None and self._optimizer != "manual":
                 self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_hook()))
 
     def _attach_where(self, model, include, exclude, channel_stats, per_sample) -> None:
@@ -295,9 +302,19 @@ class Monitor:
     def _begin_step(self) -> None:
         active = self._model is not None and self._step % self.every == 0
         hist_on = self._recorded_steps % self.histogram_every == 0
+        self._step_flags = (active, hist_on)
         self._buf.rec.begin_step(self._step, active, hist_on)
         if active:
             self._recorded_steps += 1
+
+    def pause(self) -> None:
+        """Records nothing until resume() or the next step() (an evaluation pass between two training steps);
+        log() still logs."""
+        self._buf.rec.begin_step(self._step, False, False)
+
+    def resume(self) -> None:
+        """Records the current step again after pause(), as it was recording before."""
+        self._buf.rec.begin_step(self._step, self._step_flags[0] and self._model is not None, self._step_flags[1])
 
     def step(self) -> None:
         """Ends a step: the next hooks record under step + 1 (and only every `every` steps). With flush_every=N,
