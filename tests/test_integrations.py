@@ -1,0 +1,242 @@
+"""The framework callbacks in real trainers, on CPU: hookstats.integrations.transformers.HookstatsCallback in a Hugging
+Face Trainer and hookstats.integrations.lightning.HookstatsCallback in a Lightning Trainer, training a tiny randomly
+initialised GPT-2 (2 layers, n_embd 32, vocab 100) on a small in-memory dataset; and a Monitor with accelerate."""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hookstats
+from hookstats.export import read_run
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_NORM = 0.5  # below the tiny GPT-2's gradient norm (~1), so the Trainer's clipping changes every step
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_import_hookstats_imports_no_framework():
+    code = ("import sys, hookstats, hookstats.integrations, hookstats.export\n"
+            "bad = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_unwrap_model():
+    from hookstats.integrations._common import unwrap_model
+
+    m = torch.nn.Linear(2, 2)
+    assert unwrap_model(torch.nn.DataParallel(m)) is m
+    assert unwrap_model(torch.compile(m)) is m
+    assert unwrap_model(m) is m
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face Trainer
+# ---------------------------------------------------------------------------------------------------------------
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 48, length: int = 16, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, 100, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_args(out, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=6,
+                max_grad_norm=MAX_NORM, logging_steps=3, report_to="none", save_strategy="no", use_cpu=True,
+                disable_tqdm=True, seed=0, dataloader_num_workers=0, learning_rate=1e-3)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+class OptimizerSaw:
+    """A step pre-hook on the optimizer: each parameter's grad l2 norm (float64) when optimizer.step() runs."""
+
+    def __init__(self, model, opt):
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.steps: list = []
+        opt.register_step_pre_hook(self)
+
+    def __call__(self, opt, args, kwargs):
+        self.steps.append({self.names[id(p)]: torch.linalg.vector_norm(p.grad.double()).item()
+                           for g in opt.param_groups for p in g["params"] if p.grad is not None})
+
+
+def per_step(t, kind):
+    out = collections.defaultdict(dict)
+    for s, m, k, v in zip(*(t.column(c).to_pylist() for c in ("step", "module", "kind", "l2"))):
+        if k == kind:
+            assert m not in out[s], f"{m} recorded twice at step {s}"
+            out[s][m] = v
+    return out
+
+
+def per_batch(kinds=("forward", "backward_pre")) -> collections.Counter:
+    """Records a plain Monitor makes in one forward and backward of the model (some modules give several tensors,
+    some are never called): what each micro-batch adds to a step."""
+    m = gpt2()
+    mon = hookstats.Monitor(m, kinds=kinds)
+    x = TokenData()[0]["input_ids"][None].repeat(4, 1)
+    m(input_ids=x, labels=x).loss.backward()
+    return collections.Counter(r["kind"] for r in mon.records())
+
+
+def count(t):
+    return collections.Counter(zip(t.column("step").to_pylist(), t.column("kind").to_pylist()))
+
+
+def test_trainer_callback_steps_clipping_grads_and_logs(tmp_path):
+    from transformers import Trainer
+
+    from hookstats.integrations.transformers import HookstatsCallback
+
+    def trainer(model, out, callbacks=()):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return Trainer(model=model, args=hf_args(out, eval_strategy="steps", eval_steps=2), train_dataset=TokenData(),
+                       eval_dataset=TokenData(8, seed=1), optimizers=(opt, None), callbacks=list(callbacks)), opt
+
+    twin = gpt2()  # the same training without the callback
+    trainer(twin, tmp_path / "twin")[0].train()
+    model = gpt2()
+    cb = HookstatsCallback()
+    tr, opt = trainer(model, tmp_path / "out", [cb])
+    saw = OptimizerSaw(model, opt)
+    assert tr.callback_handler.callbacks[0] is cb  # first, so that report_to callbacks see its scalars
+    tr.train()
+
+    # the callback changes nothing in the training
+    for (n, a), b in zip(twin.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert cb.log_path == str(tmp_path / "out" / "hookstats" / "log.parquet")
+    run = read_run(tmp_path / "out" / "hookstats")
+    t = run.records
+    one = per_batch()
+    n_par = len(list(model.parameters()))
+    c = count(t)
+    # one step per optimizer step, 1-based like the Trainer's global_step: each holds both micro-batches' forwards
+    # (and no evaluation forward: the Monitor is paused between steps) and the grads once
+    assert sorted({s for s, _ in c}) == [1, 2, 3, 4, 5, 6]
+    for s in range(1, 7):
+        assert c[(s, "forward")] == 2 * one["forward"] and c[(s, "backward_pre")] == 2 * one["backward_pre"]
+        assert c[(s, "grad")] == n_par
+    # the grads recorded are those the optimizer used: after the Trainer's clipping
+    grads = per_step(t, "grad")
+    assert len(saw.steps) == 6
+    for s, want in enumerate(saw.steps, start=1):
+        assert grads[s].keys() == want.keys()
+        for name, v in want.items():
+            assert math.isclose(grads[s][name], v, rel_tol=2e-6, abs_tol=1e-12), (s, name)
+        total = math.sqrt(sum(v * v for v in want.values()))
+        assert total <= MAX_NORM * (1 + 1e-5)  # clipped ...
+    logged = [h for h in tr.state.log_history if "loss" in h]
+    assert [h["step"] for h in logged] == [3, 6]
+    for h in logged:
+        assert h["grad_norm"] > MAX_NORM  # ... from a larger norm (the Trainer logs the norm before clipping)
+        want = math.sqrt(sum(v * v for v in saw.steps[h["step"] - 1].values()))
+        assert math.isclose(h["hookstats/grad_norm"], want, rel_tol=1e-6)
+        assert math.isclose(h["hookstats/grad_norm_max"], max(saw.steps[h["step"] - 1].values()), rel_tol=2e-6)
+        assert h["hookstats/nonfinite"] == 0 and h["hookstats/activation_absmax"] > 0
+        fw = [v for s, k, v in zip(*(t.column(x).to_pylist() for x in ("step", "kind", "linf")))
+              if s == h["step"] and k == "forward"]
+        assert h["hookstats/activation_absmax"] == max(fw)
+    # the Trainer's logs are in the run log as scalars, at their step
+    sc = {(s["tag"], s["step"]): s["value"] for s in run.scalars}
+    for h in logged:
+        assert sc[("loss", h["step"])] == h["loss"] and sc[("grad_norm", h["step"])] == h["grad_norm"]
+    assert ("eval_loss", 2) in sc
+    # detached at the end: no hook left on the model
+    assert not any(m._forward_hooks for m in model.modules())
+    assert cb.monitor is not None and cb.monitor.current_step == 6
+
+
+def test_trainer_report_to_tensorboard_gets_the_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import Trainer
+
+    from hookstats.integrations.transformers import HookstatsCallback
+
+    model = gpt2()
+    tb = tmp_path / "out"  # the Trainer's TensorBoardCallback writes under output_dir/runs/
+    tr = Trainer(model=model, args=hf_args(tmp_path / "out", report_to="tensorboard"),
+                 train_dataset=TokenData(), callbacks=[HookstatsCallback(kinds=("forward", "grad"),
+                                                                         log_format="jsonl")])
+    tr.train()
+    logged = {h["step"]: h for h in tr.state.log_history if "loss" in h}
+    events = [os.path.join(d, f) for d, _, fs in os.walk(tb) for f in fs if f.startswith("events.")]
+    assert events
+    got = collections.defaultdict(dict)
+    for e in events:
+        acc = EventAccumulator(e)
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for ev in acc.Scalars(tag):
+                got[tag][ev.step] = ev.value
+    for name in ("grad_norm", "grad_norm_max", "activation_absmax", "nonfinite"):
+        tag = f"train/hookstats/{name}"
+        assert got[tag].keys() == {3, 6}, (tag, dict(got))
+        for s, v in got[tag].items():
+            assert math.isclose(v, logged[s][f"hookstats/{name}"], rel_tol=1e-6)  # float32 in the event file
+    assert "train/hookstats/grad_output_absmax" not in got  # not a recorded kind
+    # without pyarrow's Parquet asked for, the log is JSONL
+    run = read_run(tmp_path / "out" / "hookstats")
+    assert run.format == "jsonl" and {s for s, _ in count(run.records)} == set(range(1, 7))
+
+
+def test_trainer_resumed_run_continues_its_steps(tmp_path):
+    from transformers import Trainer, TrainerCallback
+
+    from hookstats.integrations.transformers import HookstatsCallback
+
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                control.should_training_stop = True
+
+    out = tmp_path / "out"
+    args = hf_args(out, save_strategy="steps", save_steps=3)
+    Trainer(model=gpt2(), args=args, train_dataset=TokenData(),
+            callbacks=[HookstatsCallback(kinds=("forward", "grad")), StopAt3()]).train()
+    first = read_run(out / "hookstats").records
+    assert sorted({s for s, _ in count(first)}) == [1, 2, 3]
+    cb = HookstatsCallback(kinds=("forward", "grad"))
+    Trainer(model=gpt2(), args=args, train_dataset=TokenData(), callbacks=[cb]).train(
+        resume_from_checkpoint=str(out / "checkpoint-3"))
+    t = read_run(out / "hookstats").records
+    c = count(t)
+    one = per_batch()
+    assert sorted({s for s, _ in c}) == [1, 2, 3, 4, 5, 6]  # continued, each step once
+    assert all(c[(s, "forward")] == 2 * one["forward"] for s in range(1, 7))
+    assert t.column("step").to_pylist()[:first.num_rows] == first.column("step").to_pylist()
