@@ -240,3 +240,149 @@ def test_trainer_resumed_run_continues_its_steps(tmp_path):
     assert sorted({s for s, _ in c}) == [1, 2, 3, 4, 5, 6]  # continued, each step once
     assert all(c[(s, "forward")] == 2 * one["forward"] for s in range(1, 7))
     assert t.column("step").to_pylist()[:first.num_rows] == first.column("step").to_pylist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lightning
+# ---------------------------------------------------------------------------------------------------------------
+
+def lit_module():
+    L = pytest.importorskip("lightning.pytorch")
+
+    class LitGPT(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = gpt2()
+            self.pre_clip: list = []  # each optimizer step: {param name: grad l2} where callbacks get the grads
+            self.post_clip: list = []  # the total norm after Lightning's clipping, when the optimizer steps
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(**batch).loss)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def on_before_optimizer_step(self, optimizer):  # runs after the callbacks' hook, before clipping
+            self.pre_clip.append({n: torch.linalg.vector_norm(p.grad.double()).item()
+                                  for n, p in self.named_parameters() if p.grad is not None})
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            self.post_clip.append(math.sqrt(sum(torch.linalg.vector_norm(p.grad.double()).item() ** 2
+                                                for p in self.parameters() if p.grad is not None)))
+
+    return LitGPT()
+
+
+def lit_trainer(root, max_steps, callbacks, loggers=None, **kw):
+    import lightning.pytorch as L
+
+    return L.Trainer(default_root_dir=str(root), accelerator="cpu", devices=1, max_steps=max_steps,
+                     accumulate_grad_batches=2, gradient_clip_val=MAX_NORM, log_every_n_steps=3,
+                     logger=loggers if loggers is not None else False, callbacks=callbacks,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+                     val_check_interval=4, limit_val_batches=1, deterministic=True, **kw)
+
+
+def loaders():
+    dl = torch.utils.data.DataLoader
+    return dl(TokenData(), batch_size=4), dl(TokenData(8, seed=1), batch_size=4)
+
+
+def test_lightning_callback_steps_grads_clipping_and_loggers(tmp_path):
+    import lightning.pytorch as L
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from hookstats.integrations.lightning import HookstatsCallback
+
+    assert isinstance(HookstatsCallback(), L.Callback)
+    mod = lit_module()
+    cb = HookstatsCallback()
+    loggers = [TensorBoardLogger(str(tmp_path), name="tb"), CSVLogger(str(tmp_path), name="csv")]
+    trainer = lit_trainer(tmp_path, 6, [cb], loggers, enable_checkpointing=False)
+    trainer.fit(mod, *loaders())
+    assert cb.log_path == os.path.join(trainer.log_dir, "hookstats", "log.parquet")
+    run = read_run(cb.log_path)
+    t = run.records
+    c = count(t)
+    one = per_batch()
+    assert sorted({s for s, _ in c}) == [1, 2, 3, 4, 5, 6]
+    for s in range(1, 7):  # both micro-batches, no validation forward, the grads once
+        assert c[(s, "forward")] == 2 * one["forward"] and c[(s, "backward_pre")] == 2 * one["backward_pre"]
+        assert c[(s, "grad")] == len(list(mod.parameters()))
+    grads = per_step(t, "grad")
+    assert len(mod.pre_clip) == len(mod.post_clip) == 6
+    for s, want in enumerate(mod.pre_clip, start=1):
+        assert grads[s].keys() == want.keys()
+        for name, v in want.items():
+            assert math.isclose(grads[s][name], v, rel_tol=2e-6, abs_tol=1e-12), (s, name)
+        total = math.sqrt(sum(v * v for v in want.values()))
+        assert total > MAX_NORM >= mod.post_clip[s - 1] * (1 - 1e-6)  # Lightning's clipping still clips
+    # the summary scalars through both loggers, at the trainer's global step
+    import csv
+
+    rows = list(csv.DictReader(open(os.path.join(loggers[1].log_dir, "metrics.csv"))))
+    got = {int(r["step"]): float(r["hookstats/grad_norm"]) for r in rows if r.get("hookstats/grad_norm")}
+    assert sorted(got) == [3, 6]
+    for s, v in got.items():
+        assert math.isclose(v, math.sqrt(sum(x * x for x in mod.pre_clip[s - 1].values())), rel_tol=1e-6)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(loggers[0].log_dir)
+    acc.Reload()
+    assert {e.step for e in acc.Scalars("hookstats/grad_norm")} == {3, 6}
+    assert {e.step for e in acc.Scalars("hookstats/activation_absmax")} == {3, 6}
+    # the trainer's callback metrics are in the run log
+    assert {s["step"] for s in run.scalars if s["tag"] == "train_loss"} == {3, 6}
+    assert not any(m._forward_hooks for m in mod.modules())  # detached
+
+
+def test_lightning_resumed_fit_continues_its_steps(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from hookstats.integrations.lightning import HookstatsCallback
+
+    ck = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
+    cb = HookstatsCallback(kinds=("forward", "grad"), log_format="jsonl")
+    lit_trainer(tmp_path, 3, [cb, ck]).fit(lit_module(), *loaders())
+    path = sorted((tmp_path / "ckpt").iterdir())[-1]
+    state = torch.load(path, weights_only=False)["callbacks"]["HookstatsCallback"]
+    assert state == {"step": 3, "log_path": cb.log_path}
+    cb2 = HookstatsCallback(kinds=("forward", "grad"), log_format="jsonl")
+    lit_trainer(tmp_path, 6, [cb2]).fit(lit_module(), *loaders(), ckpt_path=str(path))
+    assert cb2.log_path == cb.log_path
+    c = count(read_run(cb.log_path).records)
+    one = per_batch(("forward",))
+    assert sorted({s for s, _ in c}) == [1, 2, 3, 4, 5, 6]  # continued, each step once
+    assert all(c[(s, "forward")] == 2 * one["forward"] for s in range(1, 7))
+
+
+def test_pytorch_lightning_package_gets_its_own_callback_class(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from hookstats.integrations.pytorch_lightning import HookstatsCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, i):
+            return self.lin(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = HookstatsCallback(kinds=("forward", "grad"), log_format="jsonl")
+    assert isinstance(cb, pl.Callback)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3)), batch_size=2)
+    pl.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", max_steps=3, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               callbacks=[cb]).fit(Tiny(), data)
+    c = count(read_run(cb.log_path).records)
+    # lin (the module's own forward is never called), its weight and bias
+    assert c == {(s, k): n for s in (1, 2, 3) for k, n in (("forward", 1), ("grad", 2))}
