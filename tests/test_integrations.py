@@ -386,3 +386,48 @@ def test_pytorch_lightning_package_gets_its_own_callback_class(tmp_path):
     c = count(read_run(cb.log_path).records)
     # lin (the module's own forward is never called), its weight and bias
     assert c == {(s, k): n for s in (1, 2, 3) for k, n in (("forward", 1), ("grad", 2))}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# accelerate (examples/accelerate_monitor.py), two processes
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_accelerate_example_two_ranks_merge(tmp_path):
+    pytest.importorskip("accelerate")
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from dist_helpers import launch
+    finally:
+        sys.path.pop(0)
+    import json
+
+    env = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + env if env else "")
+    try:
+        r = launch(ROOT / "examples" / "accelerate_monitor.py", ["--out", str(tmp_path)], tmp_path / "logs",
+                   timeout=150)
+    finally:
+        if env is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = env
+    assert r.returncodes == [0, 0], r.describe()
+    ranks = [json.load(open(tmp_path / f"accelerate_rank{i}.json")) for i in (0, 1)]
+    assert ranks[0]["world"] == 2 and ranks[0]["clipped"] == ranks[1]["clipped"]  # DDP: the same grads
+    run = read_run(tmp_path / "log.jsonl")  # rank 0's
+    recs = T_records(run)
+    steps = sorted({x["step"] for x in recs})
+    assert steps == [1, 2, 3, 4] == list(range(1, len(ranks[0]["clipped"]) + 1))
+    for x in recs:
+        if x["kind"] == "grad":  # merged across ranks, counted once: the grad each rank's optimizer used
+            want = ranks[0]["clipped"][x["step"] - 1][x["module"]]
+            assert math.isclose(x["stats"]["l2"], want, rel_tol=2e-6), x
+        elif x["module"] == "fc1":  # activations: the two ranks' micro-batches together, 16 x 16 values each
+            assert x["stats"]["numel"] == 2 * 16 * 16
+    assert sum(1 for x in recs if x["kind"] == "grad") == 4 * 4
+
+
+def T_records(run):
+    from hookstats.monitor.table import table_records
+
+    return table_records(run.records)

@@ -267,14 +267,20 @@ class Monitor:
 
         return hook
 
-    def record_grads(self) -> None:
+    def record_grads(self, replicated: bool = False) -> None:
         """Records every monitored parameter's current .grad (kind "grad") under the current step: one C++ call,
-        one kernel launch per gradient. Called at the optimizer's step when the Monitor was given `optimizer=`."""
+        one kernel launch per gradient. Called at the optimizer's step when the Monitor was given `optimizer=`.
+        replicated=True (with a process group): the plain-tensor grads are the same on every rank (DDP's, after its
+        all_reduce), so only export_rank's count in the merge (the others record an empty view of each: merging R
+        copies would give R times the numel and sqrt(R) times the l2); DTensor grads are merged by their shards."""
         if "grad" not in self.kinds:
             raise RuntimeError("hookstats.Monitor.record_grads needs the 'grad' kind (kinds=(..., 'grad'))")
         if self._model is None or not self._buf.rec.active:
             return
-        self._buf.rec.record_params([(hid, p.grad) for hid, p in self._params if p.grad is not None])
+        grads = [(hid, p.grad) for hid, p in self._params if p.grad is not None]
+        if replicated and self._buf.group is not None and not self._exporting:
+            grads = [(hid, g if hasattr(g, "placements") else g.reshape(-1)[:0]) for hid, g in grads]
+        self._buf.rec.record_params(grads)
 
     def _active_exporters(self) -> list:
         return self.exporters if self._exporting else []
