@@ -38,13 +38,25 @@ def test_import_hookstats_imports_no_framework():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_unwrap_model():
+def test_unwrap_model(tmp_path):
+    import torch.distributed as dist
+
     from hookstats.integrations._common import unwrap_model
 
+    class Compiled(torch.nn.Module):  # what torch.compile returns: the module as _orig_mod
+        def __init__(self, m):
+            super().__init__()
+            self._orig_mod = m
+
     m = torch.nn.Linear(2, 2)
-    assert unwrap_model(torch.nn.DataParallel(m)) is m
-    assert unwrap_model(torch.compile(m)) is m
     assert unwrap_model(m) is m
+    assert unwrap_model(torch.nn.DataParallel(m)) is m
+    assert unwrap_model(Compiled(torch.nn.DataParallel(m))) is m
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert unwrap_model(torch.nn.parallel.DistributedDataParallel(m)) is m
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------------------
