@@ -31,6 +31,7 @@ from .clip import (
     norms,
 )
 from .formats import FORMATS, format_fit
+from ._select import Selection, Site
 from .channel import CHANNEL_FIELDS, ChannelCalibrator, ChannelStats, channel_stats, channel_stats_buffer, channel_stats_into
 from .per_sample import PerSampleGradNorms
 from .hooks import clip_value, fused_clip
@@ -82,4 +83,6 @@ __all__ = [
     "channel_stats_buffer",
     "channel_stats_into",
     "PerSampleGradNorms",
+    "Selection",
+    "Site",
 ]

@@ -3,58 +3,13 @@ over calls into a device buffer) and `ChannelCalibrator` (forward hooks on chose
 of SmoothQuant / AWQ-style quantization). Semantics: csrc/core/channel_ops.h, Note [channel stats]."""
 from __future__ import annotations
 
-import fnmatch
-from typing import Dict, NamedTuple, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
-from ._ops import HAVE_EXTENSION, check_device, check_tensor, result_dtype, uses_kernels
-
-# Note [channel stats] (csrc/core/channel_ops.h): the rows of a channel_stats_into buffer.
-CHANNEL_FIELDS = ("absmax", "sum_abs", "sum_sq", "min", "max", "nonfinite", "count")
-
-
-class ChannelStats(NamedTuple):
-    """Per-channel statistics, each a `[C]` tensor on the input's device (no host copy).
-
-    absmax, sum_abs, sum_sq, min and max are over the *finite* values of each channel; NaN and +-inf are skipped and
-    counted in `nonfinite`; `count` is the number of values per channel. A channel without finite values has absmax
-    and sums 0, min +inf and max -inf. From `channel_stats`: float32 values (float64 for float64 inputs) and int64
-    counts; read from a buffer (`from_buffer`): everything in the buffer's dtype.
-    """
-
-    absmax: torch.Tensor
-    sum_abs: torch.Tensor
-    sum_sq: torch.Tensor
-    min: torch.Tensor
-    max: torch.Tensor
-    nonfinite: torch.Tensor
-    count: torch.Tensor
-
-    @classmethod
-    def from_buffer(cls, buf: torch.Tensor) -> "ChannelStats":
-        """Views of the rows of a `channel_stats_buffer` (no copy)."""
-        if buf.dim() != 2 or buf.shape[0] != len(CHANNEL_FIELDS):
-            raise ValueError(f"hookstats.ChannelStats.from_buffer needs a [{len(CHANNEL_FIELDS)}, C] buffer, got "
-                             f"shape {tuple(buf.shape)}")
-        return cls(*buf.unbind(0))
-
-    def finite_count(self) -> torch.Tensor:
-        return self.count - self.nonfinite
-
-    def mean_abs(self) -> torch.Tensor:
-        """sum_abs / the number of finite values (NaN for a channel without any), in float64 if the sums are."""
-        return self.sum_abs / self.finite_count().to(self.sum_abs.dtype)
-
-    def rms(self) -> torch.Tensor:
-        """sqrt(sum_sq / the number of finite values)."""
-        return torch.sqrt(self.sum_sq / self.finite_count().to(self.sum_sq.dtype))
-
-    def to_dict(self) -> dict:
-        """Python lists, one host copy (do it when you read results, not in a hook)."""
-        packed = torch.stack([t.to(torch.float64) for t in self]).cpu()
-        return {f: packed[i].tolist() for i, f in enumerate(CHANNEL_FIELDS)}
-
+from ._kernels import reference_checked, use_kernels
+from ._select import Selection, Site
+from ._types import CHANNEL_FIELDS, ChannelStats, check_tensor  # noqa: F401  (CHANNEL_FIELDS: re-exported)
 
 def _stats_from_parts(values: torch.Tensor, counts: torch.Tensor) -> ChannelStats:
     v = values.unbind(0)
@@ -80,11 +35,8 @@ def channel_stats(x: torch.Tensor, dim: int = -1) -> ChannelStats:
     rules."""
     check_tensor(x, "channel_stats")
     dim = _check_dim(x, dim, "channel_stats")
-    if not uses_kernels(x):
-        from . import reference
-
-        return reference.channel_stats(x, dim)
-    check_device(x, "channel_stats")
+    if not use_kernels(x, "channel_stats"):
+        return reference_checked((), "channel_stats").channel_stats(x, dim)
     values, counts = torch.ops.hookstats.channel_stats.default(x.detach(), dim)
     return _stats_from_parts(values, counts)
 
@@ -111,35 +63,11 @@ def channel_stats_into(x: torch.Tensor, buf: torch.Tensor, dim: int = -1) -> Non
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"hookstats.channel_stats_into needs a buffer tensor, got {type(buf).__name__}")
     dim = _check_dim(x, dim, "channel_stats_into")
-    if not uses_kernels(x):
-        from . import reference
-
-        reference.channel_stats_into(x, buf, dim)
+    if not use_kernels(x, "channel_stats_into"):
+        reference_checked((), "channel_stats_into").channel_stats_into(x, buf, dim)
         return
-    check_device(x, "channel_stats_into")
     # The op checks the buffer (dtype: TypeError; shape, device: ValueError), see csrc/core/channel_bindings.h.
     torch.ops.hookstats.channel_stats_into.default(x.detach(), buf, dim)
-
-
-if HAVE_EXTENSION:
-
-    def _fake_channels(x, dim, op):
-        if x.dim() == 0:
-            raise ValueError(f"hookstats.{op} needs a tensor with at least one dimension")
-        return x.shape[dim]
-
-    @torch.library.register_fake("hookstats::channel_stats")
-    def _channel_stats_fake(x, dim):
-        c = _fake_channels(x, dim, "channel_stats")
-        return x.new_empty((5, c), dtype=result_dtype(x.dtype)), x.new_empty((2, c), dtype=torch.int64)
-
-    @torch.library.register_fake("hookstats::channel_stats_into")
-    def _channel_stats_into_fake(x, out, dim):
-        _fake_channels(x, dim, "channel_stats_into")
-        if out.device != x.device:
-            raise ValueError(f"hookstats.channel_stats_into: the buffer is on {out.device} but the tensor is on "
-                             f"{x.device}")
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -157,10 +85,6 @@ def _first_float_tensor(obj) -> Optional[torch.Tensor]:
             if t is not None:
                 return t
     return None
-
-
-def _globs(p) -> list:
-    return [p] if isinstance(p, str) else list(p)
 
 
 class ChannelCalibrator:
@@ -181,27 +105,22 @@ class ChannelCalibrator:
     def __init__(self, model: torch.nn.Module, include: Sequence[str] | str = "*Linear*",
                  exclude: Sequence[str] | str = (), dim: int = -1, on: str = "inputs",
                  dtype: torch.dtype = torch.float64):
-        if on not in ("inputs", "outputs"):
-            raise ValueError(f"hookstats.ChannelCalibrator: on must be 'inputs' or 'outputs', got {on!r}")
+        site = Site.lookup(on)
+        if site not in (Site.FORWARD_PRE, Site.FORWARD):
+            raise ValueError(f"hookstats.ChannelCalibrator: on must be 'inputs' or 'outputs' (Site.FORWARD_PRE or "
+                             f"Site.FORWARD), got {on!r}")
+        on = "inputs" if site is Site.FORWARD_PRE else "outputs"
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"hookstats.ChannelCalibrator: dtype must be torch.float32 or torch.float64, got {dtype}")
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"hookstats.ChannelCalibrator: dim must be an int, got {type(dim).__name__}")
-        inc, exc = _globs(include), _globs(exclude)
-
-        def wanted(name: str, mod: torch.nn.Module) -> bool:
-            keys = (name, type(mod).__name__)
-            return any(fnmatch.fnmatchcase(k, p) for p in inc for k in keys) and \
-                not any(fnmatch.fnmatchcase(k, p) for p in exc for k in keys)
-
+        selection = Selection(include, exclude)
         self.dim, self.on, self.dtype = dim, on, dtype
         self.buffers: Dict[str, torch.Tensor] = {}
         self.calls: Dict[str, int] = {}
         self._handles = []
         self.modules = []
-        for name, mod in model.named_modules():
-            if not wanted(name, mod):
-                continue
+        for name, mod in selection.modules(model):
             self.modules.append(name)
             if on == "inputs":
                 h = mod.register_forward_pre_hook(self._pre_hook(name))

@@ -24,6 +24,7 @@ from ._ops import (
     result_dtype,
     scale_by_norm_op,
 )
+from .distributed import _dtensor_type, is_dtensor, reduction_groups
 
 TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -133,8 +134,6 @@ def _total64(by_device: dict[torch.device, list[torch.Tensor]], first_device: to
 
 def _split_dtensors(ts: list) -> tuple[list, list]:
     """(plain tensors, DTensors). No DTensor can exist before torch.distributed.tensor is imported: then free."""
-    from .distributed import _dtensor_type
-
     D = _dtensor_type()
     if D is None:
         return ts, []
@@ -147,8 +146,6 @@ def _split_dtensors(ts: list) -> tuple[list, list]:
 def _dtensor_groups(dts: list) -> dict:
     """DTensors grouped by (mesh, the mesh dims that shard them): the local parts of one group are reduced over the
     same process groups. Replicated dims need no reduction: every rank there holds the same values."""
-    from .distributed import reduction_groups
-
     groups: dict = {}
     for d in dts:
         mesh, dims = reduction_groups(d)
@@ -356,8 +353,6 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
     by_device, _ = _group(plain + [d._local_tensor for d in dts], "clip_grads_with_norm_")
     if not isinstance(total_norm, torch.Tensor):
         total_norm = torch.tensor(float(total_norm), dtype=torch.float64)
-    from .distributed import is_dtensor
-
     if is_dtensor(total_norm):  # PyTorch's total of DTensor grads is a DTensor: its full value
         total_norm = total_norm.full_tensor()
     total64 = total_norm.detach().to(torch.float64)

@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._ops import SUPPORTED_DTYPES, clip_norm_op, norms_op
-from .clip import CLIP_EPS, _bounds, _max_norm, _norm_type, _policy, _POLICY_CODE
+from ._ops import SUPPORTED_DTYPES, clamp_count_op, clip_norm_op, norms_op
+from .clip import CLIP_EPS, _bounds, _max_norm, _norm_type, _policy, _POLICY_CODE, get_total_norm
 
 _KINDS = ("backward", "backward_pre", "forward_pre", "forward", "tensor", "post_accumulate")
 
@@ -192,8 +192,6 @@ class fused_clip(_Forms):
                 if same:
                     _, total = norms_op([t.detach() for t in group], self.norm_type, "fused_clip")
                 else:
-                    from .clip import get_total_norm
-
                     total = get_total_norm(group, self.norm_type).to(torch.float64)
                 self._check_finite(total)
                 self.last_norm = total
@@ -242,8 +240,6 @@ class clip_value(_Forms):
         return f"hookstats.clip_value({self.lo}, {self.hi})"
 
     def _process(self, kind, obj, module, extra=None, param=None):
-        from ._ops import clamp_count_op
-
         if kind == "post_accumulate":
             if _is_float_tensor(obj):
                 self.last_count = clamp_count_op([obj], self.lo, self.hi, "clip_value")

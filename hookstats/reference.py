@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from ._ops import STATS_FIELDS, Histogram, Stats, check_tensor, exp_layout, result_dtype
+from ._types import (CHANNEL_FIELDS, STATS_FIELDS, ChannelStats, Histogram, Stats, check_tensor, exp_layout,
+                     result_dtype)
 
 
 def _pow2_scale(xd: torch.Tensor) -> torch.Tensor:
@@ -244,8 +245,6 @@ def clip_value_(x: torch.Tensor, lo: float, hi=None) -> torch.Tensor:
 def channel_stats(x: torch.Tensor, dim: int = -1):
     """`hookstats.channel_stats(x, dim)` in plain PyTorch: statistics over the finite values of each index of `dim`,
     NaN/Inf counted in `nonfinite`; float32 values (float64 for float64 x), int64 counts."""
-    from .channel import ChannelStats
-
     check_tensor(x, "reference.channel_stats")
     rt = result_dtype(x.dtype)
     c = x.shape[dim]
@@ -269,8 +268,6 @@ def channel_stats(x: torch.Tensor, dim: int = -1):
 
 def channel_stats_into(x: torch.Tensor, buf: torch.Tensor, dim: int = -1) -> None:
     """Combines `channel_stats(x, dim)` into a [7, C] buffer as `hookstats.channel_stats_into` does."""
-    from .channel import CHANNEL_FIELDS
-
     if buf.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"hookstats.channel_stats_into needs a float32 or float64 buffer, got {buf.dtype}")
     c = x.shape[dim]

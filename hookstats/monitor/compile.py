@@ -25,7 +25,7 @@ import itertools
 
 import torch
 
-from .._ops import HAVE_EXTENSION
+from .._kernels import HAVE_EXTENSION  # the op's fake kernel is there too
 from ..hooks import _flatten
 
 _IDS = itertools.count()
@@ -51,10 +51,6 @@ def _register_ordered_effect(op) -> bool:
 
 
 if HAVE_EXTENSION:
-
-    @torch.library.register_fake("hookstats::_monitor_record")
-    def _record_op_fake(xs, monitor, hook, index=-1) -> None:
-        return None
 
     _record_op = torch.ops.hookstats._monitor_record.default
     _record_op_traced = _record_op if _register_ordered_effect(_record_op) else torch.compiler.disable(_record_op)

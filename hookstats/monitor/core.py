@@ -6,33 +6,31 @@ summary(), first_nonfinite(), exporters.
 """
 from __future__ import annotations
 
-import fnmatch
 from typing import Any, Optional, Sequence
 
 import torch
 
 from .._ops import STATS_FIELDS
+from .._select import SITE_ALIASES, Selection, Site
 from . import hooks as _hooks
 from .block import LazyRecords
 from .buffers import Buffers
 from .export_thread import ExportThread
 from .summary import format_summary, summary_from_columns
 
-# Hook kinds a Monitor attaches, and the aliases it accepts.
-MONITOR_KINDS = ("forward_pre", "forward", "backward_pre", "backward", "grad")
-_KIND_ALIASES = {"inputs": "forward_pre", "outputs": "forward", "grad_output": "backward_pre",
-                 "grad_input": "backward", "param_grad": "grad"}
+# Hook kinds a Monitor attaches (hookstats.Site's values), and the aliases it accepts.
+MONITOR_KINDS = tuple(s.value for s in Site)
 
 
 def _kinds(kinds) -> tuple:
     ks = []
-    for k in ([kinds] if isinstance(kinds, str) else kinds):
-        k = _KIND_ALIASES.get(k, k)
-        if k not in MONITOR_KINDS:
+    for k in ([kinds] if isinstance(kinds, (str, Site)) else kinds):
+        site = Site.lookup(k)
+        if site is None:
             raise ValueError(f"hookstats.Monitor: unknown kind {k!r}; use any of {MONITOR_KINDS} "
-                             f"(or the aliases {sorted(_KIND_ALIASES)})")
-        if k not in ks:
-            ks.append(k)
+                             f"(or the aliases {sorted(SITE_ALIASES)})")
+        if site.value not in ks:
+            ks.append(site.value)
     return tuple(ks)
 
 
@@ -144,13 +142,9 @@ class Monitor:
         self._export: Optional[ExportThread] = None
         self._tables: list = []  # table() cache: the Arrow table of each kept block
 
-        def wanted(name: str, mod: Optional[torch.nn.Module] = None) -> bool:
-            keys = (name,) if mod is None else (name, type(mod).__name__)
-            return any(fnmatch.fnmatchcase(k, p) for p in include for k in keys) and \
-                not any(fnmatch.fnmatchcase(k, p) for p in exclude for k in keys)
-
-        self._wanted = wanted
-        self.modules = [name for name, mod in model.named_modules() if wanted(name, mod)]
+        self.selection = Selection(include, exclude)
+        self._wanted = self.selection.matches
+        self.modules = [name for name, _ in self.selection.modules(model)]
         self._calibrators: dict = {}
         self._per_sample = None
         self._sample_rows: list = []  # (step, layer names, [layers, samples] device tensor) per recorded step
