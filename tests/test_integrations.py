@@ -443,3 +443,43 @@ def T_records(run):
     from hookstats.monitor.table import table_records
 
     return table_records(run.records)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the Monitor's parts the callbacks use: start_step, pause/resume, optimizer="manual"
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_monitor_start_step_pause_resume_and_manual_grads():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    mon = hookstats.Monitor(m, kinds=("forward", "grad"), optimizer="manual", start_step=5, every=2,
+                            histogram="exp", histogram_every=2)
+    x = torch.randn(2, 3)
+    m(x).sum().backward()  # step 5: not a multiple of every=2, nothing recorded
+    mon.step()
+    m(x).sum().backward()  # step 6: forwards only; no grad records without record_grads()
+    mon.pause()
+    m(x)  # an evaluation pass: not recorded
+    mon.resume()
+    m(x).sum().backward()
+    mon.record_grads()  # the grads as they are now, once
+    want = {n: torch.linalg.vector_norm(p.grad.double()).item() for n, p in m.named_parameters()}
+    mon.step()
+    mon.step()  # step 8
+    mon.pause()
+    m(x)
+    mon.record_grads()  # paused: nothing
+    mon.resume()
+    m(x)
+    recs = mon.records()
+    assert collections.Counter((r["step"], r["kind"]) for r in recs) == {(6, "forward"): 6, (6, "grad"): 4,
+                                                                         (8, "forward"): 3}
+    for r in recs:
+        if r["kind"] == "grad":
+            assert math.isclose(r["stats"]["l2"], want[r["module"]], rel_tol=2e-6)
+    # histogram_every counts the recorded steps from step 0 on, as a run started at 0 would: steps 0, 2, 4 were
+    # recorded (3 of them), so 6 is the 4th (no histogram) and 8 the 5th (histograms)
+    assert [r["histogram"] is not None for r in recs] == [False] * 10 + [True] * 3
+    with pytest.raises(ValueError, match="start_step"):
+        hookstats.Monitor(m, start_step=-1)
+    mon.detach()
