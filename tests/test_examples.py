@@ -20,7 +20,7 @@ import hookstats
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = ["grad_norm_logging", "clip_by_norm", "clip_by_value", "capture_activations", "modify_inputs",
            "scale_gradient", "grad_cam", "nan_hunting", "calibrate_linear", "find_bad_sample",
-           "find_bad_token"]
+           "find_bad_token", "accelerate_monitor"]
 
 
 @lru_cache(maxsize=None)
