@@ -483,3 +483,37 @@ def test_monitor_start_step_pause_resume_and_manual_grads():
     with pytest.raises(ValueError, match="start_step"):
         hookstats.Monitor(m, start_step=-1)
     mon.detach()
+
+
+def test_lightning_wandb_logger_offline_gets_the_scalars(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    import time
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    from hookstats.integrations.lightning import HookstatsCallback
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import wandb_offline
+    finally:
+        sys.path.pop(0)
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+                 "WANDB_CONSOLE": "off"}.items():
+        monkeypatch.setenv(k, v)
+    mod = lit_module()
+    logger = WandbLogger(project="hookstats-test", save_dir=str(tmp_path), offline=True)
+    lit_trainer(tmp_path, 6, [HookstatsCallback(kinds=("forward", "grad"), log_format="jsonl")], [logger],
+                enable_checkpointing=False).fit(mod, *loaders())
+    wandb.finish()
+    want = {s: math.sqrt(sum(v * v for v in mod.pre_clip[s - 1].values())) for s in (3, 6)}
+    got = {}
+    for _ in range(40):  # the service process may write the last records a moment after finish() returns
+        got = {int(r["trainer/global_step"]): r["hookstats/grad_norm"] for r in wandb_offline.history(str(tmp_path))
+               if "hookstats/grad_norm" in r}
+        if got.keys() == want.keys():
+            break
+        time.sleep(0.25)
+    assert got.keys() == want.keys()
+    for s, v in got.items():
+        assert math.isclose(v, want[s], rel_tol=1e-6)
