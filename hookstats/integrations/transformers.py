@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any, Optional, Sequence
 
 from transformers import TrainerCallback
@@ -52,6 +53,7 @@ class HookstatsCallback(TrainerCallback):
         self.monitor: Optional[Monitor] = None
         self.log_path: Optional[str] = None
         self._keeper: Optional[StepKeeper] = None
+        self._warned = False
 
     def _first(self) -> None:
         """Moves this callback to the front of the Trainer's callback list: the report_to callbacks (added before
@@ -61,7 +63,7 @@ class HookstatsCallback(TrainerCallback):
         f = sys._getframe(1)
         for _ in range(4):
             if f is None:
-                return
+                break
             cbs = getattr(f.f_locals.get("self"), "callbacks", None)
             if isinstance(cbs, list) and any(c is self for c in cbs):
                 if cbs[0] is not self:
@@ -69,6 +71,11 @@ class HookstatsCallback(TrainerCallback):
                     cbs.insert(0, self)
                 return
             f = f.f_back
+        if self.logs and not self._warned:
+            self._warned = True
+            warnings.warn("hookstats HookstatsCallback: the Trainer's callback list was not found, so the callback "
+                          "could not go first; report_to callbacks listed before it write their logs without the "
+                          "hookstats/ scalars (the run log has everything)", stacklevel=2)
 
     def on_init_end(self, args, state, control, **kwargs):
         self._first()
