@@ -101,7 +101,7 @@ def ops(hookstats, x, dim, case):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("size_log2", SIZES, ids=[f"2^{k}" for k in SIZES])
 def test_channel(benchmark, measure, hookstats, device, dtype_name, size_log2, layout, case):
-    from conftest import DTYPES
+    from _benching import DTYPES
 
     x, dim = make(layout, size_log2, DTYPES[dtype_name], device, benchmark.disabled)
     if case == "hookstats":
@@ -117,7 +117,7 @@ def test_channel(benchmark, measure, hookstats, device, dtype_name, size_log2, l
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_channel_interleaved(benchmark, hookstats, device, dtype_name, layout):
     """hookstats vs both plain hooks at 2^20, interleaved call by call: the ratio the README reports."""
-    from conftest import DTYPES, interleaved_timer
+    from _benching import DTYPES, interleaved_timer
 
     x, dim = make(layout, 20, DTYPES[dtype_name], device, benchmark.disabled)
     fns = {case: ops(hookstats, x, dim, case) for case in ("hookstats", "plain_absmax", "plain_all")}

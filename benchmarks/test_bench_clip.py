@@ -68,7 +68,7 @@ from typing import Callable, Sequence
 
 import pytest
 import torch
-from conftest import BUDGET_S, DTYPES, MAX_ROUNDS, MIN_ROUNDS, SEED, make_input, synced
+from _benching import BUDGET_S, DTYPES, MAX_ROUNDS, MIN_ROUNDS, SEED, make_input, synced
 
 FACTOR = 0.9  # the coefficient of every timed norm clip (Note [honest repeated clipping])
 # The smallest norm a schedule reaches: 1000x the clipping eps (1e-6), so eps moves the coefficient by <= 0.1%.
@@ -86,7 +86,7 @@ GRAD_SCALE = 1e-3
 
 NORM_CASES = ("hookstats", "torch", "roof")
 LIST_CASES = ("hookstats", "torch_foreach", "torch_loop")
-# Budget kind (conftest.BUDGET_S) per case: the per-tensor loop costs ~0.1-0.3 s a call at 10,000 grads on a
+# Budget kind (_benching.BUDGET_S) per case: the per-tensor loop costs ~0.1-0.3 s a call at 10,000 grads on a
 # 2-core CPU, so it gets a few rounds only; the hookstats / foreach ratio is the number the report is about.
 KIND = {"hookstats": "hist", "torch": "hist", "torch_foreach": "hist", "roof": "hist", "torch_loop": "baseline"}
 
@@ -266,7 +266,7 @@ def cuda_event_seconds_restored(op: Callable[[], object], restore: Callable[[], 
 
 @pytest.fixture
 def measure_restored(benchmark):
-    """measure_restored(op, restore, case, device, kind): like conftest's `measure`, but `restore()` runs before
+    """measure_restored(op, restore, case, device, kind): like the conftest fixture `measure`, but `restore()` runs before
     every round of one call, untimed (pytest-benchmark's `setup`)."""
 
     def run(op: Callable[[], object], restore: Callable[[], None], case: str, device: str, kind: str) -> None:

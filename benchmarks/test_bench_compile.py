@@ -34,7 +34,7 @@ import time
 
 import pytest
 import torch
-from conftest import SEED, synced
+from _benching import SEED, synced
 from test_bench_monitor import FLUSH_EVERY, MODEL_DESC, MODELS, monitored_step
 from torch import nn
 from torch._dynamo.utils import counters

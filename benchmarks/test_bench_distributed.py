@@ -133,7 +133,7 @@ def _rank_main(out: Path) -> None:
 def _launcher():
     tests = str(Path(__file__).resolve().parents[1] / "tests")
     if tests not in sys.path:
-        sys.path.append(tests)  # appended: benchmarks/conftest.py must stay the `conftest` these files import
+        sys.path.append(tests)  # appended: the benchmarks' own modules come first
     import dist_helpers
 
     return dist_helpers

@@ -260,7 +260,7 @@ INTERLEAVED_CASES = ("stats", "stats_hist", "exp_hist", "bincount", "sum")
 def test_hist_by_data_interleaved(benchmark, hookstats, device, dtype_name):
     import statistics
 
-    from conftest import interleaved_timer
+    from _benching import interleaved_timer
     from hookstats import reference
 
     reps = 1 if benchmark.disabled else 60

@@ -32,7 +32,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import SEED
+from _benching import SEED
 from torch import nn
 from torch.nn import functional as F
 

@@ -47,7 +47,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import SEED, synced
+from _benching import SEED, synced
 from torch import nn
 
 FLUSH_EVERY = 10

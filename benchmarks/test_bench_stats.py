@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from conftest import DTYPES, SEED
+from _benching import DTYPES, SEED
 
 CASES = ("fused", "composite", "roof")
 
@@ -191,7 +191,7 @@ LOC_DATA = ("randn", "late_nan")
 def test_locations_on_off(benchmark, hookstats, device, dtype_name, size_log2, data):
     import statistics
 
-    from conftest import DTYPES as _DT, interleaved_timer
+    from _benching import DTYPES as _DT, interleaved_timer
 
     n = 2**size_log2
     g = torch.Generator().manual_seed(SEED + size_log2)
