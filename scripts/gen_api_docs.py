@@ -1,7 +1,8 @@
-"""Write docs/api.md from the docstrings: every public name of hookstats, its signature and one line.
+"""Write docs/api.md from the docstrings (every public name of hookstats, its signature and one line), and the index
+of `Note [...]` blocks in docs/design.md (between its `<!-- notes:begin -->` and `<!-- notes:end -->` lines).
 
-    python scripts/gen_api_docs.py            # rewrite docs/api.md
-    python scripts/gen_api_docs.py --check    # exit 1 when docs/api.md is not what this script writes
+    python scripts/gen_api_docs.py            # rewrite both
+    python scripts/gen_api_docs.py --check    # exit 1 when either is not what this script writes
 
 Public names are each module's `__all__` (hookstats.reference: its functions without a leading underscore); a class
 shows its public methods and properties defined in hookstats. The line is the first sentence of the docstring.
@@ -18,6 +19,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "api.md")
+DESIGN = os.path.join(ROOT, "docs", "design.md")
+NOTE_DIRS = ("csrc", "hookstats", "benchmarks", "tests", "scripts")
+NOTE_DEF = re.compile(r"^\s*(?://|#|\*)?\s*Note \[([^\]]+)\](:.*)?\s*$")
 MODULES = ("hookstats", "hookstats.export", "hookstats.monitor", "hookstats.monitor.table", "hookstats.reference")
 PAGES = {  # where each module's guide is, for the reader who wants more than one line
     "hookstats": "[statistics](guide/statistics.md), [clipping](guide/clipping.md), [hooks](guide/hooks.md), "
@@ -107,21 +111,73 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def notes() -> list[tuple[str, str, int, str]]:
+    """(name, file, line, first sentence) of every Note block: a comment line that is `Note [name]` alone (or
+    `Note [name]: text`, where the name has no line of its own), in file order."""
+    found: dict[str, tuple] = {}
+    for top in NOTE_DIRS:
+        for folder, dirs, files in sorted(os.walk(os.path.join(ROOT, top))):
+            dirs.sort()
+            for name in sorted(files):
+                if not name.endswith((".py", ".h", ".cpp", ".cu", ".cuh")):
+                    continue
+                path = os.path.join(folder, name)
+                with open(path, errors="replace") as f:
+                    lines = f.read().splitlines()
+                for i, line in enumerate(lines):
+                    m = NOTE_DEF.match(line)
+                    if not m:
+                        continue
+                    body = [m.group(2)[1:]] if m.group(2) else []
+                    for nxt in lines[i + 1:i + 6]:
+                        text = re.sub(r"^\s*(//|#|\*)?\s?", "", nxt).strip()
+                        if not text or set(text) <= set("~-=*/"):
+                            if body:
+                                break
+                            continue
+                        body.append(text)
+                    gist = first_sentence(type("D", (), {"__doc__": " ".join(body)}))
+                    rank = 1 if m.group(2) else 0  # a line of its own is the definition
+                    if m.group(1) not in found or rank < found[m.group(1)][0]:
+                        found[m.group(1)] = (rank, os.path.relpath(path, ROOT), i + 1, gist)
+    return sorted(((k, *v[1:]) for k, v in found.items()), key=lambda n: (n[1], n[2]))
+
+
+def render_notes() -> str:
+    def short(text: str, n: int = 160) -> str:
+        text = text if len(text) <= n else text[:n].rsplit(" ", 1)[0] + " ..."
+        return text.replace("|", "\\|")
+
+    rows = [f"| {name} | [`{path}`](../{path}) | {short(gist)} |" for name, path, _, gist in notes()]
+    return "\n".join(["| Note | where | what it says |", "|---|---|---|", *rows])
+
+
+def with_notes(design: str) -> str:
+    begin, end = "<!-- notes:begin -->", "<!-- notes:end -->"
+    head, _, rest = design.partition(begin)
+    _, _, tail = rest.partition(end)
+    return f"{head}{begin}\n{render_notes()}\n{end}{tail}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     sys.path.insert(0, ROOT)
-    text = render()
-    if args.check:
-        with open(OUT) as f:
-            same = f.read() == text
-        if not same:
-            print("docs/api.md is stale: run `python scripts/gen_api_docs.py`", file=sys.stderr)
-        return 0 if same else 1
-    with open(OUT, "w") as f:
-        f.write(text)
-    return 0
+    with open(DESIGN) as f:
+        design = f.read()
+    want = {OUT: render(), DESIGN: with_notes(design)}
+    stale = []
+    for path, text in want.items():
+        with open(path) as f:
+            if f.read() != text:
+                stale.append(os.path.relpath(path, ROOT))
+        if not args.check:
+            with open(path, "w") as f:
+                f.write(text)
+    if args.check and stale:
+        print(f"{', '.join(stale)} stale: run `python scripts/gen_api_docs.py`", file=sys.stderr)
+    return 1 if args.check and stale else 0
 
 
 if __name__ == "__main__":
