@@ -134,14 +134,11 @@ def _explode(rec: dict, how: dict) -> list[dict]:
 def build(spec: dict, records: list[dict]) -> dict[tuple, list[Row]]:
     """{split values: rows} of one spec: records selected, exploded, grouped into rows, defines computed."""
     families = spec["family"] if isinstance(spec["family"], list) else [spec["family"]]
-    chosen = []
-    for rec in records:
-        if rec.get("family") not in families:
-            continue
-        for r in _explode(rec, spec["explode"]) if "explode" in spec else [rec]:
-            if "where" not in spec or evaluate(spec["where"], {"__builtins__": SAFE_BUILTINS, **r}):
-                chosen.append(r)
-    keys = sorted({k for r in chosen for k in r})
+    mine = [r for rec in records if rec.get("family") in families
+            for r in (_explode(rec, spec["explode"]) if "explode" in spec else [rec])]
+    keys = sorted({k for r in mine for k in r})
+    chosen = [r for r in mine if "where" not in spec
+              or evaluate(spec["where"], {"__builtins__": SAFE_BUILTINS, **dict.fromkeys(keys), **r})]
     tables: dict[tuple, dict[tuple, Row]] = {}
     pivot, aliases = spec.get("pivot"), spec.get("aliases", {})
     for rec in chosen:
@@ -192,9 +189,12 @@ def check_target(target: dict, table: list[Row], spec: dict) -> Optional[str]:
 
 
 def render(specs: list[dict], records: list[dict], targets: list[dict]) -> str:
-    out = []
+    out, missing = [], []
     for spec in specs:
-        for split, table in build(spec, records).items():
+        built = build(spec, records)
+        if not any(built.values()):
+            missing.append(f"{spec['title']} (`{spec['file']}`)")
+        for split, table in built.items():
             if not table:
                 continue
             title = spec["title"] + "".join(f", {v}" for v in split if v is not None)
@@ -219,10 +219,12 @@ def render(specs: list[dict], records: list[dict], targets: list[dict]) -> str:
                     lines.append(line)
             if lines:
                 out += ["Targets:", ""] + lines + [""]
+    if missing and out:
+        out += ["Not in this run: " + "; ".join(missing) + ".", ""]
     return "\n".join(out) if out else "No benchmarks of a known table in this file.\n"
 
 
-def header(info: dict, paths: list[str], command: str) -> str:
+def header(info: dict, paths: list[str], commands: list[str]) -> str:
     m = info.get("machine_info") or {}
     cpu = m.get("cpu") or {}
     machine = ", ".join(str(x) for x in (cpu.get("brand_raw"), f"{cpu.get('count')} cores" if cpu.get("count") else None,
@@ -236,15 +238,23 @@ def header(info: dict, paths: list[str], command: str) -> str:
         "subset and `python benchmarks/report.py bench.json --markdown docs/benchmarks.md --command \"...\"`.", "",
         f"- **Machine**: {machine or 'unknown'}",
         f"- **Date**: {info.get('datetime') or 'unknown'}" + (f" (commit `{commit[:10]}`)" if commit else ""),
-        f"- **Command**: `{command}`",
-        f"- **Data**: {', '.join(os.path.basename(p) for p in paths)}", "", ""])
+        *(f"- **Command**: `{c}`" for c in commands),
+        f"- **Data**: {', '.join(os.path.basename(p) for p in paths)}", "", READING, ""])
+
+
+READING = """Each hookstats case is timed beside the plain-PyTorch way of computing the same thing, and beside a one-read
+roof (`x.sum()` on the CPU, a device copy on CUDA), in the same run; read the ratios rather than the absolute times,
+which move with the machine and its load. Times are medians (µs or ms) unless a table says otherwise. The targets
+under a table come from `benchmarks/targets.json`; where one is not reached, the line says what limits it. GPU
+numbers come from `scripts/gpu_check.sh` on a GPU machine (its `bench.md`), not from this page.
+"""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_paths", nargs="+", help="pytest-benchmark JSON files (--benchmark-json=PATH)")
     parser.add_argument("--markdown", metavar="OUT", help="also write the report, with its header, to this file")
-    parser.add_argument("--command", default="pytest benchmarks --benchmark-only", help="the command that ran")
+    parser.add_argument("--command", action="append", help="the command that ran (one per JSON file, if several)")
     parser.add_argument("--preamble", metavar="FILE", help="Markdown inserted after the header (what was run)")
     parser.add_argument("--targets", default=os.path.join(HERE, "targets.json"))
     args = parser.parse_args(argv)
@@ -256,7 +266,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.markdown:
         pre = open(args.preamble).read().rstrip() + "\n\n" if args.preamble else ""
         with open(args.markdown, "w") as f:
-            f.write(header(info, args.json_paths, args.command) + pre + text.rstrip() + "\n")
+            commands = args.command or ["pytest benchmarks --benchmark-only"]
+            f.write(header(info, args.json_paths, commands) + pre + text.rstrip() + "\n")
     return 0
 
 

@@ -68,7 +68,7 @@ REPORT = [
                 ["ratio", "total / mean([at(case='none').total, at(case='none_after').total])"]],
      "columns": [["case", "label(case)"], ["step ms", "time", "ms"], ["IQR", "iqr", "pct"],
                  ["flush ms", "flush_s", "ms"], ["step + flush share ms", "total", "ms"], ["vs no hooks", "ratio", "x"],
-                 ["µs per recorded tensor", "(total - at(case='none').total) / records_per_step if case[:4] != 'none' else None", "f1"]],
+                 ["µs per recorded tensor", "(ratio - 1) * mean([at(case='none').total, at(case='none_after').total]) / records_per_step if case[:4] != 'none' else None", "us"]],
      "note": "Medians of single steps (forward, MSE loss, backward, SGD step); the Monitor cases flush inside the "
              "timed step every 10th call, and that flush's share is counted in (Note [flush cost]). vs no hooks: "
              "against the mean of the two no-hooks rows, timed first and last so that they bracket the others."},

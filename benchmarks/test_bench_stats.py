@@ -21,7 +21,7 @@ CASES = ("fused", "composite", "roof")
 
 # The report's tables (benchmarks/report.py reads this literal; targets in benchmarks/targets.json).
 REPORT = [
-    {"id": "stats", "title": "hookstats.stats: all 13 statistics in one read", "family": ["stats", None],
+    {"id": "stats", "title": "hookstats.stats: all 13 statistics in one read", "family": "stats",
      "split": ["device", "dtype"], "rows": ["size_log2"], "pivot": "case",
      "columns": [["size", "'2^%d' % size_log2"], ["hookstats.stats µs", "t.fused", "us"],
                  ["GB/s", "bytes / t.fused / 1e9", "gbps"], ["roof µs", "t.roof", "us"],
