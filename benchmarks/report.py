@@ -153,7 +153,7 @@ def build(spec: dict, records: list[dict]) -> dict[tuple, list[Row]]:
     for split, rows in tables.items():
         table = list(rows.values())
         for name, expr in spec.get("define", ()):
-            for row in table:  # in order, so that a define may read an earlier one of another row
+            for row in table:  # every row gets a define before the next one: a define may read another row's
                 row[name] = evaluate(expr, _namespace(row, table, spec))
         out[split] = table
     return out
@@ -167,7 +167,10 @@ def fmt(value: Any, how: Optional[str]) -> str:
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.2f}"
     formats = {"s": "{:.2f}", "x": "{:.2f}x", "gbps": "{:.1f}", "pct": "{:.0%}", "int": "{:,.0f}", "f1": "{:.1f}",
                "f2": "{:.2f}", "f3": "{:.3f}"}
-    return formats[how].format(value) if how in formats else str(value)
+    try:
+        return formats[how].format(value) if how in formats else str(value)
+    except (TypeError, ValueError):  # a string where a number was expected: show it as it is
+        return str(value)
 
 
 def check_target(target: dict, table: list[Row], spec: dict) -> Optional[str]:
