@@ -3,7 +3,9 @@
 #   make test            venv + torch + test deps, build (CUDA kernels too where a toolkit is found), run all tests,
 #                        then every benchmark once, untimed, at small sizes (a smoke run: a broken benchmark fails CI)
 #   make demo            the same set-up, then `python -m hookstats demo`
-#   make bench           pytest --benchmark-only (the whole benchmark suite, timed), then the summary table
+#   make bench           pytest --benchmark-only (the whole benchmark suite, timed), then the summary tables, also
+#                        written to docs/benchmarks.md (benchmarks/report.py)
+#   make docs            regenerate docs/api.md and the Note index of docs/design.md (scripts/gen_api_docs.py)
 #   PYTHON=python3 make test   use that interpreter as is (e.g. on a GPU machine that has torch), no venv
 #
 # TORCH_SPEC picks torch: the default CUDA build compiles the CUDA kernels here even without a GPU;
@@ -33,7 +35,7 @@ endif
 BUILD_STAMP := hookstats/.build-stamp
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: all build test test-fast bench-smoke demo bench clean
+.PHONY: all build test test-fast bench-smoke demo bench docs clean
 
 all: test
 
@@ -65,7 +67,10 @@ demo: build
 
 bench: build
 	$(PY) -m pytest --benchmark-only -q --benchmark-json=bench.json
-	$(PY) benchmarks/report.py bench.json
+	$(PY) benchmarks/report.py bench.json --markdown docs/benchmarks.md --command "make bench"
+
+docs: build
+	$(PY) scripts/gen_api_docs.py
 
 clean:
 	rm -rf build *.egg-info hookstats/_C*.so $(BUILD_STAMP) bench.json

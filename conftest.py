@@ -5,8 +5,9 @@
   pytest benchmarks ...       the benchmarks, as named; with --benchmark-disable a quick untimed smoke run
                               (benchmarks/conftest.py: SMOKE_MAX_SIZE_LOG2), which `make test` runs after the tests
 
-Tests and benchmarks are never collected in one session: each folder's modules import helpers with
-`from conftest import ...`, which resolves to the conftest imported last, so the two suites run as two sessions.
+Both folders can be collected in one session (`pytest tests benchmarks --benchmark-disable`): their helpers are
+modules of their own (tests/_testing.py, benchmarks/_benching.py) and each folder's collection hooks touch only its
+own items.
 """
 from __future__ import annotations
 

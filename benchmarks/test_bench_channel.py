@@ -10,7 +10,7 @@ Each group `channel-{device}-{dtype}-{layout}-2^{k}` holds four cases on one inp
 Layouts: `btc` = a Linear's input [B, T, C], dim=-1 (channels innermost); `nchw` = a conv activation, dim=1. The
 hookstats case checks its buffer against float64 PyTorch before timing. `test_channel_interleaved` times the
 hookstats and plain_absmax cases interleaved (one call each, alternately; plain_all after, on its own) and records
-the median ratios in extra_info["speedup_vs_absmax"] / ["speedup_vs_all"]: the numbers for the README. Run with
+the median ratios in extra_info["speedup_vs_absmax"] / ["speedup_vs_all"] (REPORT below). Run with
 HOOKSTATS_BENCH_THREADS=1 for the single-thread figures.
 """
 from __future__ import annotations
@@ -23,6 +23,25 @@ import torch
 CASES = ("hookstats", "plain_absmax", "plain_all", "roof")
 LAYOUTS = ("btc", "nchw")
 SIZES = (16, 20, 24)
+
+
+# The report's tables (benchmarks/report.py reads this literal; targets in benchmarks/targets.json).
+REPORT = [
+    {"id": "channel", "title": "Per-channel statistics (`channel_stats_into`)", "family": "channel",
+     "where": "size_log2 is not None", "split": ["device", "dtype"], "rows": ["layout", "size_log2"], "pivot": "case",
+     "columns": [["layout", "layout"], ["size", "'2^%d' % size_log2"], ["hookstats µs", "t.hookstats", "us"],
+                 ["absmax hook µs", "t.plain_absmax", "us"], ["vs absmax hook", "t.plain_absmax / t.hookstats", "x"],
+                 ["all statistics, plain µs", "t.plain_all", "us"], ["vs plain", "t.plain_all / t.hookstats", "x"],
+                 ["hookstats / roof", "t.hookstats / t.roof", "x"]],
+     "note": "btc: a Linear input `[B, T, 1024]`, dim=-1; nchw: `[N, 64, 16, 16]`, dim=1. absmax hook: "
+             "`torch.maximum(buf, x.abs().amax(dims))`, SmoothQuant-style calibration, which computes the absmax "
+             "alone; plain: the same six statistics as hookstats in plain PyTorch. roof: `x.sum()` (CPU), a copy (CUDA)."},
+    {"id": "channel_interleaved", "title": "Per-channel statistics at 2^20, interleaved call by call",
+     "family": "channel", "where": "size_log2 is None", "split": ["device"], "rows": ["dtype", "layout"],
+     "columns": [["dtype", "dtype"], ["layout", "layout"], ["hookstats µs", "hookstats_us / 1e6", "us"],
+                 ["absmax hook µs", "plain_absmax_us / 1e6", "us"], ["vs absmax hook", "speedup_vs_absmax", "x"],
+                 ["all statistics, plain µs", "plain_all_us / 1e6", "us"], ["vs plain", "speedup_vs_all", "x"]]},
+]
 
 
 def make(layout: str, size_log2: int, dtype: torch.dtype, device: str, smoke: bool):
@@ -101,7 +120,7 @@ def ops(hookstats, x, dim, case):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("size_log2", SIZES, ids=[f"2^{k}" for k in SIZES])
 def test_channel(benchmark, measure, hookstats, device, dtype_name, size_log2, layout, case):
-    from conftest import DTYPES
+    from _benching import DTYPES
 
     x, dim = make(layout, size_log2, DTYPES[dtype_name], device, benchmark.disabled)
     if case == "hookstats":
@@ -117,7 +136,7 @@ def test_channel(benchmark, measure, hookstats, device, dtype_name, size_log2, l
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_channel_interleaved(benchmark, hookstats, device, dtype_name, layout):
     """hookstats vs both plain hooks at 2^20, interleaved call by call: the ratio the README reports."""
-    from conftest import DTYPES, interleaved_timer
+    from _benching import DTYPES, interleaved_timer
 
     x, dim = make(layout, 20, DTYPES[dtype_name], device, benchmark.disabled)
     fns = {case: ops(hookstats, x, dim, case) for case in ("hookstats", "plain_absmax", "plain_all")}

@@ -56,7 +56,7 @@ enough to time one at a time.
 
 Every hookstats case (and every PyTorch case) checks its result against float64 PyTorch before it is timed,
 so a broken kernel cannot post a fast time. No timing is asserted here: the speed targets live in
-`benchmarks/report.py` (`format_clip_table`).
+`benchmarks/report.py` and `benchmarks/targets.json` (tables: REPORT below).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ from typing import Callable, Sequence
 
 import pytest
 import torch
-from conftest import BUDGET_S, DTYPES, MAX_ROUNDS, MIN_ROUNDS, SEED, make_input, synced
+from _benching import BUDGET_S, DTYPES, MAX_ROUNDS, MIN_ROUNDS, SEED, make_input, synced
 
 FACTOR = 0.9  # the coefficient of every timed norm clip (Note [honest repeated clipping])
 # The smallest norm a schedule reaches: 1000x the clipping eps (1e-6), so eps moves the coefficient by <= 0.1%.
@@ -86,8 +86,30 @@ GRAD_SCALE = 1e-3
 
 NORM_CASES = ("hookstats", "torch", "roof")
 LIST_CASES = ("hookstats", "torch_foreach", "torch_loop")
-# Budget kind (conftest.BUDGET_S) per case: the per-tensor loop costs ~0.1-0.3 s a call at 10,000 grads on a
+# Budget kind (_benching.BUDGET_S) per case: the per-tensor loop costs ~0.1-0.3 s a call at 10,000 grads on a
 # 2-core CPU, so it gets a few rounds only; the hookstats / foreach ratio is the number the report is about.
+# The report's tables (benchmarks/report.py reads this literal; targets in benchmarks/targets.json).
+REPORT = [
+    {"id": "clip_single", "title": "Clipping one tensor in place", "family": "clip",
+     "where": "op in ('clip_norm', 'clip_value')", "split": ["device"], "rows": ["op", "dtype", "size_log2"],
+     "pivot": "case", "labels": {"clip_norm": "`clip_norm_`", "clip_value": "`clip_value_`"},
+     "columns": [["op", "label(op)"], ["dtype", "dtype"], ["size", "'2^%d' % size_log2"],
+                 ["hookstats µs", "t.hookstats", "us"], ["PyTorch µs", "t.torch", "us"],
+                 ["speedup", "t.torch / t.hookstats", "x"], ["hookstats GB/s", "traffic_bytes / t.hookstats / 1e9", "gbps"]],
+     "note": "PyTorch: `vector_norm` + `mul_` (clip_norm_), `((x < lo) | (x > hi)).sum()` + `clamp_` (clip_value_). "
+             "GB/s: the bytes the op must move at least (a norm clip reads, then reads and writes; clip_value_ reads "
+             "and writes the ~1.2% it clips) / median time. Every timed norm clip really scales: max_norm shrinks by "
+             "0.9 a call on both sides (Note [honest repeated clipping])."},
+    {"id": "clip_lists", "title": "Clipping a list of gradients", "family": "clip",
+     "where": "op in ('clip_grad_norm', 'total_norm')", "split": ["device"], "rows": ["op", "dtype", "n_tensors"],
+     "pivot": "case", "labels": {"clip_grad_norm": "`clip_grad_norm_`", "total_norm": "`get_total_norm`"},
+     "columns": [["op", "label(op)"], ["dtype", "dtype"], ["tensors", "n_tensors", "int"],
+                 ["elements (M)", "numel / 1e6", "f1"], ["hookstats µs", "t.hookstats", "us"],
+                 ["foreach µs", "t.torch_foreach", "us"], ["loop µs", "t.torch_loop", "us"],
+                 ["vs foreach", "t.torch_foreach / t.hookstats", "x"], ["vs loop", "t.torch_loop / t.hookstats", "x"]],
+     "note": "foreach / loop: `torch.nn.utils.clip_grad_norm_` (`get_total_norm`) with foreach=True / False."},
+]
+
 KIND = {"hookstats": "hist", "torch": "hist", "torch_foreach": "hist", "roof": "hist", "torch_loop": "baseline"}
 
 
@@ -266,7 +288,7 @@ def cuda_event_seconds_restored(op: Callable[[], object], restore: Callable[[], 
 
 @pytest.fixture
 def measure_restored(benchmark):
-    """measure_restored(op, restore, case, device, kind): like conftest's `measure`, but `restore()` runs before
+    """measure_restored(op, restore, case, device, kind): like the conftest fixture `measure`, but `restore()` runs before
     every round of one call, untimed (pytest-benchmark's `setup`)."""
 
     def run(op: Callable[[], object], restore: Callable[[], None], case: str, device: str, kind: str) -> None:

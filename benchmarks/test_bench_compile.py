@@ -34,7 +34,7 @@ import time
 
 import pytest
 import torch
-from conftest import SEED, synced
+from _benching import SEED, synced
 from test_bench_monitor import FLUSH_EVERY, MODEL_DESC, MODELS, monitored_step
 from torch import nn
 from torch._dynamo.utils import counters
@@ -67,6 +67,27 @@ class Step:
             loss = nn.functional.mse_loss(self.forward(self.x), self.target)
             loss.backward()
         self.opt.step()
+
+
+# The report's table (benchmarks/report.py reads this literal).
+REPORT = [
+    {"id": "compile", "title": "torch.compile and the Monitor, one training step", "family": "compile",
+     "split": ["device", "model_desc"], "rows": ["case"],
+     "labels": {"eager": "eager, no hooks", "eager_monitor": "eager + Monitor", "compiled": "torch.compile",
+                "compiled_ca": "torch.compile + compiled autograd",
+                "compiled_ca_monitor": "torch.compile + compiled autograd + Monitor",
+                "eager_after": "eager, no hooks, again (timed last)"},
+     "define": [["total", "time + (flush_s / flush_every if flush_s else 0)"]],
+     "columns": [["case", "label(case)"], ["step ms", "time", "ms"], ["IQR", "iqr", "pct"],
+                 ["step + flush share ms", "total", "ms"],
+                 ["vs eager", "total / mean([at(case='eager').total, at(case='eager_after').total])", "x"],
+                 ["Monitor: vs the same without", "total / {'eager_monitor': mean([at(case='eager').total, "
+                  "at(case='eager_after').total]), 'compiled_ca_monitor': at(case='compiled_ca').total}.get(case)", "x"],
+                 ["first step s", "first_step_s", "f1"], ["graphs", "graphs"],
+                 ["new graphs while timed", "new_graphs_while_timed"], ["graph breaks", "graph_breaks"]],
+     "note": "first step: the step that compiles. new graphs while timed: graphs compiled during the timed rounds "
+             "(0: no recompiles)."},
+]
 
 
 def _key(r: dict) -> tuple:

@@ -59,6 +59,21 @@ class Block(nn.Module):
 # The ranks (this file run as a script by dist_helpers.launch)
 
 
+# The report's table (benchmarks/report.py reads this literal).
+REPORT = [
+    {"id": "dist_clip", "title": "Distributed clipping: FSDP2, DTensor grads, timed inside the ranks",
+     "family": "dist_clip", "rows": ["world_size", "backend"],
+     "columns": [["setup", "'%s %s ranks, %s, %s %s tensors, %.2fM values' % (world_size, backend, device, n_tensors, "
+                  "dtype, numel / 1e6)"],
+                 ["`clip_grad_norm_` hookstats ms", "clip_grad_norm_hookstats_s", "ms"],
+                 ["`torch.nn.utils` ms", "clip_grad_norm_torch_s", "ms"], ["speedup", "clip_grad_norm_speedup", "x"],
+                 ["`get_total_norm` hookstats ms", "total_norm_hookstats_s", "ms"],
+                 ["`torch.nn.utils` ms ", "total_norm_torch_s", "ms"], ["speedup ", "total_norm_speedup", "x"]],
+     "note": "The slowest rank's median of interleaved repeats. hookstats issues one all_reduce of one float64 scalar "
+             "per call; PyTorch reduces a DTensor norm per tensor."},
+]
+
+
 def _rank_main(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -133,7 +148,7 @@ def _rank_main(out: Path) -> None:
 def _launcher():
     tests = str(Path(__file__).resolve().parents[1] / "tests")
     if tests not in sys.path:
-        sys.path.append(tests)  # appended: benchmarks/conftest.py must stay the `conftest` these files import
+        sys.path.append(tests)  # appended: the benchmarks' own modules come first
     import dist_helpers
 
     return dist_helpers

@@ -106,6 +106,41 @@ def check_torch_counts(counts: torch.Tensor, ref: torch.Tensor, x: torch.Tensor)
     assert (counts - inside).abs().sum().item() <= 1e-4 * x.numel()
 
 
+# The report's tables (benchmarks/report.py reads this literal; targets in benchmarks/targets.json).
+REPORT = [
+    {"id": "hist", "title": "Histograms: one read, nothing dropped", "family": "hist", "split": ["device", "dtype"],
+     "rows": ["bins", "size_log2"], "pivot": "case", "aliases": {"histc_f32": "histc", "torch_histogram_f32": "torch_histogram"},
+     "columns": [["size", "'2^%d' % size_log2"], ["bins", "bins"], ["histogram µs", "t.hist", "us"],
+                 ["stats + histogram µs", "t.stats_hist", "us"], ["stats + exp histogram µs", "t.stats_exp", "us"],
+                 ["`torch.histc` µs", "t.histc", "us"], ["`torch.histogram` µs", "t.torch_histogram", "us"],
+                 ["histogram vs histc", "t.histc / t.hist", "x"], ["stats + histogram / roof", "t.stats_hist / t.roof", "x"]],
+     "note": "histogram: `hookstats.histogram` (bins + underflow, overflow, NaN); stats + histogram: `hookstats.stats(x, "
+             "histogram=(bins, (-4, 4)))`; the exponent histogram has no bins and is timed in the 64-bin group. The "
+             "PyTorch ops are timed on `x.float()` for bfloat16 (given bf16 they return bf16 counts, which stop at 256). "
+             "roof: `x.sum()` on the CPU, a copy on CUDA."},
+    {"id": "bydata", "title": "By distribution, 2^20 values, µs", "family": ["bydata", "bydata_hist"],
+     "split": ["device", "dtype"], "rows": ["data"], "pivot": "case", "aliases": {"histc_f32": "histc"},
+     "columns": [["data", "data"], ["`x.sum()`", "t.sum", "us"], ["`stats`", "t.stats", "us"], ["`norm`", "t.norm", "us"],
+                 ["`histogram`", "t.hist", "us"], ["`exp_histogram`", "t.exp_hist", "us"],
+                 ["stats + 64 bins", "t.stats_hist", "us"], ["`torch.histc`", "t.histc", "us"],
+                 ["`bincount`", "t.bincount", "us"]],
+     "note": "64 bins over [-4, 4] (0 and every multiple of 1/8 is an edge). bincount: `torch.bincount` of the "
+             "precomputed uint8 slot of each value, the bare loop of one counter increment per value."},
+    {"id": "bydata_interleaved", "title": "By distribution, interleaved call by call, 2^20 values, µs",
+     "family": "bydata_interleaved", "explode": {"key": "data", "fields": ["rows"]}, "split": ["device", "dtype"],
+     "rows": ["data"],
+     "columns": [["data", "data"], ["`x.sum()`", "sum / 1e6", "us"], ["`stats`", "stats / 1e6", "us"],
+                 ["stats + 64 bins", "stats_hist / 1e6", "us"], ["`exp_histogram`", "exp_hist / 1e6", "us"],
+                 ["`torch.histc`", "histc / 1e6", "us"], ["`bincount`", "bincount / 1e6", "us"],
+                 ["stats + 64 bins / (stats + bincount)", "stats_hist / (stats + bincount)", "x"],
+                 ["one bin", "'yes' if one_bin else ''"]],
+     "note": "Each round calls stats, stats + 64 bins, exp_histogram, bincount and sum once on the same input, 60 "
+             "rounds, medians; `torch.histc` after, on its own (its float temporaries would evict the input). one bin: "
+             "every non-NaN value falls in one bin, which the CPU kernel counts a chunk or 64 values at a time "
+             "(Note [cpu constant chunks]): faster than spread data by design, so the spread targets below are "
+             "over the other distributions."},
+]
+
 @pytest.mark.parametrize("bins,case", GRID, ids=[f"{b}b-{c}" for b, c in GRID])
 def test_hist(benchmark, measure, hookstats, device, dtype_name, size_log2, x, bins, case):
     # bf16 counts in torch.histc / torch.histogram stop at 256: time the upcast the user needs for exact counts
@@ -260,7 +295,7 @@ INTERLEAVED_CASES = ("stats", "stats_hist", "exp_hist", "bincount", "sum")
 def test_hist_by_data_interleaved(benchmark, hookstats, device, dtype_name):
     import statistics
 
-    from conftest import interleaved_timer
+    from _benching import interleaved_timer
     from hookstats import reference
 
     reps = 1 if benchmark.disabled else 60

@@ -19,9 +19,10 @@ every case alike; one torch thread, since 2-thread regions stall on a shared 2-c
     flush (exp)    the same with exponent histograms, FLUSH_EVERY steps a flush, and the bytes of histogram rows kept
                    (HistRows: the nonzero columns) beside the dense rows
 
-The ratios (case / none, of each case's fastest flush period; medians beside them) go into extra_info and benchmarks/report.py prints them against the targets of issue
-#13: MLP monitor <= 1.20x, + grads <= 1.30x; transformer <= 1.10x, + grads <= 1.15x; <= 2 us host time per record;
-flush <= 0.5 us per record. No timing is asserted here.
+The ratios (case / none, of each case's fastest flush period; medians beside them) go into extra_info and
+benchmarks/report.py prints them (REPORT below) against benchmarks/targets.json: MLP monitor <= 1.20x, + grads <= 1.30x;
+transformer <= 1.10x, + grads <= 1.15x; <= 2 us host time per record; flush <= 0.5 us per record. No timing is
+asserted here.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import SEED
+from _benching import SEED
 from torch import nn
 from torch.nn import functional as F
 
@@ -122,7 +123,32 @@ def make_gpt(smoke: bool):
 
 
 MODELS = {"mlp1000": make_mlp, "gpt12": make_gpt}
-TARGETS = {"mlp1000": {"monitor": 1.20, "monitor_grads": 1.30}, "gpt12": {"monitor": 1.10, "monitor_grads": 1.15}}
+
+# The report's tables (benchmarks/report.py reads this literal; targets in benchmarks/targets.json).
+REPORT = [
+    {"id": "large_step", "title": "Monitor on large models, one training step, interleaved", "family": "large",
+     "where": "bench == 'step'", "explode": {"key": "case", "fields": ["step_s", "ratios", "median_ratios"]},
+     "split": ["model"], "rows": ["case"],
+     "labels": {"none": "no hooks", "empty_hooks": "PyTorch's empty forward + full backward pre-hooks",
+                "monitor": "Monitor, default kinds", "monitor_grads": "+ `grad` (`optimizer=`)",
+                "monitor_exp": "+ exponent histogram"},
+     "columns": [["case", "label(case)"], ["step ms (fastest period)", "step_s", "ms"], ["vs no hooks", "ratios", "x"],
+                 ["median ratio", "median_ratios", "x"]],
+     "note": "mlp1000: 500 x (Linear(64, 64), ReLU), batch 32, 1,001 modules; gpt12: a 12-layer GPT (nanoGPT layout, "
+             "n_embd 128), batch 2 x 32, 164 modules. Forward, loss, backward, SGD step, `zero_grad`, a flush every 10 "
+             "steps inside the timed loop; the cases run interleaved period by period, one thread; the ratio of each "
+             "case's fastest 10-step period to the no-hooks one's (a busy neighbour only ever adds time)."},
+    {"id": "large_host", "title": "Host cost per recorded tensor and per flushed record", "family": "large",
+     "where": "bench == 'host'", "rows": ["bench"],
+     "columns": [["host time per recorded tensor µs", "record_host_s", "us"],
+                 ["flush per record µs", "flush_per_record_s", "us"], ["records a flush", "flush_records", "int"],
+                 ["flush per record, exponent histograms µs", "flush_exp_per_record_s", "us"],
+                 ["histogram rows kept MB", "hist_kept_bytes / 1e6", "f1"],
+                 ["of the dense rows", "hist_kept_bytes / hist_dense_bytes", "pct"]],
+     "note": "Host time: a forward-only Monitor on Linear(4, 4) with a 1 x 4 input, (time with - without) per record, "
+             "the kernel included. Flush: `flush()` of one step of the MLP's records divided by their number; with "
+             "exponent histograms 10 steps a flush, keeping only the histogram columns that hold a count."},
+]
 
 
 class Case:
@@ -199,7 +225,7 @@ def test_large_model_step(benchmark, hookstats, one_thread, model_name):
         benchmark.extra_info.update(family="large", bench="step", model=model_name, flush_every=FLUSH_EVERY,
                                     modules=len(list(cases["none"].model.modules())), records_per_step=records,
                                     step_s=best, ratios=ratios, median_step_s=med,
-                                    median_ratios={c: med[c] / med["none"] for c in CASES}, targets=TARGETS[model_name],
+                                    median_ratios={c: med[c] / med["none"] for c in CASES},
                                     torch_threads=torch.get_num_threads(), case="monitor")
         benchmark.pedantic(cases["monitor"].step, rounds=1 if smoke else 2 * FLUSH_EVERY, iterations=1)
     finally:
@@ -267,7 +293,6 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
                                 bare_forward_s=min(bare), flush_per_record_s=statistics.median(flush),
                                 flush_records=records, pending_slots=k, case="record_host",
                                 flush_exp_per_record_s=statistics.median(flush_exp), flush_exp_records=exp_records,
-                                hist_kept_bytes=kept, hist_dense_bytes=dense, flush_every=FLUSH_EVERY,
-                                targets={"record_host_s": 2e-6, "flush_per_record_s": 0.5e-6})
+                                hist_kept_bytes=kept, hist_dense_bytes=dense, flush_every=FLUSH_EVERY)
     assert math.isfinite(record_host)
     benchmark.pedantic(lambda: lin(x), rounds=1 if smoke else 100, iterations=1 if smoke else 100)

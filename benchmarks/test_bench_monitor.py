@@ -36,7 +36,7 @@ Before timing, each step group runs one step with the torch_hooks and the Monito
 that both saw the same tensors: the Monitor's norm, min, max, NaN count and in-range histogram against PyTorch's, so
 a Monitor that records less (or nothing) cannot post a fast time. The step groups plan their rounds from a time
 budget (STEP_BUDGET_S), at least STEP_MIN_ROUNDS so that at least two flushes fall in the timed rounds. No timing is
-asserted here: the speed targets live in `benchmarks/report.py` (`format_monitor_table`).
+asserted here: the speed targets live in `benchmarks/targets.json`, the tables in REPORT below.
 """
 from __future__ import annotations
 
@@ -47,10 +47,36 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import SEED, synced
+from _benching import SEED, synced
 from torch import nn
 
 FLUSH_EVERY = 10
+
+
+STEP_LABELS = {
+    "none": "no hooks (timed first)", "none_after": "no hooks, again (timed last)",
+    "empty_hooks": "empty Python hooks (PyTorch's hook machinery)",
+    "torch_hooks": "plain-PyTorch hooks: norm, aminmax, NaN count, 64-bin `histc`",
+    "monitor_hist": "`hookstats.Monitor` + 64-bin histogram", "monitor": "`hookstats.Monitor`, statistics only",
+    "empty": "empty Python hook", "record": "`hookstats.record().forward`",
+    "record_hist": "`hookstats.record(histogram=64 bins).forward`"}
+# The report's tables (benchmarks/report.py reads this literal; targets in benchmarks/targets.json).
+REPORT = [
+    {"id": "monitor_step", "title": "hookstats.Monitor, one training step", "family": "monitor",
+     "where": "bench == 'step'", "split": ["device", "model_desc"], "rows": ["case"], "labels": STEP_LABELS,
+     "define": [["total", "time + (flush_s / flush_every if flush_s else 0)"],
+                ["ratio", "total / mean([at(case='none').total, at(case='none_after').total])"]],
+     "columns": [["case", "label(case)"], ["step ms", "time", "ms"], ["IQR", "iqr", "pct"],
+                 ["flush ms", "flush_s", "ms"], ["step + flush share ms", "total", "ms"], ["vs no hooks", "ratio", "x"],
+                 ["µs per recorded tensor", "(ratio - 1) * mean([at(case='none').total, at(case='none_after').total]) / records_per_step if case[:4] != 'none' else None", "us"]],
+     "note": "Medians of single steps (forward, MSE loss, backward, SGD step); the Monitor cases flush inside the "
+             "timed step every 10th call, and that flush's share is counted in (Note [flush cost]). vs no hooks: "
+             "against the mean of the two no-hooks rows, timed first and last so that they bracket the others."},
+    {"id": "monitor_hook", "title": "One hook call on a tiny tensor (Linear(4, 4), a 1 x 4 input)", "family": "monitor",
+     "where": "bench == 'hook'", "split": ["device"], "rows": ["case"], "labels": STEP_LABELS,
+     "columns": [["hook", "label(case)"], ["µs a forward", "time", "us"], ["IQR", "iqr", "pct"],
+                 ["hook cost µs", "time - at(case='none').time if case != 'none' else None", "us"]]},
+]
 
 
 def monitored_step(step, mon, flush_s: list):

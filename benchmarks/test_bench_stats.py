@@ -15,9 +15,27 @@ import functools
 import pytest
 import torch
 
-from conftest import DTYPES, SEED
+from _benching import DTYPES, SEED
 
 CASES = ("fused", "composite", "roof")
+
+# The report's tables (benchmarks/report.py reads this literal; targets in benchmarks/targets.json).
+REPORT = [
+    {"id": "stats", "title": "hookstats.stats: all 13 statistics in one read", "family": "stats",
+     "split": ["device", "dtype"], "rows": ["size_log2"], "pivot": "case",
+     "columns": [["size", "'2^%d' % size_log2"], ["hookstats.stats µs", "t.fused", "us"],
+                 ["GB/s", "bytes / t.fused / 1e9", "gbps"], ["roof µs", "t.roof", "us"],
+                 ["stats / roof", "t.fused / t.roof", "x"], ["composite µs", "t.composite", "us"],
+                 ["speedup vs composite", "t.composite / t.fused", "x"]],
+     "note": "roof: `x.sum()` on the CPU (one read), `y.copy_(x)` on CUDA. composite: one PyTorch op per statistic "
+             "(bfloat16 upcast once), as people write it. GB/s: one read of the input / median time."},
+    {"id": "locations", "title": "Element locations: `stats(x, locations=True)` against `stats(x)`, interleaved",
+     "family": "locations", "split": ["device"], "rows": ["dtype", "size_log2", "data"],
+     "columns": [["dtype", "dtype"], ["size", "'2^%d' % size_log2"], ["data", "data"],
+                 ["off µs", "off_us / 1e6", "us"], ["on µs", "on_us / 1e6", "us"], ["on / off", "ratio", "f3"]],
+     "note": "The two calls alternate, one torch thread, medians of 300 (2^20) or 60 (2^24) calls. randn: normal "
+             "values; late_nan: one NaN half-way and four growing maxima in the last chunks (the chunks re-read)."},
+]
 
 
 def composite_stats(x: torch.Tensor):
@@ -73,6 +91,7 @@ def test_stats(benchmark, measure, hookstats, device, dtype_name, size_log2, x, 
 
     benchmark.group = f"stats-{device}-{dtype_name}-2^{size_log2}"
     benchmark.extra_info.update(
+        family="stats",
         device=device,
         dtype=dtype_name,
         numel=x.numel(),
@@ -191,7 +210,7 @@ LOC_DATA = ("randn", "late_nan")
 def test_locations_on_off(benchmark, hookstats, device, dtype_name, size_log2, data):
     import statistics
 
-    from conftest import DTYPES as _DT, interleaved_timer
+    from _benching import DTYPES as _DT, interleaved_timer
 
     n = 2**size_log2
     g = torch.Generator().manual_seed(SEED + size_log2)

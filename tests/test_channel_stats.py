@@ -13,7 +13,7 @@ from torch import nn
 
 import hookstats
 from hookstats import reference
-from conftest import DEVICES, DTYPES, result_dtype
+from _testing import DEVICES, DTYPES, result_dtype
 
 FIELDS = hookstats.CHANNEL_FIELDS
 EXACT = ("absmax", "min", "max", "nonfinite", "count")

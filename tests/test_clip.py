@@ -50,7 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hookstats
 
-from conftest import DEVICES, DTYPES, bits, cuda_ready, result_dtype
+from _testing import DEVICES, DTYPES, bits, cuda_ready, result_dtype
 
 NAN = float("nan")
 INF = float("inf")

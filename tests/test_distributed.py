@@ -14,7 +14,7 @@ costs most of the time here (importing torch; DDP imports torch._dynamo):
 The ranks only compute and save (torch.save, a file per rank); the asserts run here. Each launch has a deadline: a
 rank that hangs fails these tests instead of hanging the run.
 
-Tolerances: tests/conftest.py's, for the recorded tensor's dtype (merged statistics must be as close to the
+Tolerances: tests/_testing.py's, for the recorded tensor's dtype (merged statistics must be as close to the
 reference as single-process ones); float64 models throughout where a reference model is involved, so that the
 sharded and unsharded computations agree to ~1e-15 and 1e-12 relative bounds can be asserted.
 """
@@ -31,7 +31,7 @@ import hookstats
 from hookstats import reference
 
 import dist_helpers
-from conftest import stats_mismatches, tol_for
+from _testing import stats_mismatches, tol_for
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -232,7 +232,7 @@ def test_merged_special_tensors(monitor_run, case):
     elif case == "negative_mean_gg_std":
         # mean / std = 5e10, and the rank means differ by ~std: each rank's mean carries ~1 ulp(5e6) = 9e-10 of
         # rounding, which the between-rank term n (mean_r - c)^2 turns into ~1e-6 of var (2 n |mean_r - c| ulp / var)
-        # while one process gets 1e-11. Within conftest's tolerance (checked above); bound it here.
+        # while one process gets 1e-11. Within _testing's tolerance (checked above); bound it here.
         assert_rel(s["var"], float(ref.var), 2e-5, f"{case} var")
     elif case == "identical":
         assert n == 2 * parts[0].numel() and s["l2"] == pytest.approx(math.sqrt(2) * float(parts[0].norm()), rel=1e-14)

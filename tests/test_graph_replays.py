@@ -13,7 +13,7 @@ import torch
 import hookstats
 from hookstats import reference
 
-from conftest import DEVICES, bits
+from _testing import DEVICES, bits
 
 SPECS = [None, (16, (-1.0, 1.0)), "exp"]
 

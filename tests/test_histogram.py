@@ -17,7 +17,7 @@ import torch
 import hookstats
 from hookstats import reference
 
-from conftest import DEVICES, DTYPES, assert_bitwise_equal, bits, cuda_ready
+from _testing import DEVICES, DTYPES, assert_bitwise_equal, bits, cuda_ready
 
 H = hookstats.Histogram
 NAN = float("nan")

@@ -11,7 +11,7 @@ The plain-PyTorch references:
                applied to the one parameter.
   clip_value   t.clamp(lo, hi) for every floating tensor; post_accumulate: torch.nn.utils.clip_grad_value_.
   record       a plain hook registered right after the record hook captures clones of what it sees; the record's
-               stats must match hookstats.reference.stats of the capture (conftest tolerances), its histogram
+               stats must match hookstats.reference.stats of the capture (tests/_testing.py tolerances), its histogram
                hookstats.histogram / exp_histogram of the capture exactly; the run must be bit-identical to a run
                without hooks.
 
@@ -37,7 +37,7 @@ from torch import nn
 import hookstats
 from hookstats import reference
 
-from conftest import DEVICES, DTYPES, bits, flat, stats_mismatches
+from _testing import DEVICES, DTYPES, bits, flat, stats_mismatches
 
 F = hookstats.STATS_FIELDS
 NAN = float("nan")

@@ -13,7 +13,7 @@ import torch
 import hookstats
 from hookstats import reference
 
-from conftest import DEVICES, DTYPES, assert_stats_close
+from _testing import DEVICES, DTYPES, assert_stats_close
 
 NAN, INF = float("nan"), float("inf")
 

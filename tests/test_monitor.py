@@ -7,7 +7,7 @@ The capture: for each Monitor hook, a plain hook of the same kind on the same mo
 after it, so PyTorch calls the two back to back; it keeps (step, module, kind, index, clone) of every floating
 tensor it sees (the index counts every tensor the hook saw, in depth-first order, None dropped) and counts the
 non-floating ones. Records must list the same (step, module, kind, index) in the same order; their stats must
-match hookstats.reference.stats of the clone within conftest's tolerances for the tensor's dtype; their histograms
+match hookstats.reference.stats of the clone within tests/_testing.py's tolerances for the tensor's dtype; their histograms
 must equal hookstats.histogram / exp_histogram of the clone exactly.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 import hookstats
 from hookstats import reference
 
-from conftest import DEVICES, DTYPES, flat, stats_mismatches
+from _testing import DEVICES, DTYPES, flat, stats_mismatches
 
 F = hookstats.STATS_FIELDS
 NAN = float("nan")

@@ -23,7 +23,7 @@ from torch import nn
 import hookstats
 from hookstats import reference
 
-from conftest import stats_mismatches
+from _testing import stats_mismatches
 
 
 class PreCapture:

@@ -9,7 +9,7 @@ import torch
 import hookstats
 from hookstats import reference
 
-from conftest import DEVICES, bits, stats_mismatches
+from _testing import DEVICES, bits, stats_mismatches
 
 
 def tensors(device, dtype=None):

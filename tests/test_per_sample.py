@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import hookstats
-from conftest import DEVICES
+from _testing import DEVICES
 
 
 def reference_norms(model: nn.Module, x: torch.Tensor, r: torch.Tensor, batch_dim: int = 0):

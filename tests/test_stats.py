@@ -1,5 +1,5 @@
 """Correctness of hookstats.stats / stats_into against hookstats.reference (float64) and against values
-known in closed form. Tolerances: see conftest.py."""
+known in closed form. Tolerances: see tests/_testing.py."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 import hookstats
 from hookstats import reference
 
-from conftest import (
+from _testing import (
     DEVICES,
     DTYPES,
     assert_bitwise_equal,

@@ -2,9 +2,10 @@
 `tensorboard` package), Weights & Biases (when `wandb` is installed), and plots plus a one-page report (matplotlib)
 made from a run directory.
 
-An exporter is any object with `write_block(block, scalars)` (a flush's columns: hookstats.monitor.block.Block)
-or `write(records, scalars)` (record dicts); `begin(info)` (called when a Monitor attaches) and `close()` (called by
-Monitor.detach) are optional. Exporters run on the Monitor's export thread (Note [export off the training thread]).
+An exporter implements `hookstats.export.Exporter` (protocol.py): `begin(info)` when a Monitor attaches,
+`write_block(block, scalars)` per flush (its columns: hookstats.monitor.block.Block), `close()` at Monitor.detach;
+a user's own exporter may be a `RecordWriter` instead (`write(records, scalars)` with record dicts; begin and close
+optional). Exporters run on the Monitor's export thread (Note [export off the training thread]).
 The optional packages are imported when an exporter is made, so `import hookstats` never needs them.
 
 Run directory layout (what `python -m hookstats demo` writes and `python -m hookstats report` reads):
@@ -16,6 +17,7 @@ Run directory layout (what `python -m hookstats demo` writes and `python -m hook
 """
 from .jsonl import JSONLWriter, RunLog, read_jsonl
 from .log import PARQUET_NAME, RunTable, find_log, read_log, read_run
+from .protocol import Exporter, RecordWriter
 
 LOG_NAME = "log.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -42,6 +44,6 @@ def __getattr__(name):  # the exporters that need optional packages load on firs
     raise AttributeError(f"module 'hookstats.export' has no attribute {name!r}")
 
 
-__all__ = ["JSONLWriter", "RunLog", "read_jsonl", "ParquetWriter", "read_log", "read_run", "find_log", "RunTable",
+__all__ = ["Exporter", "RecordWriter", "JSONLWriter", "RunLog", "read_jsonl", "ParquetWriter", "read_log", "read_run", "find_log", "RunTable",
            "PARQUET_NAME", "TensorBoardWriter", "WandbWriter", "make_report", "LOG_NAME",
            "TENSORBOARD_DIR", "REPORT_DIR"]

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..monitor import SUMMARY_HEADER, summary_cells
 from ..monitor.summary import summary_from_groups
-from . import plots
+from . import analysis, plots
 from ._columns import Columns, first_seen
 from .log import read_run
 
@@ -140,7 +140,7 @@ class _Content:
         self.modules = [_name(m) for m in modules[:MAX_MODULES]]
         self.modules_more = max(0, len(modules) - MAX_MODULES)
         shown = ", ".join(self.modules) + (f", ... ({self.modules_more} more)" if self.modules_more else "")
-        kinds = info.get("kinds") or plots.kinds_present(records)
+        kinds = info.get("kinds") or analysis.kinds_present(records)
         self.info_rows = [
             ("run directory", os.path.abspath(run_dir)),
             ("hookstats / torch", f"{info.get('hookstats', '?')} / {info.get('torch', '?')}"),
@@ -182,7 +182,7 @@ class _Content:
         self.scalar_rows = _scalar_rows(scalars)
         self.summary_rows = summary_cells(summary_of(cols))
         self.images = images
-        self.grad_kind = plots.gradient_kind(records)
+        self.grad_kind = analysis.gradient_kind(records)
 
 
 def _markdown(c: _Content) -> str:
@@ -303,7 +303,7 @@ def make_report(run_dir, out_dir=None, fmt: Sequence[str] | str = ("md", "html")
     logged scalars) and report.md / report.html (fmt: "md", "html" or both). Returns {file name: path} of what was
     written. A log whose last line was cut short by a kill is read up to it (Parquet: every completed flush).
     Layers are grouped with numpy on the site columns' codes; plots of many layers show the ones that matter
-    (plots.pick_layers). Raises FileNotFoundError without a log, ValueError when it holds no record and no
+    (analysis.pick_layers). Raises FileNotFoundError without a log, ValueError when it holds no record and no
     scalar."""
     run_dir = os.fspath(run_dir)
     fmts = (fmt,) if isinstance(fmt, str) else tuple(fmt)
@@ -324,7 +324,7 @@ def make_report(run_dir, out_dir=None, fmt: Sequence[str] | str = ("md", "html")
     records = Columns.of(log.records)
     scalars, info = log.scalars, log.info
     order = info.get("modules")
-    events = plots.nonfinite_events(records)
+    events = analysis.nonfinite_events(records)
     written: dict = {}
     images: dict = {}
     for name, draw in (

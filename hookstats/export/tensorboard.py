@@ -51,9 +51,7 @@ class TensorBoardWriter:
 
     def write_block(self, block, scalars: list = ()) -> None:
         """One Monitor flush (a columnar Block), written as write() writes its records."""
-        from ..monitor.export_thread import records_of
-
-        self.write(records_of(block), scalars)
+        self.write(list(block.iter_records()), scalars)
 
     def write(self, records: list, scalars: list = ()) -> None:
         """One Summary event per step holding every scalar and histogram of that step (far cheaper than one

@@ -37,9 +37,7 @@ class WandbWriter:
 
     def write_block(self, block, scalars: list = ()) -> None:
         """One Monitor flush (a columnar Block), written as write() writes its records."""
-        from ..monitor.export_thread import records_of
-
-        self.write(records_of(block), scalars)
+        self.write(list(block.iter_records()), scalars)
 
     def write(self, records: list, scalars: list = ()) -> None:
         import numpy as np

@@ -186,6 +186,16 @@ class Block:
             self._records = [self.record(i, rows[i]) for i in range(len(rows))]
         return self._records
 
+    def iter_records(self):
+        """The rows as record dicts, one at a time, not kept on the block (an exporter's view: a kept block would
+        otherwise hold every dict for the whole run). The dicts are records()'s when those were built already."""
+        if self._records is not None:
+            yield from self._records
+            return
+        rows = self.stats.tolist()
+        for i in range(len(rows)):
+            yield self.record(i, rows[i])
+
 
 class LazyRecords(Sequence):
     """The records of one Block as a sequence of dicts, built on first access: what flush() returns, so that a

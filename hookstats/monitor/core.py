@@ -12,6 +12,7 @@ import torch
 
 from .._ops import STATS_FIELDS
 from .._select import SITE_ALIASES, Selection, Site
+from ..export.protocol import is_exporter
 from . import hooks as _hooks
 from .block import LazyRecords
 from .buffers import Buffers
@@ -103,7 +104,7 @@ class Monitor:
         self.kinds = _kinds(kinds)
         exporters = list(exporters)
         for e in exporters:
-            if not callable(getattr(e, "write_block", None)) and not callable(getattr(e, "write", None)):
+            if not is_exporter(e):
                 raise TypeError(f"hookstats.Monitor: an exporter needs a write(records, scalars) or "
                                 f"write_block(block, scalars) method; {type(e).__name__} has neither")
         self.export_queue = _positive("export_queue", export_queue)

@@ -35,11 +35,8 @@ class ExportError(RuntimeError):
 
 
 def records_of(block) -> list:
-    """The block's rows as record dicts, not cached on the block (a kept block would hold them for the whole run)."""
-    if block._records is not None:
-        return block._records
-    rows = block.stats.tolist()
-    return [block.record(i, rows[i]) for i in range(len(rows))]
+    """The block's rows as record dicts, not kept on the block (`Block.iter_records`)."""
+    return list(block.iter_records())
 
 
 def deliver(exporter, block, scalars) -> None:
