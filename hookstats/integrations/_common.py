@@ -62,7 +62,13 @@ class _NotThisRank:
     """The exporter of a rank that does not write (the Monitor writes on export_rank only): satisfies
     keep_records=False and writes nothing."""
 
-    def write_block(self, block, scalars) -> None:
+    def begin(self, info: dict) -> None:
+        pass
+
+    def write_block(self, block, scalars=()) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
