@@ -1,0 +1,92 @@
+"""nn.Conv1d / Conv2d / Conv3d: the Linear rule on the unfolded input, one block per group: grad W_b[group] =
+sum_l g_bl u_bl^T with u the [C_in k / groups] patch of output position l (Outer, G = groups), grad b_b = sum_l g_bl.
+Any stride, dilation, groups, numeric / "same" / "valid" padding and padding mode."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import Rule, register_rule
+from ..terms import Dense, Outer, compute_dtype
+
+
+def conv_terms(mod, x, g, attrs, pad=None):
+    """Terms of a conv whose input x [B, C, ...] is padded by `pad` (F.pad order) when given, then as the module
+    pads it."""
+    nd = x.dim() - 2
+    dt = compute_dtype(x)
+    u = unfold(mod, x.to(dt), nd, pad)  # [B, C_in * K, L]
+    b, ck, length = u.shape
+    groups = mod.groups
+    a = u.reshape(b, groups, ck // groups, length).transpose(2, 3)  # [B, G, L, C_in K / G]
+    gg = g.to(dt).reshape(b, groups, mod.out_channels // groups, length).transpose(2, 3)  # [B, G, L, O / G]
+    out = {}
+    if "weight" in attrs:
+        out["weight"] = Outer(gg, a)
+    if "bias" in attrs:
+        out["bias"] = Dense(gg.sum(2).reshape(b, -1))
+    return out
+
+
+class ConvRule(Rule):
+    batch_dim_applies = False
+    nd = 2
+
+    def is_batched(self, mod, x):
+        return x.dim() == self.nd + 2
+
+    def terms(self, mod, x, g, attrs):
+        return conv_terms(mod, x, g, attrs)
+
+
+@register_rule(nn.Conv1d)
+class Conv1dRule(ConvRule):
+    nd = 1
+
+
+@register_rule(nn.Conv2d)
+class Conv2dRule(ConvRule):
+    nd = 2
+
+
+@register_rule(nn.Conv3d)
+class Conv3dRule(ConvRule):
+    nd = 3
+
+
+def unfold(mod, x: torch.Tensor, nd: int, pad=None) -> torch.Tensor:
+    """The im2col patches of a conv input, [B, C_in * prod(kernel), L] (channel-major, as the weight flattens), with
+    the module's padding (numeric, 'same', 'valid', or a non-zeros padding_mode) or the explicit `pad`, stride and
+    dilation."""
+    k, s, d = mod.kernel_size, mod.stride, mod.dilation
+    if pad is not None:  # an explicit (dynamic) padding first, then the module's own
+        x = F.pad(x, pad)
+    if mod.padding_mode != "zeros":
+        x = F.pad(x, mod._reversed_padding_repeated_twice, mode=mod.padding_mode)
+        p = (0,) * nd
+    elif mod.padding == "same":
+        pads = []
+        for i in reversed(range(nd)):
+            total = d[i] * (k[i] - 1)
+            pads += [total // 2, total - total // 2]
+        x = F.pad(x, pads)
+        p = (0,) * nd
+    elif mod.padding == "valid":
+        p = (0,) * nd
+    else:
+        p = tuple(mod.padding)
+    if nd == 1:
+        return F.unfold(x.unsqueeze(2), (1, k[0]), dilation=(1, d[0]), padding=(0, p[0]), stride=(1, s[0]))
+    if nd == 2:
+        return F.unfold(x, k, dilation=d, padding=p, stride=s)
+    # 3-D: windows by Tensor.unfold (a view), dilation by striding inside each window
+    x = F.pad(x, [q for i in reversed(range(3)) for q in (p[i], p[i])])
+    b, c = x.shape[:2]
+    for i in range(3):
+        span = d[i] * (k[i] - 1) + 1
+        x = x.unfold(2 + i, span, s[i])[..., ::d[i]]  # appends a window dim
+    # [B, C, L0, L1, L2, k0, k1, k2] -> [B, C * k0 k1 k2, L0 L1 L2]
+    lens = x.shape[2:5]
+    x = x.permute(0, 1, 5, 6, 7, 2, 3, 4)
+    return x.reshape(b, c * k[0] * k[1] * k[2], lens[0] * lens[1] * lens[2])
