@@ -132,8 +132,9 @@ class PerSampleGradNorms:
             out = rule.output(mod, output)
             if out is None or not out.requires_grad or _is_functorch(out):
                 return None
-            active = [(a, pid) for a, pid in self._attrs[name]
-                      if getattr(mod, a).requires_grad and pid not in self._dead]
+            # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
+            active = [(a, pid) for a, pid in self._attrs[name] if mod._parameters.get(a) is self._param[pid]
+                      and self._param[pid].requires_grad and pid not in self._dead]
             if not active or not isinstance(args[0], torch.Tensor):
                 return None
             x0 = args[0]
