@@ -18,6 +18,15 @@ from hookstats.per_sample import Dense, Rule, register_rule
 B = 3
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """float64 convolutions on a shared 2-core machine: one thread is ~10x faster than an oversubscribed pool."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def loop_sq(twin: nn.Module, fwd, inputs, r: torch.Tensor) -> dict:
     """{parameter name: [B] squared norm of sample b's gradient}, one backward per sample on the twin."""
     params = dict(twin.named_parameters())
