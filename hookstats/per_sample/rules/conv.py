@@ -3,6 +3,8 @@ sum_l g_bl u_bl^T with u the [C_in k / groups] patch of output position l (Outer
 Any stride, dilation, groups, numeric / "same" / "valid" padding and padding mode."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,17 +78,16 @@ def unfold(mod, x: torch.Tensor, nd: int, pad=None) -> torch.Tensor:
         p = (0,) * nd
     else:
         p = tuple(mod.padding)
-    if nd == 1:
-        return F.unfold(x.unsqueeze(2), (1, k[0]), dilation=(1, d[0]), padding=(0, p[0]), stride=(1, s[0]))
-    if nd == 2:
-        return F.unfold(x, k, dilation=d, padding=p, stride=s)
-    # 3-D: windows by Tensor.unfold (a view), dilation by striding inside each window
-    x = F.pad(x, [q for i in reversed(range(3)) for q in (p[i], p[i])])
+    # Windows by Tensor.unfold (views; dilation by striding inside each window), copied once by the reshape:
+    # 2-5x faster on CPU than F.unfold's im2col
+    if any(p):
+        x = F.pad(x, [q for i in reversed(range(nd)) for q in (p[i], p[i])])
     b, c = x.shape[:2]
-    for i in range(3):
-        span = d[i] * (k[i] - 1) + 1
-        x = x.unfold(2 + i, span, s[i])[..., ::d[i]]  # appends a window dim
-    # [B, C, L0, L1, L2, k0, k1, k2] -> [B, C * k0 k1 k2, L0 L1 L2]
-    lens = x.shape[2:5]
-    x = x.permute(0, 1, 5, 6, 7, 2, 3, 4)
-    return x.reshape(b, c * k[0] * k[1] * k[2], lens[0] * lens[1] * lens[2])
+    for i in range(nd):
+        x = x.unfold(2 + i, d[i] * (k[i] - 1) + 1, s[i])
+        if d[i] > 1:
+            x = x[..., ::d[i]]
+    lens = x.shape[2:2 + nd]
+    # [B, C, L..., k...] -> [B, C * prod(k), prod(L)]
+    x = x.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
+    return x.reshape(b, c * math.prod(k), math.prod(lens))
