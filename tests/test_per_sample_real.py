@@ -437,3 +437,58 @@ def test_against_opacus():
         psn.step()
         model.zero_grad()
         gsm.remove_hooks()
+
+
+class Broadcasts(nn.Module):
+    """Tokens flattened to [B * T, d] before a Linear (split per sample); learned positions [1, T, d] through a Linear
+    and a learned query [1, d] through a Linear, broadcast over the batch (refused: expanding them would move the
+    batch sum after the next layer's backward, or split it, and change the gradients' last bits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 4, 6))
+        self.pproj = nn.Linear(6, 6)
+        self.q = nn.Parameter(torch.randn(1, 6))
+        self.qproj = nn.Linear(6, 6)
+        self.flat = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):  # x [B, T, 6]
+        b, t, d = x.shape
+        h = self.flat(x.reshape(-1, d)).reshape(b, t, d) + self.pproj(self.pos)
+        return self.head(torch.tanh(h + self.qproj(self.q).unsqueeze(1)))
+
+
+def test_broadcast_and_flattened_inputs():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="layer qproj is refused"):
+        psn = check(Broadcasts(), call, f64(B, 4, 6))
+    cov = psn.coverage()
+    assert sorted(cov.covered) == ["flat.bias", "flat.weight", "head.bias", "head.weight"]
+    assert "1 rows where the model's batch has 3" in cov.not_covered["qproj.weight"]
+    assert "pproj.weight" in cov.not_covered and "no holder module" not in cov.not_covered["pos"]
+
+
+def test_deepcopy_of_a_hooked_model_feeds_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    psn = hookstats.PerSampleGradNorms(model)
+    other = copy.deepcopy(model)  # carries the hooks
+    other(f64(5, 4)).sum().backward()
+    assert psn.samples == 0
+    model(f64(B, 4)).sum().backward()
+    assert psn.samples == B
+
+
+def test_not_seen_parameters_are_reported():
+    """nn.MultiheadAttention applies out_proj's weight itself (F.multi_head_attention_forward): the Linear rule's
+    hook never fires; coverage() says so once a backward has run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2, batch_first=True))
+    fwd = lambda m, x: m[1](*(m[0](x),) * 3)[0]  # noqa: E731
+    with pytest.warns(UserWarning, match="in_proj_weight"):
+        psn = hookstats.PerSampleGradNorms(model)
+    fwd(model, torch.randn(B, 5, 4)).sum().backward()
+    cov = psn.coverage()
+    assert sorted(cov.not_seen) == ["1.out_proj.bias", "1.out_proj.weight"]
+    assert "not seen" in str(cov)

@@ -147,7 +147,7 @@ class PerSampleGradNorms:
                 x = x.movedim(bd, 0)
             rows, b, k, expand = x.shape[0], self._batch, 1, False
             if batched and b is not None and rows != b:
-                if rows == 1 and out is output and out.dim() > bd and out.shape[bd] == 1:
+                if rows == 1 and rule.expands(mod, x) and out is output and out.dim() > bd and out.shape[bd] == 1:
                     expand = True  # broadcast over the batch: make it happen at this output (Note [broadcast layers])
                     x = x.expand(b, *x.shape[1:])
                 elif bd == 0 and rows % b == 0 and _flattened(x0, b):
@@ -185,8 +185,12 @@ class PerSampleGradNorms:
     # its own output sees it: no per-sample split is left. Returning output.expand(B, ...) from the forward hook
     # moves the broadcast to the layer's output: every value the model computes is the same (the broadcasting op
     # reads the same numbers), the expand's backward sums exactly as the broadcast's did (both sum_to_size), and the
-    # expanded tensor's gradient is the per-sample one. A layer whose batch dim is something else (T5's [T, T]
-    # relative-bias table, routed expert tokens) cannot be split so and is refused.
+    # expanded tensor's gradient is the per-sample one. That sum is bit for bit the broadcast's only when the
+    # expanded output feeds the broadcasting elementwise op directly and is broadcast over the batch dim alone
+    # ([1, T, d] + [B, T, d]): fed to another layer first, that layer would run on B copies and the batch sum would
+    # move after its backward; broadcast over tokens too, the sum would be split in two. So only the rules that
+    # know their use expand (Rule.expands: Embedding on [1, T] position ids); other layers fed a batch of 1 are
+    # refused, as is a layer whose batch dim is something else (T5's [T, T] relative-bias table, routed tokens).
 
     def _refuse(self, name: str, reason: str) -> None:
         if self.max_norm is not None:

@@ -29,6 +29,8 @@ class Rule:
       dims), so that `PerSampleGradNorms(batch_dim=1)` moves dim 1 to the front; False for [B, C, ...] (conv).
     - `check(mod)`: a reason to refuse this module (an option the rule does not cover), or None.
     - `is_batched(mod, x)`: whether the input has a batch dim (False: one sample, the input gets a leading 1).
+    - `expands(mod, x)`: whether a call fed a batch of 1 gets its output expanded to the batch (default False:
+      refused; Note [broadcast layers]).
     - `keep(mod, x, args, kwargs)`: what the forward keeps for the backward, from the first input with its batch
       dim first (default: the detached input itself, a tensor autograd keeps anyway); may raise
       hookstats.per_sample.Refused(reason) for a call it cannot split per sample.
@@ -47,6 +49,11 @@ class Rule:
 
     def is_batched(self, mod: nn.Module, x: torch.Tensor) -> bool:
         return x.dim() > 1
+
+    def expands(self, mod: nn.Module, x: torch.Tensor) -> bool:
+        """Whether a call fed a batch of 1 (x, batch dim first) has its output expanded to the model's batch
+        (Note [broadcast layers]); otherwise it is refused."""
+        return False
 
     def keep(self, mod: nn.Module, x: torch.Tensor, args: tuple = (), kwargs: Optional[dict] = None):
         return x

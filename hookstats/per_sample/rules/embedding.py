@@ -22,6 +22,9 @@ class EmbeddingRule(Rule):
     def is_batched(self, mod, x):
         return x.dim() > 0
 
+    def expands(self, mod, x):  # position ids [1, T], added to the [B, T, d] token embeddings
+        return x.dim() > 1
+
     def terms(self, mod, idx, g, attrs):
         b = idx.shape[0]
         idx = idx.reshape(b, -1)
