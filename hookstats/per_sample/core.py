@@ -60,9 +60,9 @@ class PerSampleGradNorms:
       (tied embeddings and LM head) gets the sum of its uses' contributions before the norm. The samples must be
       independent through the layer (no BatchNorm mixing them in training).
     - Batch dimension: dim `batch_dim` (default 0) of the inputs of Linear-like layers (1 for [T, B, ...]); conv and
-      [B, C, ...] norms use dim 0. The model's batch size is read from its first tensor input at each call: a layer
+      [B, C, ...] norms use dim 0. The model's batch size is read from its first tensor input at each call: an embedding
       fed a batch of 1 (position ids [1, T]) has its output expanded to the batch (the broadcast then happens there,
-      values unchanged), a layer fed a batch-major flattening [B * T, ...] is split per sample, and any other layer
+      values unchanged; other layers fed a batch of 1 are refused), a layer fed a batch-major flattening [B * T, ...] is split per sample, and any other layer
       whose dim 0 is not the batch is refused (named in a warning, left out of the total).
     - Gradient accumulation: each backward appends its samples ([B_1 + B_2 + ...] a step). Calls of one layer with
       the same batch size before one backward are the same samples and are summed per sample.

@@ -31,12 +31,13 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def outer_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """||sum_t g[b, t] a[b, t]^T||_F^2 for every b, from a [B, T, p] and g [B, T, q], without the [B, q, p] per-sample
-    products unless they are the cheaper computation."""
+    products unless they are the cheaper computation: two Gram matrices cost T^2 (p + q) per sample, the products
+    T p q."""
     b, t, p = a.shape
     q = g.shape[-1]
     if t == 1:
         return a.square().sum((1, 2)) * g.square().sum((1, 2))
-    if t * t < p * q:
+    if t * (p + q) < p * q:
         ga = torch.bmm(a, a.transpose(1, 2))
         gg = torch.bmm(g, g.transpose(1, 2))
         return torch.bmm(ga.reshape(b, 1, t * t), gg.reshape(b, t * t, 1)).reshape(b)

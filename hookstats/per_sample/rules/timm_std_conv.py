@@ -26,9 +26,11 @@ class _StdConv(Rule):
         pad = same_pad(x, mod.kernel_size, mod.stride, mod.dilation) if getattr(mod, "same_pad", False) else None
         out = conv_terms(mod, x, g, attrs, pad=pad)
         if "weight" in out:
-            t = out["weight"]  # Outer, L [B, G, L, O/G], R [B, G, L, K]
-            b, gr = t.L.shape[:2]
-            d = torch.matmul(t.L.transpose(2, 3), t.R).reshape(b, mod.out_channels, -1)  # [B, O, C k / G]
+            t = out["weight"]  # Dense [B, O * C k / G], or Outer L [B, G, L, O/G], R [B, G, L, K]
+            if isinstance(t, Dense):
+                d = t.D.reshape(t.D.shape[0], mod.out_channels, -1)
+            else:
+                d = torch.matmul(t.L.transpose(2, 3), t.R).reshape(t.L.shape[0], mod.out_channels, -1)
             w = mod.weight.detach().to(d.dtype).reshape(mod.out_channels, -1)
             mean = w.mean(1, keepdim=True)
             var = w.var(1, unbiased=False, keepdim=True)
