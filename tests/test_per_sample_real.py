@@ -492,3 +492,28 @@ def test_not_seen_parameters_are_reported():
     cov = psn.coverage()
     assert sorted(cov.not_seen) == ["1.out_proj.bias", "1.out_proj.weight"]
     assert "not seen" in str(cov)
+
+
+def test_against_opacus_convs_and_norms():
+    """Conv2d by the per-sample weight-gradient kernel and (grouped, more filters than positions) by the unfolded
+    Outer term, GroupNorm, RMSNorm, Linear: against Opacus's grad samplers, loss_reduction="sum"."""
+    from opacus import GradSampleModule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+                          nn.Conv2d(4, 24, 3, stride=2, groups=2), nn.Flatten(2), nn.RMSNorm(9), nn.Flatten(),
+                          nn.Linear(24 * 9, 3)).double()
+    gsm = GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    psn = hookstats.PerSampleGradNorms(model)
+    x = f64(B, 3, 8, 8)
+    r = f64(B, 3, seed=5)
+    (gsm(x) * r).sum().backward()
+    (model(x) * r).sum().backward()
+    assert isinstance(hookstats.per_sample.rules.conv.conv_terms(model[3], torch.zeros(1, 4, 8, 8, dtype=torch.float64),
+                                                               torch.zeros(1, 24, 3, 3, dtype=torch.float64),
+                                                               ("weight",))["weight"], hookstats.per_sample.Outer)
+    got = psn.per_param()
+    for n, p in gsm._module.named_parameters():
+        torch.testing.assert_close(got[n], p.grad_sample.reshape(B, -1).norm(dim=1), rtol=1e-9, atol=0,
+                                   msg=lambda m: f"{n}: {m}")
+    gsm.remove_hooks()

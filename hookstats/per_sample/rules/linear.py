@@ -1,4 +1,4 @@
-"""nn.Linear: y = x W^T + b. grad W_b = sum_t g_bt x_bt^T (Outer, L = output grad, R = input), grad b_b = sum_t g_bt."""
+"""nn.Linear (and timm's Linear, the same computation): y = x W^T + b. grad W_b = sum_t g_bt x_bt^T (Outer, L = output grad, R = input), grad b_b = sum_t g_bt."""
 from __future__ import annotations
 
 from torch import nn
@@ -14,7 +14,7 @@ def tokens(x, g):
     return x.reshape(b, -1, x.shape[-1]).to(dt), g.reshape(b, -1, g.shape[-1]).to(dt)
 
 
-@register_rule(nn.Linear)
+@register_rule([nn.Linear, "timm.layers.linear.Linear"])  # timm's casts the weight to the input dtype
 class LinearRule(Rule):
     def terms(self, mod, x, g, attrs):
         a, g = tokens(x, g)
