@@ -60,10 +60,10 @@ class PerSampleGradNorms:
       (tied embeddings and LM head) gets the sum of its uses' contributions before the norm. The samples must be
       independent through the layer (no BatchNorm mixing them in training).
     - Batch dimension: dim `batch_dim` (default 0) of the inputs of Linear-like layers (1 for [T, B, ...]); conv and
-      [B, C, ...] norms use dim 0. The model's batch size is read from its first tensor input at each call: an embedding
-      fed a batch of 1 (position ids [1, T]) has its output expanded to the batch (the broadcast then happens there,
-      values unchanged; other layers fed a batch of 1 are refused), a layer fed a batch-major flattening [B * T, ...] is split per sample, and any other layer
-      whose dim 0 is not the batch is refused (named in a warning, left out of the total).
+      [B, C, ...] norms use dim 0. The model's batch size is read from its first tensor input at each call: an
+      embedding fed a batch of 1 (position ids [1, T]) has its output expanded to the batch (the broadcast then
+      happens there, values unchanged), a layer fed a batch-major flattening [B * T, ...] is split per sample, and
+      any other layer whose dim 0 is not the batch is refused (named in a warning, left out of the total).
     - Gradient accumulation: each backward appends its samples ([B_1 + B_2 + ...] a step). Calls of one layer with
       the same batch size before one backward are the same samples and are summed per sample.
     - `max_norm=C`: per-sample clipping of every covered parameter's `.grad` when the backward is done (`clip_coef()`);
@@ -332,7 +332,8 @@ class PerSampleGradNorms:
             t = torch.stack([layers[n] for n in names]).cpu()
             lines.append(f"per-sample gradient norms, {t.shape[1]} samples this step (mean / max):")
             w = max(len(n) for n in names)
-            lines += [f"  {n or '<model>':<{w}}  {float(r.mean()):.4g} / {float(r.max()):.4g}" for n, r in zip(names, t)]
+            lines += [f"  {n or '<model>':<{w}}  {float(r.mean()):.4g} / {float(r.max()):.4g}"
+                      for n, r in zip(names, t)]
             tot = self.total().cpu()
             lines.append(f"  {'total':<{w}}  {float(tot.mean()):.4g} / {float(tot.max()):.4g}")
         return "\n".join(lines)

@@ -50,7 +50,7 @@ class Term:
     samples: int
 
     def rows_to_samples(self, k: int) -> "Term":
-        """Rows of k consecutive items per sample (a batch-major flattened input, [B * k, ...]): sums them per sample."""
+        """Rows of k consecutive items per sample (a batch-major flattened input [B * k, ...]): summed per sample."""
         raise NotImplementedError
 
     def sq(self) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""nn.Linear (and timm's Linear, the same computation): y = x W^T + b. grad W_b = sum_t g_bt x_bt^T (Outer, L = output grad, R = input), grad b_b = sum_t g_bt."""
+"""nn.Linear (and timm's Linear, the same computation): y = x W^T + b. grad W_b = sum_t g_bt x_bt^T (Outer,
+L = output grad, R = input), grad b_b = sum_t g_bt."""
 from __future__ import annotations
 
 from torch import nn
