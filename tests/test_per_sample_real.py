@@ -366,14 +366,12 @@ def test_dim0_not_the_batch_is_refused():
         mm(torch.randn(3, 5, 4))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_clipping_with_tied_weights(name):
-    """max_norm: .grad == sum_b min(1, C / ||g_b||) g_b with g_b the whole per-sample gradient (the tied parameter's
+def clip_check(model: nn.Module, fwd, x):
+    """max_norm: .grad == sum_b min(1, C / ||g_b||) g_b with g_b the whole per-sample gradient (a tied parameter's
     uses summed), from the loop; every clipped sample's gradient norm is at most C."""
-    model = hf(name, **({} if name == "gpt2" else {"tie_word_embeddings": True})).double().eval()
+    model = model.double().eval()
     twin = copy.deepcopy(model)
-    x = ids()
-    out = lm(twin, x)
+    out = fwd(twin, x)
     r = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
     params = dict(twin.named_parameters())
     per = []
@@ -384,8 +382,9 @@ def test_clipping_with_tied_weights(name):
     norms = torch.stack([torch.stack([g.square().sum() for g in gs]).sum().sqrt() for gs in per])
     c = float(norms.median())
     coef = torch.clamp(c / (norms + 1e-6), max=1.0)
+    assert (coef < 1).any() and (coef == 1).any()
     psn = hookstats.PerSampleGradNorms(model, max_norm=c)
-    (lm(model, x) * r).sum().backward()
+    (fwd(model, x) * r).sum().backward()
     torch.testing.assert_close(psn.total(), norms, rtol=1e-9, atol=0)
     for i, (k, p) in enumerate(model.named_parameters()):
         want = sum(coef[b] * per[b][i] for b in range(B))
@@ -393,6 +392,35 @@ def test_clipping_with_tied_weights(name):
     clipped = torch.stack([torch.stack([(coef[b] * g).square().sum() for g in per[b]]).sum().sqrt() for b in range(B)])
     assert (clipped <= c * (1 + 1e-9)).all()
     psn.remove()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_clipping_with_tied_weights(name):
+    clip_check(hf(name, **({} if name == "gpt2" else {"tie_word_embeddings": True})), lm, ids())
+
+
+def test_clipping_every_term_form():
+    """The clip delta of each term form: conv by per-sample kernel (Dense) and unfolded (Outer, grouped), Embedding
+    (Index), EmbeddingBag, norms (Dense), StdConv2d."""
+    from timm.layers import StdConv2d
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(11, 4)
+            self.bag = nn.EmbeddingBag(11, 4, mode="mean")
+            self.c1 = StdConv2d(4, 4, 3, padding=1)
+            self.gn = nn.GroupNorm(2, 4)
+            self.c2 = nn.Conv2d(4, 24, 3, stride=2, groups=2)  # 12 filters per group > 9 positions: Outer
+            self.ln = nn.LayerNorm(24 * 9)
+            self.fc = nn.Linear(24 * 9, 3)
+
+        def forward(self, x):  # x [B, 64] ids
+            h = (self.emb(x) + self.bag(x).unsqueeze(1)).reshape(-1, 8, 8, 4).permute(0, 3, 1, 2)
+            return self.fc(self.ln(self.c2(self.gn(self.c1(h))).flatten(1)))
+
+    torch.manual_seed(0)
+    clip_check(M(), call, ids(v=11, t=64))
 
 
 def test_against_opacus():
