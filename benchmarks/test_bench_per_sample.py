@@ -177,3 +177,164 @@ def test_per_sample_interleaved(benchmark, hookstats, device):
                                 torch_threads=torch.get_num_threads(), plain_ms=plain * 1e3,
                                 per_sample_ms=with_psn * 1e3, overhead=with_psn / plain)
     benchmark.pedantic(lambda: train_step(model, idx, tgt), rounds=1, iterations=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against Opacus, on a small CNN and a small transformer with tied weights (issue #23)
+#
+# `test_per_sample_vs_opacus[cnn|tied]` times, interleaved step by step, one thread:
+#   plain          forward, loss, backward (the training step)
+#   hookstats      the same with PerSampleGradNorms(model) on every layer with a rule, [B] total each step
+#   hookstats_clip PerSampleGradNorms(model, max_norm=C): per-sample clipped .grad, one backward
+#   opacus         opacus GradSampleModule (per-sample gradients, grad_sample) and their [B] total norm
+#   opacus_ghost   opacus GradSampleModuleFastGradientClipping (ghost clipping): norms in a first backward, the
+#                  clipped gradient by a second one (Opacus's DPTensorFastGradientClipping.backward); Opacus 1.6
+#                  refuses tied parameters there (extra_info["opacus_ghost_refused"] says so)
+# and records each median and its ratio to plain in extra_info (overhead_<case>). The [B] totals of hookstats and
+# Opacus's GradSampleModule are checked equal first (Opacus sums a tied parameter's uses too).
+
+class SmallCNN(nn.Module):
+    def __init__(self, c: int = 16, classes: int = 10):
+        super().__init__()
+        self.c1, self.n1 = nn.Conv2d(3, c, 3, padding=1), nn.GroupNorm(4, c)
+        self.c2, self.n2 = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.GroupNorm(4, 2 * c)
+        self.c3 = nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1)
+        self.fc = nn.Linear(2 * c, classes)
+
+    def forward(self, x):
+        h = F.relu(self.n1(self.c1(x)))
+        h = F.relu(self.n2(self.c2(h)))
+        return self.fc(F.relu(self.c3(h)).mean((2, 3)))
+
+
+class TiedGPT(GPT):
+    """GPT with its LM head tied to the token embedding and positions fed as [B, T] ids (Opacus needs a batch dim on
+    every layer input)."""
+
+    def __init__(self, layers: int, d: int, block: int):
+        super().__init__(layers=layers, d=d, heads=4, block=block)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[-1], device=idx.device).expand(idx.shape[0], -1)
+        x = self.tok(idx) + self.pos(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def small_setup(name: str, device: str, smoke: bool):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "cnn":
+        b = 4 if smoke else 32
+        model = SmallCNN().to(device)
+        x = torch.randn(b, 3, 32, 32, generator=g).to(device)
+        y = torch.randint(0, 10, (b,), generator=g).to(device)
+        per_sample_loss = lambda m: F.cross_entropy(m(x), y, reduction="none")  # noqa: E731
+    else:
+        b, t = (2, 8) if smoke else (16, 32)
+        model = TiedGPT(layers=1 if smoke else 2, d=64, block=t).to(device)
+        x = torch.randint(0, VOCAB, (b, t), generator=g).to(device)
+        y = torch.randint(0, VOCAB, (b, t), generator=g).to(device)
+        per_sample_loss = lambda m: F.cross_entropy(  # noqa: E731
+            m(x).reshape(-1, VOCAB), y.reshape(-1), reduction="none").reshape(b, t).mean(1)
+    return model, per_sample_loss, b
+
+
+@pytest.mark.parametrize("name", ["cnn", "tied"])
+def test_per_sample_vs_opacus(benchmark, hookstats, device, name):
+    import copy
+    import warnings
+
+    from conftest import interleaved_timer
+
+    opacus = pytest.importorskip("opacus")
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, per_sample_loss, b = small_setup(name, device, benchmark.disabled)
+        max_norm = 0.1
+        m_plain, m_clip, m_op, m_ghost = (copy.deepcopy(model) for _ in range(4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Opacus's notes on its own hooks
+            psn = hookstats.PerSampleGradNorms(model)
+            psn_clip = hookstats.PerSampleGradNorms(m_clip, max_norm=max_norm)
+            gsm = GradSampleModule(m_op, loss_reduction="mean")
+            ghost = GradSampleModuleFastGradientClipping(m_ghost, loss_reduction="mean", max_grad_norm=max_norm,
+                                                         use_ghost_clipping=True)
+
+        def plain():
+            per_sample_loss(m_plain).mean().backward()
+            for p in m_plain.parameters():
+                p.grad = None
+
+        def ours():
+            per_sample_loss(model).mean().backward()
+            psn.total()
+            psn.step()
+            for p in model.parameters():
+                p.grad = None
+
+        def ours_clip():
+            per_sample_loss(m_clip).mean().backward()
+            psn_clip.step()
+            for p in m_clip.parameters():
+                p.grad = None
+
+        def op_norms():
+            per_sample_loss(gsm).mean().backward()
+            total = torch.stack([p.grad_sample.reshape(b, -1).square().sum(1) for p in m_op.parameters()]).sum(0)
+            for p in m_op.parameters():
+                p.grad = None
+                p.grad_sample = None
+            return total.sqrt()
+
+        def op_ghost():
+            loss = per_sample_loss(ghost)
+            loss.mean().backward(retain_graph=True)
+            for p in m_ghost.parameters():
+                p.grad = None
+            coeff = ghost.get_clipping_coef()
+            ghost.disable_hooks()
+            (coeff * loss).sum().backward()
+            ghost.enable_hooks()
+            for p in m_ghost.parameters():
+                p.grad = None
+
+        # the same per-sample norms (Opacus with loss_reduction="mean" reports B times hookstats' contribution)
+        per_sample_loss(model).mean().backward()
+        ours_total = psn.total() * b
+        psn.step()
+        model.zero_grad()
+        torch.testing.assert_close(ours_total, op_norms().double(), rtol=1e-4, atol=1e-6)
+
+        ghost_refused = None
+        try:
+            op_ghost()
+        except NotImplementedError as e:  # Opacus 1.6: "Parameter tying is not supported with Ghost Clipping"
+            ghost, ghost_refused = None, str(e)
+        fns = {"plain": plain, "hookstats": ours, "hookstats_clip": ours_clip, "opacus": op_norms}
+        if ghost is not None:
+            fns["opacus_ghost"] = op_ghost
+        times, timed = interleaved_timer(fns, device)
+        reps = 1 if benchmark.disabled else 15
+        for case in fns:  # warm-up
+            fns[case]()
+        for _ in range(reps):
+            for case in fns:
+                timed(case)
+        med = {case: statistics.median(v) for case, v in times.items()}
+        benchmark.group = f"per-sample-opacus-{device}"
+        benchmark.extra_info.update(family="per_sample", device=device, model=name, batch=b, torch_threads=1,
+                                    opacus=opacus.__version__, opacus_ghost_refused=ghost_refused,
+                                    **{f"{c}_ms": v * 1e3 for c, v in med.items()},
+                                    **{f"overhead_{c}": v / med["plain"] for c, v in med.items() if c != "plain"})
+        benchmark.pedantic(ours, rounds=1, iterations=1)
+        psn.remove()
+        psn_clip.remove()
+    finally:
+        torch.set_num_threads(threads)

@@ -58,9 +58,9 @@ class Monitor:
     channel_stats={"inputs": -1} (and/or "outputs"): per-channel absmax, sum |x|, sum x^2, min, max and non-finite
     counts of the matching modules' inputs (outputs) along that dim, accumulated over every call (calibration: see
     hookstats.ChannelCalibrator; the globs also match class names there, e.g. include="*Linear*");
-    `channel_results()` reads them. per_sample=True: each sample's gradient norm per Linear/Conv/Embedding/LayerNorm
-    layer, every recorded step (hookstats.PerSampleGradNorms); `top_samples(k)`, `first_nonfinite_sample()`,
-    `sample_norms()` read them.
+    `channel_results()` reads them. per_sample=True: each sample's gradient norm per layer with a per-sample rule,
+    every recorded step (hookstats.PerSampleGradNorms, docs/guide/per-sample.md); `top_samples(k)`,
+    `first_nonfinite_sample()`, `sample_norms()` read them, `coverage()` and `summary()` say what they cover.
     locations=True: each record also gets the coordinates of its tensor's first largest |x| and first NaN/Inf
     (`argmax_abs_index`, `first_nonfinite_index`: tuples into the record's `shape`, None where there is none), found
     by the same kernel call (Note [element locations]); `first_nonfinite()` then names the element (`print(rec)`:
@@ -148,7 +148,7 @@ class Monitor:
         self.modules = [name for name, _ in self.selection.modules(model)]
         self._calibrators: dict = {}
         self._per_sample = None
-        self._sample_rows: list = []  # (step, layer names, [layers, samples] device tensor) per recorded step
+        self._sample_rows: list = []  # (step, layer names, [layers, samples], [samples] total: device tensors) a step
         self._attach(model)
         self._attach_where(model, include, exclude, channel_stats, per_sample)
         self._begin_step()
@@ -219,33 +219,41 @@ class Monitor:
         layers = psn.per_layer()
         if layers and self._buf.rec.active:
             names = list(layers)
-            self._sample_rows.append((self._step, names, torch.stack([layers[n] for n in names])))
+            # the total is kept apart: a tied parameter counts in each layer holding it, once in the total
+            self._sample_rows.append((self._step, names, torch.stack([layers[n] for n in names]), psn.total()))
         psn.step()
+
+    def coverage(self):
+        """Which trainable parameters the per-sample norms cover and why the others are not
+        (hookstats.per_sample.Coverage; per_sample=True)."""
+        if self._per_sample is None:
+            raise RuntimeError("hookstats.Monitor.coverage() needs Monitor(..., per_sample=True)")
+        return self._per_sample.coverage()
 
     def sample_norms(self) -> list[tuple]:
         """(step, layer names, [layers, samples] float64 host tensor) of every recorded step with per_sample=True:
         each sample's gradient norm per layer (hookstats.PerSampleGradNorms), one host copy per step when read."""
-        return [(s, names, t.cpu()) for s, names, t in self._sample_rows]
+        return [(s, names, t.cpu()) for s, names, t, _ in self._sample_rows]
 
     def top_samples(self, k: int = 1) -> list[dict]:
         """The k (step, sample) pairs with the largest total gradient norm over the recorded steps (per_sample=True),
         largest first, non-finite first: dicts with step, sample, norm."""
         out = []
-        for s, _, t in self.sample_norms():
-            total = t.square().sum(0).sqrt()
-            out += [{"step": s, "sample": i, "norm": v} for i, v in enumerate(total.tolist())]
+        for s, _, _, total in self._sample_rows:
+            out += [{"step": s, "sample": i, "norm": v} for i, v in enumerate(total.cpu().tolist())]
         nan_first = lambda r: (r["norm"] != r["norm"], 0.0 if r["norm"] != r["norm"] else r["norm"])  # noqa: E731
         return sorted(out, key=nan_first, reverse=True)[:k]
 
     def first_nonfinite_sample(self) -> Optional[dict]:
         """The first (step, sample) whose gradient norm is NaN or Inf, with the layers where it is: {"step",
         "sample", "norm", "layers"}, or None."""
-        for s, names, t in self.sample_norms():
+        for s, names, t, total in self._sample_rows:
+            t = t.cpu()
             bad = ~torch.isfinite(t)
             hit = bad.any(0).nonzero()
             if hit.numel():
                 i = int(hit[0, 0])
-                return {"step": s, "sample": i, "norm": float(t[:, i].square().sum().sqrt()),
+                return {"step": s, "sample": i, "norm": float(total[i]),
                         "layers": [names[j] for j in bad[:, i].nonzero()[:, 0].tolist()]}
         return None
 
@@ -440,8 +448,11 @@ class Monitor:
         return summary_from_columns(*self._buf.columns())
 
     def summary(self) -> str:
-        """The per-layer table of summary_rows(), as text."""
-        return format_summary(self.summary_rows())
+        """The per-layer table of summary_rows(), as text; with per_sample=True, then the per-sample coverage."""
+        text = format_summary(self.summary_rows())
+        if self._per_sample is not None:
+            text += "\n" + str(self._per_sample.coverage())
+        return text
 
     def detach(self) -> None:
         """Removes every hook and drops the buffers and the reference to the model. Unflushed records are flushed

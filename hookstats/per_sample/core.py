@@ -1,0 +1,406 @@
+"""PerSampleGradNorms: per-sample gradient norms without per-sample gradients, from a rule per layer type."""
+from __future__ import annotations
+
+import fnmatch
+import math
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import rules as _rules  # noqa: F401  (registers the shipped rules)
+from .coverage import Coverage, build_coverage
+from .rules.refused import Refused
+from .terms import sum_sq
+
+
+class _Call:
+    """One forward call of a layer whose gradient is awaited."""
+
+    __slots__ = ("kept", "active", "batched", "bd", "k", "shape")
+
+    def __init__(self, kept, active, batched, bd, k, shape):
+        self.kept, self.active, self.batched, self.bd, self.k, self.shape = kept, active, batched, bd, k, shape
+
+
+def _glob_match(name: str, mod: nn.Module, patterns) -> bool:
+    keys = (name, type(mod).__name__)
+    return any(fnmatch.fnmatchcase(k, p) for p in patterns for k in keys)
+
+
+def _first_batch(args, kwargs, bd: int) -> Optional[int]:
+    for v in list(args) + list((kwargs or {}).values()):
+        if isinstance(v, torch.Tensor) and v.dim() > bd:
+            return int(v.shape[bd])
+    return None
+
+
+def _flattened(x: torch.Tensor, b: int) -> bool:
+    """x [B * k, ...] is a batch-major flattening of a contiguous [B, ...] tensor: rows b*k .. b*k+k-1 are sample b."""
+    base = x._base
+    return (base is not None and base.dim() >= 2 and base.shape[0] == b and base.is_contiguous()
+            and x.is_contiguous() and x.data_ptr() == base.data_ptr() and x.numel() == base.numel())
+
+
+class PerSampleGradNorms:
+    """Per-sample gradient norms of chosen layers, accumulated on the device, without materialising per-sample
+    gradients (docs/guide/per-sample.md).
+
+    `PerSampleGradNorms(model, include="*", exclude=(), batch_dim=0)` hooks every module whose qualified name or class
+    name matches a glob of `include` and none of `exclude` and that has a per-sample rule for its exact type
+    (hookstats.per_sample.rules: Linear, Conv1d/2d/3d, Embedding, EmbeddingBag, LayerNorm, GroupNorm, RMSNorm, the HF
+    RMSNorms, HF Conv1D, timm LayerNorm2d / Conv2dSame / StdConv2d, ...; `register_rule` adds others). Every
+    trainable parameter is either covered or reported with the reason it is not (`coverage()`, `summary()`, one
+    warning at construction).
+
+    - What is measured: sample b's contribution to each parameter's `.grad` in this backward: the gradient of the
+      loss you backpropagate restricted to sample b's terms (with a mean-reduced loss, 1/B times the gradient of the
+      sample's own loss; Opacus with loss_reduction="mean" reports B times this). A parameter used by several layers
+      (tied embeddings and LM head) gets the sum of its uses' contributions before the norm. The samples must be
+      independent through the layer (no BatchNorm mixing them in training).
+    - Batch dimension: dim `batch_dim` (default 0) of the inputs of Linear-like layers (1 for [T, B, ...]); conv and
+      [B, C, ...] norms use dim 0. The model's batch size is read from its first tensor input at each call: an
+      embedding fed a batch of 1 (position ids [1, T]) has its output expanded to the batch (the broadcast then
+      happens there, values unchanged), a layer fed a batch-major flattening [B * T, ...] is split per sample, and
+      any other layer whose dim 0 is not the batch is refused (named in a warning, left out of the total).
+    - Gradient accumulation: each backward appends its samples ([B_1 + B_2 + ...] a step). Calls of one layer with
+      the same batch size before one backward are the same samples and are summed per sample.
+    - `max_norm=C`: per-sample clipping of every covered parameter's `.grad` when the backward is done (`clip_coef()`);
+      the norms read afterwards are the unclipped ones.
+    - `step()` clears the current vectors; nothing is copied to the host until `top_samples` /
+      `first_nonfinite_sample` / `summary` / `.tolist()`.
+    """
+
+    def __init__(self, model: nn.Module, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
+                 batch_dim: int = 0, max_norm: Optional[float] = None, eps: float = 1e-6):
+        if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm >= 0):
+            raise ValueError(f"hookstats.PerSampleGradNorms: max_norm must be a number >= 0 or None, got {max_norm!r}")
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+            raise ValueError(f"hookstats.PerSampleGradNorms: batch_dim must be an int >= 0, got {batch_dim!r}")
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.eps = float(eps)
+        self.batch_dim = batch_dim
+        inc = [include] if isinstance(include, str) else list(include)
+        exc = [exclude] if isinstance(exclude, str) else list(exclude)
+        in_scope = lambda name, mod: _glob_match(name, mod, inc) and not _glob_match(name, mod, exc)  # noqa: E731
+        cov = build_coverage(model, in_scope)
+        self._static = cov
+        self.layers: List[str] = cov.layers
+        self._rule = cov.rule  # layer -> Rule
+        self._attrs = cov.attrs  # layer -> [(attr, pid)] covered
+        self._holders = cov.holders  # pid -> hooked layers
+        self._pname = cov.pname  # pid -> canonical name
+        self._param = cov.param  # pid -> Parameter
+        self._params = {layer: [(self._pname[pid], a) for a, pid in v] for layer, v in self._attrs.items()}
+        self._handles = []
+        self._pending: Dict[str, List[_Call]] = {}
+        self._terms: Dict[int, list] = {}
+        self._sq: Dict[str, List[torch.Tensor]] = {}
+        self._clip: list = []
+        self._coef: List[torch.Tensor] = []
+        self._refused: Dict[str, str] = {}  # layer -> reason, found at run time
+        self._dead: set = set()  # pids left out because a use of theirs was refused at run time
+        self._flush_queued = False
+        self._batch: Optional[int] = None
+        if not self.layers:
+            raise ValueError(f"hookstats.PerSampleGradNorms: no Linear, Conv, Embedding, norm or other layer with a "
+                             f"per-sample rule matches include={include!r}, exclude={exclude!r}")
+        mods = dict(model.named_modules())
+        for name in self.layers:
+            self._handles.append(mods[name].register_forward_hook(self._forward_hook(name, mods[name]),
+                                                                  with_kwargs=True))
+        self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
+        if cov.warning:
+            warnings.warn(cov.warning, stacklevel=2)
+
+    # -- the model's batch size, while its forward runs ----------------------------------------------------------
+    def _root_pre(self, mod, args, kwargs):
+        self._batch = _first_batch(args, kwargs, self.batch_dim)
+
+    def _root_post(self, mod, args, output):
+        self._batch = None
+
+    # -- forward: keep what the backward needs -------------------------------------------------------------------
+    def _forward_hook(self, name: str, mod: nn.Module):
+        rule = self._rule[name]
+
+        def hook(mod, args, kwargs, output):
+            if not torch.is_grad_enabled() or not args or name in self._refused:
+                return None
+            out = rule.output(mod, output)
+            if out is None or not out.requires_grad or _is_functorch(out):
+                return None
+            # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
+            active = [(a, pid) for a, pid in self._attrs[name] if mod._parameters.get(a) is self._param[pid]
+                      and self._param[pid].requires_grad and pid not in self._dead]
+            if not active or not isinstance(args[0], torch.Tensor):
+                return None
+            x0 = args[0]
+            x = x0.detach()
+            batched = rule.is_batched(mod, x)
+            bd = self.batch_dim if rule.batch_dim_applies else 0
+            if not batched:
+                x = x.unsqueeze(0)
+            elif bd:
+                x = x.movedim(bd, 0)
+            rows, b, k, expand = x.shape[0], self._batch, 1, False
+            if batched and b is not None and rows != b:
+                if rows == 1 and rule.expands(mod, x) and out is output and out.dim() > bd and out.shape[bd] == 1:
+                    expand = True  # broadcast over the batch: make it happen at this output (Note [broadcast layers])
+                    x = x.expand(b, *x.shape[1:])
+                elif bd == 0 and rows % b == 0 and _flattened(x0, b):
+                    k = rows // b
+                else:
+                    self._refuse(name, f"its input's dim {bd} holds {rows} rows where the model's batch has {b} "
+                                       "samples (routed tokens, or a table shared by every sample)")
+                    return None
+            try:
+                kept = rule.keep(mod, x, args, kwargs)
+            except Refused as e:
+                self._refuse(name, str(e))
+                return None
+            target, ret = out, None
+            if expand:
+                shape = list(out.shape)
+                shape[bd] = b
+                target = ret = out.expand(shape)
+            else:
+                # Linear / Embedding outputs of [B, T, ...] inputs are views of a fresh 2-D result. A hook on such a
+                # view never fires once a later op modifies it in place (ReLU(inplace=True): autograd rebases the
+                # view); a hook on the base always fires, with the gradient of the value before any in-place change.
+                base = out._base
+                if (base is not None and base.requires_grad and base.numel() == out.numel()
+                        and base.is_contiguous() and out.is_contiguous()):
+                    target = base
+            call = _Call(kept, active, batched, bd, k, target.shape if expand else out.shape)
+            self._pending.setdefault(name, []).append(call)
+            target.register_hook(lambda g, name=name, call=call, mod=mod: self._grad_hook(name, mod, call, g))
+            return ret
+        return hook
+
+    # Note [broadcast layers]: a layer fed a batch of 1 whose output is broadcast over the batch afterwards (GPT-2 /
+    # BERT position embeddings on [1, T] ids) gets the batch's gradient summed by the broadcast's backward before
+    # its own output sees it: no per-sample split is left. Returning output.expand(B, ...) from the forward hook
+    # moves the broadcast to the layer's output: every value the model computes is the same (the broadcasting op
+    # reads the same numbers), the expand's backward sums exactly as the broadcast's did (both sum_to_size), and the
+    # expanded tensor's gradient is the per-sample one. That sum is bit for bit the broadcast's only when the
+    # expanded output feeds the broadcasting elementwise op directly and is broadcast over the batch dim alone
+    # ([1, T, d] + [B, T, d]): fed to another layer first, that layer would run on B copies and the batch sum would
+    # move after its backward; broadcast over tokens too, the sum would be split in two. So only the rules that
+    # know their use expand (Rule.expands: Embedding on [1, T] position ids); other layers fed a batch of 1 are
+    # refused, as is a layer whose batch dim is something else (T5's [T, T] relative-bias table, routed tokens).
+
+    def _refuse(self, name: str, reason: str) -> None:
+        if self.max_norm is not None:
+            raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): layer {name or '<model>'} cannot be split "
+                               f"per sample: {reason}; exclude it (its gradient would not be clipped)")
+        self._refused[name] = reason
+        self._pending.pop(name, None)
+        for _, pid in self._attrs[name]:  # a shared parameter missing one use's part would be wrong: drop it
+            self._dead.add(pid)
+            self._terms.pop(pid, None)
+            self._sq.pop(self._pname[pid], None)
+        warnings.warn(f"hookstats.PerSampleGradNorms: layer {name or '<model>'} is refused: {reason}; its parameters "
+                      f"are left out of the total (see coverage())", stacklevel=3)
+
+    # -- backward ------------------------------------------------------------------------------------------------
+    def _grad_hook(self, name: str, mod: nn.Module, call: _Call, grad: Optional[torch.Tensor]):
+        if grad is None:
+            return None
+        pend = self._pending.get(name, [])
+        if not any(c is call for c in pend):  # cleared by step() or refused since the forward
+            return None
+        pend[:] = [c for c in pend if c is not call]
+        with torch.no_grad():
+            g = grad.detach().reshape(call.shape)
+            if not call.batched:
+                g = g.unsqueeze(0)
+            elif call.bd:
+                g = g.movedim(call.bd, 0)
+            attrs = tuple(a for a, _ in call.active)
+            terms = self._rule[name].terms(mod, call.kept, g, attrs)
+            call.kept = None
+            for a, pid in call.active:
+                if pid in self._dead:
+                    continue
+                self._terms.setdefault(pid, []).append(terms[a].rows_to_samples(call.k))
+                if all(not self._pending.get(layer) for layer in self._holders[pid]):
+                    self._finalize(pid)
+                else:
+                    self._queue_flush()
+        if self.max_norm is not None:
+            self._queue_flush()
+        return None
+
+    def _queue_flush(self) -> None:
+        if not self._flush_queued:  # runs when this backward is done
+            self._flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_all)
+
+    def _finalize(self, pid: int) -> None:
+        """The squared norm of the parameter's per-sample gradient: the sum of its uses' terms, per group of calls
+        with the same number of samples."""
+        groups: Dict[int, list] = {}
+        for t in self._terms.pop(pid, []):
+            groups.setdefault(t.samples, []).append(t)
+        with torch.no_grad():
+            for n, ts in groups.items():
+                sq = sum_sq(ts)
+                self._sq.setdefault(self._pname[pid], []).append(sq)
+                if self.max_norm is not None:  # kept until the end of this backward (Note: per-sample clipping)
+                    self._clip.append((pid, n, sq, ts))
+
+    def _flush_all(self) -> None:
+        self._flush_queued = False
+        for pid in list(self._terms):
+            self._finalize(pid)
+        if self._clip:
+            self._apply_clip()
+
+    # Per-sample clipping: each sample's gradient (over the covered parameters) scaled to at most max_norm before the
+    # batch sum. Autograd has summed the unclipped per-sample gradients into .grad; this adds sum_b (coef_b - 1)
+    # grad_b, from the same terms (one weighted product per use), so .grad becomes (what it held before this
+    # backward) + sum_b coef_b grad_b. No second backward, no per-sample gradients. A tied parameter's uses each add
+    # their part: the coefficient is the one of the sample's whole gradient, norm of the sum.
+    def _apply_clip(self) -> None:
+        entries, self._clip = self._clip, []
+        batches = {n for _, n, _, _ in entries}
+        if len(batches) > 1:
+            raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): one backward saw batches of sizes "
+                               f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
+        with torch.no_grad():
+            sq = torch.stack([v.to(torch.float64) for _, _, v, _ in entries]).sum(0)
+            coef = torch.clamp(self.max_norm / (sq.sqrt() + self.eps), max=1.0)
+            self._coef.append(coef)
+            for pid, _, _, ts in entries:
+                p = self._param[pid]
+                if p.grad is None:
+                    continue
+                for t in ts:
+                    p.grad.add_(t.delta(coef - 1.0, p.shape).to(p.grad.dtype))
+
+    def clip_coef(self) -> torch.Tensor:
+        """The per-sample clipping coefficients min(1, max_norm / (norm + eps)) of this step, [samples] float64."""
+        if not self._coef:
+            raise RuntimeError("hookstats.PerSampleGradNorms: no clipped backward since the last step()")
+        return torch.cat(self._coef) if len(self._coef) > 1 else self._coef[0]
+
+    # -- results ---------------------------------------------------------------------------------------------------
+    def per_param_sq(self) -> Dict[str, torch.Tensor]:
+        """Squared per-sample gradient norms per parameter (named as in model.named_parameters(); a tied parameter
+        once), [samples] float64 on the device (no sync)."""
+        return {pn: (torch.cat(v) if len(v) > 1 else v[0]).to(torch.float64) for pn, v in self._sq.items()}
+
+    def per_param(self) -> Dict[str, torch.Tensor]:
+        """Per-sample gradient norm of each parameter: {"fc1.weight": [samples], ...}, float64, on the device."""
+        return {pn: v.sqrt() for pn, v in self.per_param_sq().items()}
+
+    def per_layer(self) -> Dict[str, torch.Tensor]:
+        """Per-sample gradient norm of each layer's parameters together, [samples] float64 on the device. A tied
+        parameter counts in full in each layer holding it (the sum of all its uses): layers' squares then add up
+        to more than total()."""
+        sq = self.per_param_sq()
+        out: Dict[str, torch.Tensor] = {}
+        for layer in self.layers:
+            vs = [sq[pn] for pn, _ in self._params[layer] if pn in sq]
+            if vs:
+                out[layer] = _sum_same_length(vs, layer).sqrt()
+        return out
+
+    def total(self) -> torch.Tensor:
+        """Per-sample norm of the gradient of every covered parameter together (each once), [samples] float64 on the
+        device."""
+        sq = self.per_param_sq()
+        if not sq:
+            raise RuntimeError("hookstats.PerSampleGradNorms: no gradient has been seen since the last step(); run a "
+                               "backward first")
+        return _sum_same_length(list(sq.values()), "the covered parameters").sqrt()
+
+    def coverage(self) -> Coverage:
+        """Which trainable parameters count and which do not, by name and reason (hookstats.per_sample.Coverage),
+        including layers refused at run time and covered parameters not seen in this step's backwards."""
+        return self._static.report(self._refused, self._dead, set(self._sq))
+
+    def summary(self) -> str:
+        """Coverage, then each layer's mean and max per-sample norm this step (one host copy)."""
+        lines = [str(self.coverage())]
+        layers = self.per_layer()
+        if layers:
+            names = list(layers)
+            t = torch.stack([layers[n] for n in names]).cpu()
+            lines.append(f"per-sample gradient norms, {t.shape[1]} samples this step (mean / max):")
+            w = max(len(n) for n in names)
+            lines += [f"  {n or '<model>':<{w}}  {float(r.mean()):.4g} / {float(r.max()):.4g}"
+                      for n, r in zip(names, t)]
+            tot = self.total().cpu()
+            lines.append(f"  {'total':<{w}}  {float(tot.mean()):.4g} / {float(tot.max()):.4g}")
+        return "\n".join(lines)
+
+    def top_samples(self, k: int = 1) -> List[tuple]:
+        """The k samples with the largest total gradient norm, as (sample index, norm) pairs, largest first (one host
+        copy). Non-finite norms rank first."""
+        tot = self.total()
+        k = min(int(k), tot.numel())
+        key = torch.where(torch.isnan(tot), torch.full_like(tot, math.inf), tot)
+        idx = torch.topk(key, k).indices
+        vals = torch.stack([idx.to(torch.float64), tot[idx]]).cpu()
+        return [(int(i), float(v)) for i, v in zip(vals[0].tolist(), vals[1].tolist())]
+
+    def first_nonfinite_sample(self) -> Optional[dict]:
+        """The first sample whose gradient norm is NaN or Inf: {"sample": index, "norm": value, "layers": the layers
+        where that sample's norm is non-finite, in model order}, or None (one host copy)."""
+        layers = self.per_layer()
+        if not layers:
+            return None
+        names = list(layers)
+        stacked = torch.stack([layers[n] for n in names]).cpu()  # [layers, samples]
+        bad = ~torch.isfinite(stacked)
+        hit = bad.any(0).nonzero()
+        if hit.numel() == 0:
+            return None
+        s = int(hit[0, 0])
+        return {"sample": s, "norm": float(self.total()[s]),
+                "layers": [names[i] for i in bad[:, s].nonzero()[:, 0].tolist()]}
+
+    @property
+    def samples(self) -> int:
+        """How many samples the current vectors hold (0 before the first backward)."""
+        sq = self.per_param_sq()
+        return next(iter(sq.values())).numel() if sq else 0
+
+    def step(self) -> None:
+        """Starts a new step: clears the vectors and any kept input still waiting for a gradient."""
+        self._sq.clear()
+        self._pending.clear()
+        self._terms.clear()
+        self._clip.clear()
+        self._coef.clear()
+
+    reset = step
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.step()
+
+    def __enter__(self) -> "PerSampleGradNorms":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _is_functorch(t: torch.Tensor) -> bool:
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check is not None and check(t))
+
+
+def _sum_same_length(vs: List[torch.Tensor], what: str) -> torch.Tensor:
+    n = {v.numel() for v in vs}
+    if len(n) > 1:
+        raise RuntimeError(f"hookstats.PerSampleGradNorms: {what} saw different numbers of samples this step "
+                           f"({sorted(n)}): a layer ran in only some backward passes; read per_param() instead")
+    return torch.stack(vs).sum(0)

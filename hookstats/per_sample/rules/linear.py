@@ -1,0 +1,27 @@
+"""nn.Linear (and timm's Linear, the same computation): y = x W^T + b. grad W_b = sum_t g_bt x_bt^T (Outer,
+L = output grad, R = input), grad b_b = sum_t g_bt."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..registry import Rule, register_rule
+from ..terms import Dense, Outer, compute_dtype
+
+
+def tokens(x, g):
+    """[B, T, in] and [B, T, out] in the compute dtype from [B, T..., features] tensors."""
+    dt = compute_dtype(x)
+    b = x.shape[0]
+    return x.reshape(b, -1, x.shape[-1]).to(dt), g.reshape(b, -1, g.shape[-1]).to(dt)
+
+
+@register_rule([nn.Linear, "timm.layers.linear.Linear"])  # timm's casts the weight to the input dtype
+class LinearRule(Rule):
+    def terms(self, mod, x, g, attrs):
+        a, g = tokens(x, g)
+        out = {}
+        if "weight" in attrs:
+            out["weight"] = Outer(g, a)
+        if "bias" in attrs:
+            out["bias"] = Dense(g.sum(1))
+        return out

@@ -1,0 +1,548 @@
+"""hookstats.PerSampleGradNorms on every rule and on real models (issue #23): against a per-sample loop in float64
+(one forward on a twin without hooks, then each sample's own backward: the gradient of sample b's terms of the
+loss), total and per layer, with coverage asserted; Opacus's GradSampleModule where it covers the layer; outputs and
+gradients bitwise unchanged by the hooks; max_norm clipping with tied weights."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hookstats
+from hookstats.per_sample import Dense, Rule, register_rule
+
+B = 3
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """float64 convolutions on a shared 2-core machine: one thread is ~10x faster than an oversubscribed pool."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def loop_sq(twin: nn.Module, fwd, inputs, r: torch.Tensor) -> dict:
+    """{parameter name: [B] squared norm of sample b's gradient}, one backward per sample on the twin."""
+    params = dict(twin.named_parameters())
+    out = fwd(twin, inputs)
+    res = {k: [] for k in params}
+    for b in range(r.shape[0]):
+        rb = torch.zeros_like(r)
+        rb[b] = r[b]
+        gs = torch.autograd.grad((out * rb).sum(), list(params.values()), retain_graph=True, allow_unused=True)
+        for k, g in zip(params, gs):
+            res[k].append(torch.zeros((), dtype=torch.float64) if g is None else g.double().square().sum())
+    return {k: torch.stack(v) for k, v in res.items()}
+
+
+def check(model: nn.Module, fwd, inputs, *, covered=None, not_covered=(), rtol=1e-9, bitwise=True, **kw):
+    """Attaches PerSampleGradNorms to `model` (float64, eval), runs sum(out * r), and checks per_param, per_layer
+    and total against the loop on a twin, the coverage, and (bitwise=True) that the outputs and every .grad equal
+    the twin's bit for bit. Returns the PerSampleGradNorms."""
+    model = model.double().eval()
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        psn = hookstats.PerSampleGradNorms(model, **kw)
+    out = fwd(model, inputs)
+    r = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    (out * r).sum().backward()
+    want = loop_sq(twin, fwd, inputs, r)
+    if bitwise:
+        out_t = fwd(twin, inputs)
+        (out_t * r).sum().backward()
+        assert torch.equal(out, out_t)
+        for (k, p), pt in zip(model.named_parameters(), twin.parameters()):
+            assert (p.grad is None) == (pt.grad is None) and (p.grad is None or torch.equal(p.grad, pt.grad)), k
+    cov = psn.coverage()
+    if covered is not None:
+        assert sorted(cov.covered) == sorted(covered)
+    for name in not_covered:
+        assert name in cov.not_covered, (name, cov)
+    got = psn.per_param_sq()
+    assert sorted(got) == sorted(cov.covered) and not cov.not_seen
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=1e-14 * float(want[k].max()) + 1e-300,
+                                   msg=lambda m: f"{k}: {m}")
+    torch.testing.assert_close(psn.total().square(), sum(want[k] for k in cov.covered), rtol=rtol, atol=0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    mods = dict(model.named_modules())
+    for layer, v in psn.per_layer().items():
+        keys = [names[id(p)] for p in mods[layer]._parameters.values() if p is not None and names[id(p)] in got]
+        torch.testing.assert_close(v.square(), sum(want[k] for k in keys), rtol=rtol, atol=0)
+    psn.remove()
+    return psn
+
+
+def ids(v=40, t=5, seed=2):
+    return torch.randint(0, v, (B, t), generator=torch.Generator().manual_seed(seed))
+
+
+def f64(*shape, seed=3):
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+call = lambda m, x: m(x)  # noqa: E731
+
+
+# -- every rule on its own ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(), dict(stride=2, padding=1, groups=2), dict(dilation=(1, 2, 1), padding="same"),
+                                dict(padding=1, padding_mode="replicate", bias=False)],
+                         ids=["plain", "stride_groups", "dilation_same", "replicate"])
+def test_conv3d(kw):
+    torch.manual_seed(0)
+    check(nn.Conv3d(2, 4, 3, **kw), call, f64(B, 2, 5, 6, 4))
+
+
+@pytest.mark.parametrize("groups,affine", [(2, True), (1, True), (4, True)])
+def test_group_norm(groups, affine):
+    torch.manual_seed(0)
+    gn = nn.GroupNorm(groups, 4)
+    with torch.no_grad():
+        gn.weight.normal_()
+        gn.bias.normal_()
+    check(nn.Sequential(nn.Conv2d(3, 4, 3), gn), call, f64(B, 3, 6, 5))
+
+
+@pytest.mark.parametrize("eps", [None, 1e-3])
+def test_rms_norm(eps):
+    torch.manual_seed(0)
+    rn = nn.RMSNorm(6, eps=eps)
+    with torch.no_grad():
+        rn.weight.normal_()
+    check(nn.Sequential(nn.Linear(5, 6), rn), call, f64(B, 4, 5))
+
+
+@pytest.mark.parametrize("mode,psw,padding_idx", [("sum", False, None), ("mean", False, 0), ("sum", True, None),
+                                                  ("mean", False, None)])
+def test_embedding_bag(mode, psw, padding_idx):
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(11, 4, mode=mode, padding_idx=padding_idx)
+    x = torch.randint(0, 11, (B, 6), generator=torch.Generator().manual_seed(4))
+    x[0, :3] = 5  # a repeated row
+    x[1, 0] = 0
+    w = f64(B, 6).abs() if psw else None
+    check(nn.Sequential(bag, nn.Linear(4, 2)) if not psw else bag,
+          (lambda m, x: m(x, per_sample_weights=w)) if psw else call, x)
+
+
+def test_embedding_bag_refusals():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        psn = hookstats.PerSampleGradNorms(nn.Sequential(nn.EmbeddingBag(5, 3, mode="max"), nn.Linear(3, 2)))
+    assert "mode='max'" in psn.coverage().not_covered["0.weight"]
+    bag = nn.EmbeddingBag(5, 3)
+    psn = hookstats.PerSampleGradNorms(bag)
+    with pytest.warns(UserWarning, match="ragged bags"):
+        bag(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])).sum().backward()
+    assert "ragged" in psn.coverage().not_covered["weight"]
+
+
+def test_hf_conv1d():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    check(nn.Sequential(Conv1D(6, 5), nn.Tanh(), Conv1D(3, 6)), call, f64(B, 4, 5))
+
+
+def test_hf_rms_norms_matched_by_pattern():
+    """Llama / Mistral / Qwen2 RMSNorm (float32 normalisation, cast back) and T5LayerNorm: each by the code pattern;
+    a float64 model runs them with the float32 rounding, which the rule reproduces."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    for cls in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, T5LayerNorm):
+        torch.manual_seed(0)
+        norm = cls(6)
+        with torch.no_grad():
+            norm.weight.normal_()
+        rule, why = hookstats.per_sample.rule_for("n", norm)
+        assert why is None and rule.name in ("LlamaRMSNormRule", "T5LayerNormRule"), cls
+        check(nn.Sequential(nn.Linear(5, 6), norm, nn.Linear(6, 2)), call, f64(B, 4, 5))
+    rule, why = hookstats.per_sample.rule_for("n", GemmaRMSNorm(6))  # (1 + weight): another computation
+    assert rule is None and "GemmaRMSNorm" in why
+
+
+# -- timm subclasses ---------------------------------------------------------------------------------------------------
+
+def test_timm_layers():
+    """LayerNorm2d (dim 1 of NCHW), Conv2dSame (TF padding from the input size), StdConv2d / StdConv2dSame (weight
+    standardisation: per-sample gradient through the standardisation's Jacobian)."""
+    from timm.layers import Conv2dSame, LayerNorm2d, StdConv2d, StdConv2dSame
+
+    torch.manual_seed(0)
+    model = nn.Sequential(StdConv2d(3, 8, 3, stride=2), nn.GroupNorm(2, 8), nn.ReLU(), Conv2dSame(8, 6, 3, stride=2),
+                          LayerNorm2d(6), StdConv2dSame(6, 4, 3, stride=2, bias=True), nn.Flatten(), nn.LazyLinear(3))
+    model(torch.randn(1, 3, 9, 11))  # materialise the lazy layer
+    with torch.no_grad():
+        model[4].weight.normal_()
+    psn = check(model, call, f64(B, 3, 9, 11))
+    assert sorted(psn.layers) == ["0", "1", "3", "4", "5", "7"]
+
+
+def test_subclass_with_own_forward_is_refused():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Plain(nn.Linear):  # no forward of its own: nn.Linear's rule holds
+        pass
+
+    model = nn.Sequential(Scaled(4, 4), Plain(4, 2))
+    with pytest.warns(UserWarning, match=r"0\.weight.*Scaled is a subclass of torch\.nn\.modules\.linear\.Linear"):
+        psn = hookstats.PerSampleGradNorms(model)
+    assert psn.layers == ["1"]
+    assert sorted(psn.coverage().not_covered) == ["0.bias", "0.weight"]
+    model(torch.randn(3, 4)).sum().backward()
+    assert sorted(psn.per_param()) == ["1.bias", "1.weight"]
+
+
+def test_register_rule_for_a_new_layer():
+    class Scale(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(d))
+
+        def forward(self, x):
+            return x * self.scale
+
+    @register_rule(Scale)
+    class ScaleRule(Rule):
+        params = ("scale",)
+
+        def terms(self, mod, x, g, attrs):  # grad scale_b = sum over the sample's tokens of g * x
+            b = x.shape[0]
+            return {"scale": Dense((g * x).reshape(b, -1, x.shape[-1]).sum(1).double())}
+
+    torch.manual_seed(0)
+    check(nn.Sequential(nn.Linear(3, 5), Scale(5)), call, f64(B, 4, 3))
+
+
+# -- real models -------------------------------------------------------------------------------------------------------
+
+V = 40
+
+
+def hf(name: str, **over):
+    import transformers as T
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=V, attn_implementation="eager")
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=V, n_positions=16,
+                                              bos_token_id=0, eos_token_id=0, attn_implementation="eager", **over))
+    if name == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**{**small, **over}))
+    if name == "bert":
+        return T.BertForMaskedLM(T.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                              intermediate_size=32, vocab_size=V, max_position_embeddings=16,
+                                              attn_implementation="eager"))
+    if name == "t5":
+        return T.T5ForConditionalGeneration(T.T5Config(d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8,
+                                                       vocab_size=V, decoder_start_token_id=0,
+                                                       relative_attention_num_buckets=8,
+                                                       attn_implementation="eager"))
+    if name == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2,
+                                                    experts_implementation="eager"))
+    raise KeyError(name)
+
+
+lm = lambda m, x: m(input_ids=x).logits  # noqa: E731
+
+
+def test_gpt2():
+    """Tied wte / lm_head (Index x Outer cross term), Conv1D, position embeddings on [1, T] ids (expanded)."""
+    model = hf("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    psn = check(model, lm, ids(), covered=[n for n, _ in model.named_parameters()])
+    assert "transformer.wpe" in psn.layers and "lm_head" in psn.layers
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama(tied):
+    model = hf("llama", tie_word_embeddings=tied)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    psn = check(model, lm, ids(), covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule["model.norm"].name == "LlamaRMSNormRule"
+
+
+def test_bert():
+    """Tied word embeddings and decoder bias (held by BertLMPredictionHead, applied by its decoder), position
+    embeddings on [1, T], token-type ids expanded from a buffer."""
+    model = hf("bert")
+    check(model, lm, ids(), covered=[n for n, _ in model.named_parameters()])
+
+
+def test_t5_relative_bias_refused():
+    model = hf("t5")
+    rel = [n for n, _ in model.named_parameters() if "relative_attention_bias" in n]
+    assert len(rel) == 2
+    check(model, lambda m, x: m(input_ids=x, decoder_input_ids=x[:, :4]).logits, ids(),
+          covered=[n for n, _ in model.named_parameters() if n not in rel], not_covered=rel)
+
+
+def test_mixtral_experts_refused():
+    model = hf("mixtral")
+    experts = [n for n, _ in model.named_parameters() if ".experts." in n]
+    assert len(experts) == 4
+    psn = check(model, lm, ids(), covered=[n for n, _ in model.named_parameters() if n not in experts],
+                not_covered=experts)
+    assert "routed" in psn.coverage().not_covered[experts[0]]
+    assert psn._rule["model.layers.0.mlp.gate"].name == "TopKRouterRule"  # [B * T, d] rows split per sample
+
+
+@pytest.mark.parametrize("name", ["resnet18", "convnext_atto"])
+def test_timm_models(name):
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=5)
+    owner = {id(p): m for m in model.modules() for p in m._parameters.values() if p is not None}
+    uncovered = [n for n, p in model.named_parameters()
+                 if isinstance(owner[id(p)], nn.BatchNorm2d) or n.endswith("gamma")]
+    side = 16 if name == "resnet18" else 32  # convnext_atto downsamples by 32
+    psn = check(model, call, f64(2, 3, side, side), not_covered=uncovered,
+                covered=[n for n, _ in model.named_parameters() if n not in uncovered])
+    why = psn.coverage().not_covered[uncovered[0]]
+    assert ("BatchNorm mixes" in why) if name == "resnet18" else ("ConvNeXtBlock" in why)
+
+
+def test_coverage_warning_and_monitor():
+    """One warning names the uncovered parameters; Monitor(per_sample=True) steps on a model with position
+    embeddings (once: 'stack expects each tensor to be equal size') and reports coverage and the tied total."""
+    model = hf("t5").double()
+    with pytest.warns(UserWarning, match="relative_attention_bias.weight") as rec:
+        mon = hookstats.Monitor(model, kinds="forward", per_sample=True)
+    assert sum("not covered" in str(w.message) for w in rec) == 1
+    assert "relative_attention_bias" in str(mon.coverage())
+    gpt = hf("gpt2").double()
+    mon2 = hookstats.Monitor(gpt, kinds="forward", per_sample=True)
+    for step in range(2):
+        x = ids(seed=step)
+        gpt(input_ids=x, labels=x).loss.backward()
+        mon2.step()
+    rows = mon2.sample_norms()
+    assert len(rows) == 2 and rows[0][2].shape == (len(rows[0][1]), B)
+    top = mon2.top_samples(1)[0]
+    assert top["norm"] > 0 and "per-sample coverage: 28 of 28" in mon2.summary()
+    mon.detach()
+    mon2.detach()
+
+
+def test_dim0_not_the_batch_is_refused():
+    """A layer fed rows that are not samples (here a [T, d] table, as T5's bias or routed experts) is refused at
+    run time: one warning, its parameters out of the total; with max_norm it raises."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.table = nn.Linear(4, 4)
+
+        def forward(self, x):  # x [B, T, 4]
+            return self.fc(x) + self.table(torch.ones(x.shape[1], 4, dtype=x.dtype))
+
+    torch.manual_seed(0)
+    m = Model()
+    psn = hookstats.PerSampleGradNorms(m)
+    with pytest.warns(UserWarning, match="layer table is refused"):
+        m(torch.randn(3, 5, 4)).sum().backward()
+    assert sorted(psn.per_param()) == ["fc.bias", "fc.weight"]
+    assert "5 rows" in psn.coverage().not_covered["table.weight"]
+    mm = Model()
+    hookstats.PerSampleGradNorms(mm, max_norm=1.0)
+    with pytest.raises(RuntimeError, match="cannot be split per sample"):
+        mm(torch.randn(3, 5, 4))
+
+
+def clip_check(model: nn.Module, fwd, x):
+    """max_norm: .grad == sum_b min(1, C / ||g_b||) g_b with g_b the whole per-sample gradient (a tied parameter's
+    uses summed), from the loop; every clipped sample's gradient norm is at most C."""
+    model = model.double().eval()
+    twin = copy.deepcopy(model)
+    out = fwd(twin, x)
+    r = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    params = dict(twin.named_parameters())
+    per = []
+    for b in range(B):
+        rb = torch.zeros_like(r)
+        rb[b] = r[b]
+        per.append(torch.autograd.grad((out * rb).sum(), list(params.values()), retain_graph=True))
+    norms = torch.stack([torch.stack([g.square().sum() for g in gs]).sum().sqrt() for gs in per])
+    c = float(norms.median())
+    coef = torch.clamp(c / (norms + 1e-6), max=1.0)
+    assert (coef < 1).any() and (coef == 1).any()
+    psn = hookstats.PerSampleGradNorms(model, max_norm=c)
+    (fwd(model, x) * r).sum().backward()
+    torch.testing.assert_close(psn.total(), norms, rtol=1e-9, atol=0)
+    for i, (k, p) in enumerate(model.named_parameters()):
+        want = sum(coef[b] * per[b][i] for b in range(B))
+        torch.testing.assert_close(p.grad, want, rtol=1e-9, atol=1e-13, msg=lambda m: f"{k}: {m}")
+    clipped = torch.stack([torch.stack([(coef[b] * g).square().sum() for g in per[b]]).sum().sqrt() for b in range(B)])
+    assert (clipped <= c * (1 + 1e-9)).all()
+    psn.remove()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_clipping_with_tied_weights(name):
+    clip_check(hf(name, **({} if name == "gpt2" else {"tie_word_embeddings": True})), lm, ids())
+
+
+def test_clipping_every_term_form():
+    """The clip delta of each term form: conv by per-sample kernel (Dense) and unfolded (Outer, grouped), Embedding
+    (Index), EmbeddingBag, norms (Dense), StdConv2d."""
+    from timm.layers import StdConv2d
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(11, 4)
+            self.bag = nn.EmbeddingBag(11, 4, mode="mean")
+            self.c1 = StdConv2d(4, 4, 3, padding=1)
+            self.gn = nn.GroupNorm(2, 4)
+            self.c2 = nn.Conv2d(4, 24, 3, stride=2, groups=2)  # 12 filters per group > 9 positions: Outer
+            self.ln = nn.LayerNorm(24 * 9)
+            self.fc = nn.Linear(24 * 9, 3)
+
+        def forward(self, x):  # x [B, 64] ids
+            h = (self.emb(x) + self.bag(x).unsqueeze(1)).reshape(-1, 8, 8, 4).permute(0, 3, 1, 2)
+            return self.fc(self.ln(self.c2(self.gn(self.c1(h))).flatten(1)))
+
+    torch.manual_seed(0)
+    clip_check(M(), call, ids(v=11, t=64))
+
+
+def test_against_opacus():
+    """Opacus GradSampleModule's per-sample gradients (loss_reduction="sum": the same quantity; "mean" reports B
+    times it) on the layers it covers, with a tied embedding / head."""
+    from opacus import GradSampleModule
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, 8)
+            self.ln = nn.LayerNorm(8)
+            self.gn = nn.GroupNorm(2, 8)
+            self.conv = nn.Conv1d(8, 8, 3, padding=1)
+            self.head = nn.Linear(8, V, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            h = self.ln(self.emb(x))
+            h = h + self.conv(self.gn(h.transpose(1, 2))).transpose(1, 2)
+            return self.head(torch.tanh(h))
+
+    torch.manual_seed(0)
+    model = Tied().double()
+    copies = {r: copy.deepcopy(model) for r in ("sum", "mean")}
+    x = ids()
+    target = ids(seed=9)
+    psn = hookstats.PerSampleGradNorms(model)
+    for reduction in ("sum", "mean"):
+        gsm = GradSampleModule(copies[reduction], loss_reduction=reduction)
+
+        def loss(m):  # per-sample loss summed over tokens, then summed or averaged over the batch
+            per = F.cross_entropy(m(x).transpose(1, 2), target, reduction="none").sum(1)
+            return per.sum() if reduction == "sum" else per.mean()
+
+        loss(gsm).backward()
+        loss(model).backward()
+        scale = 1.0 if reduction == "sum" else B
+        got = psn.per_param()
+        for n, p in gsm._module.named_parameters():
+            want = p.grad_sample.reshape(B, -1).norm(dim=1)
+            torch.testing.assert_close(got[n] * scale, want, rtol=1e-9, atol=0, msg=lambda m: f"{n}: {m}")
+        psn.step()
+        model.zero_grad()
+        gsm.remove_hooks()
+
+
+class Broadcasts(nn.Module):
+    """Tokens flattened to [B * T, d] before a Linear (split per sample); learned positions [1, T, d] through a Linear
+    and a learned query [1, d] through a Linear, broadcast over the batch (refused: expanding them would move the
+    batch sum after the next layer's backward, or split it, and change the gradients' last bits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 4, 6))
+        self.pproj = nn.Linear(6, 6)
+        self.q = nn.Parameter(torch.randn(1, 6))
+        self.qproj = nn.Linear(6, 6)
+        self.flat = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):  # x [B, T, 6]
+        b, t, d = x.shape
+        h = self.flat(x.reshape(-1, d)).reshape(b, t, d) + self.pproj(self.pos)
+        return self.head(torch.tanh(h + self.qproj(self.q).unsqueeze(1)))
+
+
+def test_broadcast_and_flattened_inputs():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="layer qproj is refused"):
+        psn = check(Broadcasts(), call, f64(B, 4, 6))
+    cov = psn.coverage()
+    assert sorted(cov.covered) == ["flat.bias", "flat.weight", "head.bias", "head.weight"]
+    assert "1 rows where the model's batch has 3" in cov.not_covered["qproj.weight"]
+    assert "pproj.weight" in cov.not_covered and "no holder module" not in cov.not_covered["pos"]
+
+
+def test_deepcopy_of_a_hooked_model_feeds_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    psn = hookstats.PerSampleGradNorms(model)
+    other = copy.deepcopy(model)  # carries the hooks
+    other(f64(5, 4)).sum().backward()
+    assert psn.samples == 0
+    model(f64(B, 4)).sum().backward()
+    assert psn.samples == B
+
+
+def test_not_seen_parameters_are_reported():
+    """nn.MultiheadAttention applies out_proj's weight itself (F.multi_head_attention_forward): the Linear rule's
+    hook never fires; coverage() says so once a backward has run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2, batch_first=True))
+    fwd = lambda m, x: m[1](*(m[0](x),) * 3)[0]  # noqa: E731
+    with pytest.warns(UserWarning, match="in_proj_weight"):
+        psn = hookstats.PerSampleGradNorms(model)
+    fwd(model, torch.randn(B, 5, 4)).sum().backward()
+    cov = psn.coverage()
+    assert sorted(cov.not_seen) == ["1.out_proj.bias", "1.out_proj.weight"]
+    assert "not seen" in str(cov)
+
+
+def test_against_opacus_convs_and_norms():
+    """Conv2d by the per-sample weight-gradient kernel and (grouped, more filters than positions) by the unfolded
+    Outer term, GroupNorm, RMSNorm, Linear: against Opacus's grad samplers, loss_reduction="sum"."""
+    from opacus import GradSampleModule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+                          nn.Conv2d(4, 24, 3, stride=2, groups=2), nn.Flatten(2), nn.RMSNorm(9), nn.Flatten(),
+                          nn.Linear(24 * 9, 3)).double()
+    gsm = GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    psn = hookstats.PerSampleGradNorms(model)
+    x = f64(B, 3, 8, 8)
+    r = f64(B, 3, seed=5)
+    (gsm(x) * r).sum().backward()
+    (model(x) * r).sum().backward()
+    assert isinstance(hookstats.per_sample.rules.conv.conv_terms(model[3], torch.zeros(1, 4, 8, 8, dtype=torch.float64),
+                                                               torch.zeros(1, 24, 3, 3, dtype=torch.float64),
+                                                               ("weight",))["weight"], hookstats.per_sample.Outer)
+    got = psn.per_param()
+    for n, p in gsm._module.named_parameters():
+        torch.testing.assert_close(got[n], p.grad_sample.reshape(B, -1).norm(dim=1), rtol=1e-9, atol=0,
+                                   msg=lambda m: f"{n}: {m}")
+    gsm.remove_hooks()
