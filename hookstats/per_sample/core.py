@@ -1,7 +1,6 @@
 """PerSampleGradNorms: per-sample gradient norms without per-sample gradients, from a rule per layer type."""
 from __future__ import annotations
 
-import fnmatch
 import math
 import warnings
 from typing import Dict, List, Optional, Sequence
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 
 from . import rules as _rules  # noqa: F401  (registers the shipped rules)
+from .._select import Selection
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused
 from .terms import sum_sq
@@ -22,11 +22,6 @@ class _Call:
 
     def __init__(self, kept, active, batched, bd, k, shape):
         self.kept, self.active, self.batched, self.bd, self.k, self.shape = kept, active, batched, bd, k, shape
-
-
-def _glob_match(name: str, mod: nn.Module, patterns) -> bool:
-    keys = (name, type(mod).__name__)
-    return any(fnmatch.fnmatchcase(k, p) for p in patterns for k in keys)
 
 
 def _first_batch(args, kwargs, bd: int) -> Optional[int]:
@@ -81,9 +76,7 @@ class PerSampleGradNorms:
         self.max_norm = None if max_norm is None else float(max_norm)
         self.eps = float(eps)
         self.batch_dim = batch_dim
-        inc = [include] if isinstance(include, str) else list(include)
-        exc = [exclude] if isinstance(exclude, str) else list(exclude)
-        in_scope = lambda name, mod: _glob_match(name, mod, inc) and not _glob_match(name, mod, exc)  # noqa: E731
+        in_scope = Selection(include, exclude).matches
         cov = build_coverage(model, in_scope)
         self._static = cov
         self.layers: List[str] = cov.layers
