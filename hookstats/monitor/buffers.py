@@ -21,6 +21,8 @@ import torch
 
 from .._ops import STATS_FIELDS, Histogram, as_histogram
 from .block import Block, HistRows, LazyRecords, Record, gather_rows, unravel_rows  # noqa: F401 (re-exported)
+from .merge import INITIAL_CAPACITY, Gather, MergeError, MergedSites, capacity_for, combine, hist_rows, pack
+from .merge import signature as merge_signature
 from .sites import SiteTable
 
 _NF = len(STATS_FIELDS)
@@ -136,15 +138,27 @@ class Buffers:
         self.keep = True
         self.group = None  # a ProcessGroup: flush merges rows across its ranks
         self._seq = 0
+        self.ready: list[Block] = []  # flushed (merged) blocks not yet handed to exporters
+        self.hook_modes: list[int] = []  # per hook: 0 merged over ranks, 1 replicated (DDP grads: one rank's)
+        self.merged_table = MergedSites(self.table.hook_names)
+        self._pending: Optional[Gather] = None
+        self._pending_n = 0
+        self._capacity = INITIAL_CAPACITY
+        self.merge_failures = 0  # flushes whose records could not be merged (dropped)
+        self.dropped_records = 0  # this rank's records in those flushes
+        self.replica_mismatches = 0
+        self._warned_replicas = False
         from .compile import register
 
         self.id = register(self)  # what traced hooks pass to the record op (Note [monitor under torch.compile])
 
     # -- recording --------------------------------------------------------------------------------------------------
-    def hook(self, name: str, kind: str) -> int:
-        """A new hook id, for records labelled (name, kind)."""
+    def hook(self, name: str, kind: str, replicated: bool = False) -> int:
+        """A new hook id, for records labelled (name, kind); replicated: its tensors are the same on every rank
+        (merged as one rank's, not as shards)."""
         hid = self.rec.add_hook()
         self.table.add_hook(hid, name, kind)
+        self.hook_modes.append(1 if replicated else 0)
         return hid
 
     def record(self, hid: int, obj) -> None:
@@ -172,15 +186,41 @@ class Buffers:
         return self.rec.pending_slots + self.scalars.pending
 
     # -- flush ------------------------------------------------------------------------------------------------------
-    def flush(self) -> Block:
+    def flush(self, async_merge: bool = False) -> Optional[Block]:
         """One host copy per buffer, the device rows reset, and the copied rows as a Block (kept in `blocks` unless
-        keep is False). With a process group the rows are merged across ranks first (Note [merging records across
-        ranks] in hookstats.distributed), and this is a collective."""
+        keep is False). With a process group this is a collective: the rows are merged across ranks (Note [merging
+        records across ranks] in hookstats.distributed) in one all_gather, and the merged Block is returned; with
+        async_merge the gather is only started (None is returned) and ends at the next flush or read. Blocks that
+        became ready (merged) wait in `ready` for the Monitor's exporters."""
+        block = self._local_block()
+        if self.group is None:
+            self._keep(block)
+            self.ready.append(block)
+            return block
+        err = None
+        try:
+            self.finish(collective=True)  # the previous flush's gather, if it was started asynchronously
+        except MergeError as e:
+            err = e
+        self._start_merge(block, async_merge)
+        out = None
+        if not async_merge:
+            try:
+                out = self.finish(collective=True)
+            except MergeError as e:
+                err = err or e
+        if err is not None:
+            raise err
+        return out
+
+    def _local_block(self) -> Block:
         taken = self.rec.take()
         stats_blocks, hist_blocks, steps, hist_on, order_slots, order_sites = taken[:6]
         self.table.sync(self.rec)
-        if self.group is not None:
-            stats_blocks, hist_blocks = self._merge(stats_blocks, hist_blocks, steps)
+        if self.group is not None and len(stats_blocks) > 1:
+            self.rec.reset()
+            raise RuntimeError("hookstats.Monitor(process_group=...) records tensors of one device per rank; this "
+                               f"rank recorded tensors on {self.rec.devices()}")
         # CPU blocks are read in place: the gathers below copy the rows out before reset() (a copy of the whole
         # block first would double the flush's memory traffic: 80 MB a flush for exponent histograms of 1,000
         # modules over 10 steps)
@@ -204,10 +244,84 @@ class Buffers:
             warnings.warn(f"hookstats.Monitor: {dropped} replays of a captured CUDA graph were overwritten before "
                           f"this flush: a captured step keeps the rows of its last `slots` replays. Flush at least "
                           f"every `slots` replays (flush_every=), or give the Monitor more slots (slots=).",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=4)
+        return block
+
+    def _keep(self, block: Block) -> None:
+        block.seq0 = self._seq
         self._seq += len(block)
         if self.keep and len(block):
             self.blocks.append(block)
+
+    def empty_block(self) -> Block:
+        e = np.empty(0, dtype=np.int64)
+        return Block(self.table, e, e, np.empty((0, _NF)), e, e, [], self._seq)
+
+    # -- merging across ranks (Note [merging records across ranks] in hookstats.distributed) --------------------------
+    def _signature(self) -> float:
+        h = self.histogram
+        return merge_signature([self.table.hook_names, self.hook_modes, None if h is None else (h.kind, h.bins, h.lo,
+                                                                                                 h.hi),
+                                self.locations])
+
+    def _start_merge(self, block: Block, async_merge: bool) -> None:
+        from ..distributed import collective_device
+
+        dev = collective_device(self.group, None)
+        payload = pack(block, self.locations)
+        self._pending = Gather(self.group, dev, payload, len(block), self._signature(), self.locations,
+                               self._capacity, async_op=async_merge)
+        self._pending_n = len(block)
+
+    def finish(self, collective: bool) -> Optional[Block]:
+        """Ends the pending gather, if any, and keeps its merged Block. Off a collective point (a read on one rank)
+        a gather whose payloads outgrew the capacity stays pending: sending it again is a collective."""
+        g = self._pending
+        if g is None:
+            return None
+        need = g.overflow()
+        if need:
+            if not collective:
+                return None
+            g.resend(capacity_for(need))
+        self._pending = None
+        chunks = g.chunks()
+        longest = max(len(p) for _, p in chunks)
+        if longest > self._capacity or 4 * longest < self._capacity:  # every rank computes the same
+            self._capacity = capacity_for(2 * longest) if longest > self._capacity else max(
+                INITIAL_CAPACITY, capacity_for(2 * longest))
+        try:
+            m = combine(chunks, g.sig, np.asarray(self.hook_modes + [0], dtype=np.int64), self.table.hook_names)
+        except MergeError:
+            self.merge_failures += 1
+            self.dropped_records += self._pending_n
+            raise
+        if m.replica_mismatches:
+            self.replica_mismatches += m.replica_mismatches
+            if not self._warned_replicas:
+                self._warned_replicas = True
+                warnings.warn(f"hookstats.Monitor: {m.replica_mismatches} records of replicated gradients differ "
+                              "between ranks (Monitor.replica_mismatches counts them); the merged record is the "
+                              "lowest rank's. Replicated grads (DDP's, after its allreduce) should be identical.",
+                              RuntimeWarning, stacklevel=3)
+        block = self._merged_block(m)
+        self._keep(block)
+        self.ready.append(block)
+        return block
+
+    def _merged_block(self, m) -> Block:
+        t = self.merged_table
+        sites = t.ids(m.hook, m.index, m.call, m.dtype)
+        n = len(sites)
+        hgroup = np.full(n, -1, dtype=np.int64)
+        hrow = np.zeros(n, dtype=np.int64)
+        hists = []
+        for g, (L, (gsel, acc)) in enumerate(sorted(m.hists.items())):
+            hgroup[gsel] = g
+            hrow[gsel] = np.arange(len(gsel))
+            hists.append(hist_rows(acc))
+        block = Block(t, m.steps, sites, m.stats, hgroup, hrow, hists, self._seq, m.loc, m.shape_ndim, m.shape_dims)
+        block.ranks, block.nonfinite_mask, block.location_rank = m.ranks, m.nonfinite_mask, m.location_rank
         return block
 
     def _device_rows(self, blocks: list, slot: np.ndarray, site: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -238,27 +352,6 @@ class Buffers:
                 hrow[sel] = np.arange(len(sel))
         return Block(t, steps[slot] if n else np.empty(0, dtype=np.int64), site, stat, hgroup, hrow, out_hists,
                      self._seq)
-
-    def _merge(self, stats_blocks: list, hist_blocks: list, steps: list):
-        from ..distributed import collective_device, merge_rows, signature
-
-        if len(stats_blocks) > 1:
-            raise RuntimeError("hookstats.Monitor(process_group=...) records tensors of one device per rank; this "
-                               f"rank recorded tensors on {self.rec.devices()}")
-        if stats_blocks:
-            dev_block = stats_blocks[0]
-            rows = dev_block.reshape(-1, _NF)
-            shape = dev_block.shape
-        else:
-            dev = collective_device(self.group, None)
-            rows = torch.empty((0, _NF), dtype=torch.float64, device=dev)
-            shape = (0, 0, _NF)
-        sig = signature([self.table.signature(), tuple(steps), tuple((len_, tuple(b.shape)) for _, len_, b in
-                                                                      hist_blocks)])
-        merged, mh = merge_rows(self.group, rows, [b.reshape(-1, b.shape[-1]) for _, _, b in hist_blocks], sig)
-        new_stats = [merged.view(shape)] if stats_blocks else []
-        new_hists = [(d, n, m.view(b.shape)) for (d, n, b), m in zip(hist_blocks, mh)]
-        return new_stats, new_hists
 
     # -- reading ----------------------------------------------------------------------------------------------------
     def records(self) -> list[dict]:

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .._ops import STATS_FIELDS
+from ..distributed import is_dtensor as _is_dtensor
 from . import hooks as _hooks
 from .block import LazyRecords
 from .buffers import Buffers
@@ -113,9 +114,6 @@ class Monitor:
                             f"{type(optimizer).__name__}")
         if not isinstance(locations, bool):
             raise TypeError(f"hookstats.Monitor: locations must be True or False, got {locations!r}")
-        if locations and process_group is not None:
-            raise ValueError("hookstats.Monitor: locations=True does not merge across ranks yet; use it without "
-                             "process_group= (each rank's Monitor then names its own elements)")
         self.exporters = exporters
         self._buf = Buffers(histogram, slots, locations=locations)
         self._buf.keep = keep_records
@@ -134,6 +132,7 @@ class Monitor:
         self._handles: list = []
         self._model = model
         self._optimizer = optimizer
+        self._held_scalars: list = []  # scalars of a flush whose merge has not ended yet (async_merge)
         self._export: Optional[ExportThread] = None
         self._tables: list = []  # table() cache: the Arrow table of each kept block
 
@@ -180,14 +179,21 @@ class Monitor:
                     _hooks.backward_hook(rec, mid, b.hook(name, "backward"))))
         self._params: list = []
         if "grad" in kinds:
+            from ..distributed import grad_mode
+
+            ddp = grad_mode(model, b.group, self._optimizer)  # Note [grad records across ranks]
             for pname, p in model.named_parameters():
                 if p.requires_grad and self._wanted(pname):
-                    hid = b.hook(pname, "grad")
+                    hid = b.hook(pname, "grad", replicated=ddp is not None and not _is_dtensor(p))
                     self._params.append((hid, p))
-                    if self._optimizer is None:
+                    if self._optimizer is None and ddp != "end_of_backward":
                         self._handles.append(p.register_post_accumulate_grad_hook(_hooks.grad_hook(rec, mid, hid)))
             if self._optimizer is not None:
                 self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_hook()))
+            elif ddp == "end_of_backward":
+                from ..distributed import after_ddp_allreduce
+
+                self._handles.append(after_ddp_allreduce(model, self._weak_record_grads()))
 
     def _attach_where(self, model, include, exclude, channel_stats, per_sample) -> None:
         """The "where in the tensor" options: per-channel statistics and per-sample gradient norms."""
@@ -246,6 +252,18 @@ class Monitor:
                 return {"step": s, "sample": i, "norm": float(t[:, i].square().sum().sqrt()),
                         "layers": [names[j] for j in bad[:, i].nonzero()[:, 0].tolist()]}
         return None
+
+    def _weak_record_grads(self):
+        import weakref
+
+        me = weakref.ref(self)  # DDP must not keep a dropped Monitor (and its buffers) alive
+
+        def record() -> None:
+            mon = me()
+            if mon is not None:
+                mon.record_grads()
+
+        return record
 
     def _optimizer_hook(self):
         import weakref
@@ -306,7 +324,12 @@ class Monitor:
         self._step += 1
         self._begin_step()
         if self.flush_every is not None and self._step % self.flush_every == 0:
-            self.flush()
+            if self._buf.group is not None:  # the merge's all_gather runs while the next steps do
+                self._flush_block(async_merge=True)
+                if self._export is not None:
+                    self._export.raise_pending()
+            else:
+                self.flush()
 
     def log(self, tag: str, value) -> None:
         """Records a scalar under the current step: a one-element tensor (copied on its device, no host sync:
@@ -344,12 +367,44 @@ class Monitor:
             self._export.raise_pending()
         return LazyRecords(block)
 
-    def _flush_block(self):
-        block = self._buf.flush()
-        scalars = self._buf.scalars.flush(self._buf.keep)
-        if self._export is not None and (len(block) or scalars):
-            self._export.submit(block, scalars)
+    def _flush_block(self, async_merge: bool = False):
+        try:
+            block = self._buf.flush(async_merge)
+        finally:  # a failed merge still hands over the scalars and the blocks merged before it
+            self._held_scalars += self._buf.scalars.flush(self._buf.keep)
+            self._hand_over()
         return block
+
+    def _hand_over(self) -> None:
+        """Gives the export thread every merged block not yet given (and the scalars flushed with them)."""
+        ready, self._buf.ready = self._buf.ready, []
+        if not ready and self._buf.group is not None and self._buf._pending is not None:
+            return  # the scalars go with the block whose merge is still running
+        scalars, self._held_scalars = self._held_scalars, []
+        if self._export is None:
+            return
+        for i, block in enumerate(ready or [None]):
+            sc = scalars if i == max(len(ready), 1) - 1 else []
+            if block is None:
+                if sc:
+                    self._export.submit(self._buf.empty_block(), sc)
+            elif len(block) or sc:
+                self._export.submit(block, sc)
+
+    @property
+    def merge_failures(self) -> int:
+        """Flushes whose records could not be merged across ranks (Note [merging records across ranks]): each
+        raised MergeError on every rank, and its records were dropped (`dropped_records` counts this rank's)."""
+        return self._buf.merge_failures
+
+    @property
+    def dropped_records(self) -> int:
+        return self._buf.dropped_records
+
+    @property
+    def replica_mismatches(self) -> int:
+        """Merged records of replicated grads (DDP's) that were not the same on every rank."""
+        return self._buf.replica_mismatches
 
     def drain(self) -> None:
         """Waits until the exporters have written every flush handed to them, then raises an exporter error, if any.
@@ -390,8 +445,14 @@ class Monitor:
         return self.table().to_pandas()
 
     def _read(self) -> None:
-        if self._buf.group is None and self._model is not None:
-            self.flush()
+        if self._buf.group is None:
+            if self._model is not None:
+                self.flush()
+        elif self._buf._pending is not None:  # a merge started by step(): ends here unless it must be sent again
+            try:
+                self._buf.finish(collective=False)
+            finally:
+                self._hand_over()
 
     def scalars(self) -> list[dict]:
         """Every scalar logged with log() so far: dicts with seq, step, tag and value, in call order. Flushes first
