@@ -329,44 +329,188 @@ def sec_flush_every(rank: int, world: int, out: Path) -> dict:
     return {"counts": counts, "records": mon.records(), "seen": cap.seen, "path": str(path)}
 
 
+class Calls:
+    """forward records' tensors of every call, in call order: (step, module) -> [tensor of call 0, call 1, ...]."""
+
+    def __init__(self, model: nn.Module):
+        self.step = 0
+        self.seen: dict[tuple, list] = {}
+        self.handles = [mod.register_forward_hook(lambda m, a, o, name=name: self._put(name, o))
+                        for name, mod in model.named_modules()]
+
+    def _put(self, name, o):
+        self.seen.setdefault((self.step, name), []).append(o.detach().clone())
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class Experts(nn.Module):
+    """Mixture-of-experts routing: each token goes to expert argmax(router), experts called once per routed chunk
+    (twice when a chunk of tokens is split), so that experts run a different number of times on each rank."""
+
+    def __init__(self, d: int = 4, n: int = 3):
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        which = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = (which == e).nonzero()[:, 0]
+            for part in idx.split(3):  # chunks of 3 tokens: more calls where more tokens are routed
+                if len(part):
+                    out[part] = expert(x[part])
+        return out
+
+
+def sec_uneven(rank: int, world: int, out: Path) -> dict:
+    """Sites that record on some ranks only: the issue's ModuleDict case (with a JSONL log on rank 0), and MoE routing
+    (experts called a different number of times per rank), with flush_every (asynchronous merges) and histograms."""
+    import hookstats
+    from hookstats.export.jsonl import JSONLWriter
+
+    torch.manual_seed(4)
+    m = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)}).double()
+    path = out / f"uneven_rank{rank}.jsonl"
+    writer = JSONLWriter(path)
+    mon = hookstats.Monitor(m, kinds=("forward",), include=("a", "b"), process_group="world", exporters=[writer],
+                            histogram=(8, (-2.0, 2.0)))
+    calls = Calls(m)
+    x = torch.randn(2 + rank, 3, generator=_gen(40 + rank), dtype=torch.float64)
+    m["a"](x)
+    m["b"](x)
+    mon.step()
+    calls.step += 1
+    m["a" if rank == 0 else "b"](x)
+    mon.flush()
+    res = {"records": mon.records(), "summary": mon.summary_rows(), "seen": calls.seen, "path": str(path)}
+    mon.detach()
+    writer.close()
+    calls.remove()
+
+    torch.manual_seed(5)
+    moe = Experts().double()
+    mon = hookstats.Monitor(moe, kinds=("forward",), process_group="world", flush_every=2, histogram="exp")
+    calls = Calls(moe)
+    g = _gen(50 + rank)
+    for _ in range(4):
+        moe(torch.randn(6 + 5 * rank, 4, generator=g, dtype=torch.float64) + (rank - 0.5))
+        mon.step()
+        calls.step += 1
+    res["moe_records"] = mon.records()  # the last step's flush may still be merging: this read ends it
+    mon.detach()
+    res["moe_seen"] = calls.seen
+    calls.remove()
+    return res
+
+
 def sec_mismatch(rank: int, world: int, out: Path) -> dict:
-    """Ranks that recorded different tensors: every flush must raise on every rank, and leave the group usable."""
+    """Records that differ between ranks: a record more, or from another module, merge (item 1); another dtype, or
+    Monitors with other settings, raise on every rank, drop that flush's records, and the next flush merges."""
     import torch.distributed as dist
 
     import hookstats
 
-    errors = {}
-
-    def attempt(case: str, mon) -> None:
-        try:
-            mon.flush()
-            errors[case] = None
-        except RuntimeError as e:
-            errors[case] = str(e)
-        for h in mon._handles:  # not detach(): that flushes again, and raises again
-            h.remove()
-
+    res = {"errors": {}, "after": {}}
     x = torch.randn(4, dtype=torch.float64, generator=_gen(5))
+
+    def attempt(case: str, mon, feed) -> None:
+        try:
+            res["after"][case] = {"flushed": [dict(r) for r in mon.flush()]}
+            res["errors"][case] = None
+        except RuntimeError as e:
+            res["errors"][case] = str(e)
+            res["after"][case] = {"error_type": type(e).__name__}
+        # recovery: the next step merges normally
+        mon.step()
+        feed(x)
+        res["after"][case].update(next=[dict(r) for r in mon.flush()], failures=mon.merge_failures,
+                                  dropped=mon.dropped_records)
+        mon.detach()
+
     feed = Feed()
     mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
     feed(x)
     if rank == 1:
-        feed(x)  # one extra record
-    attempt("extra_record", mon)
+        feed(x * 2)  # one extra call
+    attempt("extra_record", mon, feed)
 
     two = nn.Sequential(Feed(), Feed())
     mon = hookstats.Monitor(two, kinds=("forward",), process_group="world")
     two[rank](x)  # as many records, from different modules
-    attempt("other_module", mon)
+    attempt("other_module", mon, lambda x: two(x))
 
     feed = Feed()
     mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
-    feed(x if rank == 0 else x.float())  # as many records, different dtypes
-    attempt("other_dtype", mon)
+    feed(x if rank == 0 else x.float())  # the same record, different dtypes
+    feed(x)
+    attempt("other_dtype", mon, feed)
+
+    feed = Feed()
+    mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world",
+                            histogram=None if rank == 0 else (4, (-1.0, 1.0)))  # different settings
+    feed(x)
+    try:
+        mon.flush()
+        res["errors"]["other_settings"] = None
+    except RuntimeError as e:
+        res["errors"]["other_settings"] = str(e)
+    # detach() after a failed merge: the hooks go, whatever the flush raises
+    feed(x)
+    try:
+        mon.detach()
+        res["detach_error"] = None
+    except RuntimeError as e:
+        res["detach_error"] = str(e)
+    res["hooks_after_detach"] = len(feed._forward_hooks)
+    res["failures_settings"] = mon.merge_failures
 
     t = torch.ones(3)
     dist.all_reduce(t)  # the group still works
-    return {"errors": errors, "all_reduce_after": t.tolist()}
+    res["all_reduce_after"] = t.tolist()
+    return res
+
+
+class Poison(nn.Module):
+    """Puts a NaN into its output on one rank, at one element, at one step."""
+
+    def __init__(self, rank: int, at_rank: int, at_step: int, where: tuple):
+        super().__init__()
+        self.rank, self.at_rank, self.at_step, self.where, self.step = rank, at_rank, at_step, where, 0
+
+    def forward(self, x):
+        if self.rank == self.at_rank and self.step == self.at_step:
+            x = x.clone()
+            x[self.where] = math.nan
+        return x
+
+
+def sec_nonfinite(rank: int, world: int, out: Path) -> dict:
+    """A NaN on rank 1 only: the merged first_nonfinite() names rank 1 on every rank, the summary too, and with
+    locations=True the element and its rank."""
+    import hookstats
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(4, 5), Poison(rank, 1, 1, (1, 2)), nn.Linear(5, 2)).double()
+    mons = {loc: hookstats.Monitor(model, kinds=("forward",), process_group="world", locations=loc)
+            for loc in (False, True)}
+    g = _gen(60 + rank)
+    for step in range(3):
+        model[1].step = step
+        model(torch.randn(3, 4, generator=g, dtype=torch.float64))
+        for mon in mons.values():
+            mon.step()
+    res = {}
+    for loc, mon in mons.items():
+        mon.flush()
+        first = mon.first_nonfinite()
+        res[loc] = {"first": dict(first) if first else None, "str": str(first), "summary": mon.summary_rows(),
+                    "text": mon.summary(), "records": mon.records()}
+        mon.detach()
+    return res
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -562,7 +706,7 @@ def sec_placements(rank: int, world: int, out: Path) -> dict:
 
 SCENARIOS = {
     "monitor": [("model", sec_model), ("special", sec_special), ("flush_every", sec_flush_every),
-                ("mismatch", sec_mismatch)],
+                ("uneven", sec_uneven), ("mismatch", sec_mismatch), ("nonfinite", sec_nonfinite)],
     "parallel": [("ddp", sec_ddp), ("fsdp", sec_fsdp), ("placements", sec_placements)],
 }
 

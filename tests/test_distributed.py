@@ -267,16 +267,117 @@ def test_exporters_write_on_rank0_only(monitor_run):
     assert not path1.exists() or path1.read_text() == "", "rank 1's exporter was written to"
 
 
-@pytest.mark.parametrize("case", ["extra_record", "other_module", "other_dtype"])
-def test_ranks_that_recorded_different_tensors_raise(monitor_run, case):
-    """Rank 1 records one more tensor, or as many from another module, or of another dtype: flush() raises on every
-    rank (and returns: the test would hit its deadline otherwise), and the group still works afterwards."""
-    ranks = monitor_run.section("mismatch")
-    for rank, r in enumerate(ranks):
-        err = r["errors"][case]
-        assert err is not None, f"rank {rank} merged records of different tensors without an error"
-        assert MISMATCH in err, err
+def check_calls(records: list, seen: dict, world_seen: list, hist=None) -> None:
+    """forward records merged per call: the k-th record of (step, module) is the concatenation of the k-th call's
+    tensors on the ranks that made a k-th call, and says how many ranks did."""
+    by_key: dict = {}
+    for r in records:
+        by_key.setdefault((r["step"], r["module"]), []).append(r)
+    keys = set().union(*[set(s) for s in world_seen])
+    assert set(by_key) == keys, f"records {sorted(set(by_key) ^ keys)} differ from the calls made"
+    bad = []
+    for k in sorted(keys):
+        ncalls = max(len(s.get(k, [])) for s in world_seen)
+        assert len(by_key[k]) == ncalls, f"{k}: {len(by_key[k])} records for {ncalls} calls"
+        for c, rec in enumerate(by_key[k]):
+            parts = [s[k][c] for s in world_seen if len(s.get(k, [])) > c]
+            assert rec["ranks"] == len(parts), f"{k} call {c}: ranks {rec['ranks']}, {len(parts)} ranks called"
+            bad += check_record(rec, parts, hist, where=f"{k} call {c}")
+    assert not bad, "merged records differ from the reference:\n  " + "\n  ".join(bad)
+
+
+def test_site_recorded_on_one_rank_merges(monitor_run):
+    """The issue's ModuleDict case: step 1 runs "a" on rank 0 and "b" on rank 1; each merged record holds the ranks
+    that wrote it (ranks = 1), records() and summary_rows() work on both ranks, rank 0's log holds every site."""
+    from hookstats.export.jsonl import read_jsonl
+
+    ranks = monitor_run.section("uneven")
+    recs = [r["records"] for r in ranks]
+    assert [(r["step"], r["module"], r["ranks"]) for r in recs[0]] == [(0, "a", 2), (0, "b", 2), (1, "a", 1),
+                                                                        (1, "b", 1)]
+    check_calls(recs[0], ranks[0]["seen"], [r["seen"] for r in ranks], RANGE)
+    assert_same_on_every_rank(recs, "uneven records")
+    for r in ranks:
+        assert [(x["module"], x["records"]) for x in r["summary"]] == [("a", 2), ("b", 2)]
+    log = read_jsonl(ranks[0]["path"])
+    assert [(x["step"], x["module"], x["ranks"], x["stats"]["numel"]) for x in log.records] == \
+        [(x["step"], x["module"], x["ranks"], x["stats"]["numel"]) for x in recs[0]]
+    path1 = Path(ranks[1]["path"])
+    assert not path1.exists() or path1.read_text() == ""
+
+
+def test_moe_routing_merges_calls_per_rank(monitor_run):
+    """Experts called a different number of times on each rank (and some on one rank only), flush_every=2 (the
+    merge's all_gather started by step() and ended by the next flush or read), exponent histograms: each call
+    merges with the same-numbered call of the other rank."""
+    ranks = monitor_run.section("uneven")
+    recs = [r["moe_records"] for r in ranks]
+    check_calls(recs[0], ranks[0]["moe_seen"], [r["moe_seen"] for r in ranks], EXP)
+    assert_same_on_every_rank(recs, "MoE records")
+    assert {r["ranks"] for r in recs[0]} == {1, 2}, "the case should hold calls made on one rank only"
+    assert len({r["step"] for r in recs[0]}) == 4
+
+
+@pytest.mark.parametrize("case", ["extra_record", "other_module"])
+def test_different_calls_per_rank_merge(monitor_run, case):
+    """Rank 1 calls a module once more, or the ranks call different modules: merged, each record from the ranks
+    that wrote it; the next step merges normally."""
+    for r in monitor_run.section("mismatch"):
+        assert r["errors"][case] is None, r["errors"][case]
+        got = [(x["module"], x["ranks"], x["stats"]["numel"]) for x in r["after"][case]["flushed"]]
+        want = [("", 2, 8), ("", 1, 4)] if case == "extra_record" else [("0", 1, 4), ("1", 1, 4)]
+        assert got == want
+        assert r["after"][case]["failures"] == 0
+
+
+def test_unmergeable_records_raise_then_recover(monitor_run):
+    """One record of another dtype on rank 1: MergeError on every rank, naming the record and counting records;
+    the flush's records are dropped and counted, and the next step merges normally."""
+    for rank, r in enumerate(monitor_run.section("mismatch")):
+        err = r["errors"]["other_dtype"]
+        assert err is not None, f"rank {rank} merged records of different dtypes"
+        assert "kind forward, index 0, call 0 has dtype float64 on rank 0 and float32 on rank 1" in err, err
+        assert "rank 0: 2, rank 1: 2) were dropped" in err, err
+        after = r["after"]["other_dtype"]
+        assert after["error_type"] == "MergeError"
+        assert (after["failures"], after["dropped"]) == (1, 2)
+        assert [(x["ranks"], x["stats"]["numel"]) for x in after["next"]] == [(2, 8)]
+
+
+def test_differing_monitors_raise_and_detach_detaches(monitor_run):
+    """Monitors with other settings on the ranks: flush() raises on every rank; detach() after that raises again
+    (its own flush) but removes the hooks; the group still works."""
+    for rank, r in enumerate(monitor_run.section("mismatch")):
+        for err in (r["errors"]["other_settings"], r["detach_error"]):
+            assert err is not None and "Monitors differ" in err and "rank 0: 1, rank 1: 1" in err, err
+        assert r["hooks_after_detach"] == 0
+        assert r["failures_settings"] == 2
         assert r["all_reduce_after"] == [float(WORLD)] * 3
+
+
+@pytest.mark.parametrize("locations", [False, True])
+def test_nonfinite_names_the_rank(monitor_run, locations):
+    """A NaN put at element (1, 2) on rank 1 at step 1: first_nonfinite() on every rank names step 1, module 1 and
+    rank 1 (and with locations the element, on rank 1); the summary's NaN/Inf ranks column says 1."""
+    ranks = monitor_run.section("nonfinite")
+    for rank, r in enumerate(ranks):
+        res = r[locations]
+        f = res["first"]
+        assert (f["step"], f["module"], f["nonfinite_ranks"], f["stats"]["nan_count"]) == (1, "1", [1], 1)
+        want = "step 1, module 1, kind forward, index 0, NaN/Inf on ranks [1]"
+        if locations:
+            assert f["first_nonfinite_index"] == (1, 2) and f["location_rank"] == 1 and f["shape"] == (3, 5)
+            want += ", element (1, 2) on rank 1"
+        assert res["str"] == want
+        rows = {x["module"]: x for x in res["summary"]}
+        assert rows["0"]["nonfinite_ranks"] == [] and rows["1"]["nonfinite_ranks"] == [1]
+        assert "NaN/Inf ranks" in res["text"]
+        clean = [x for x in res["records"] if x["stats"]["nan_count"] == 0]
+        assert clean and all(x["nonfinite_ranks"] == [] for x in clean)
+        if locations:  # a clean record names the largest |x| and the rank holding it
+            for x in clean:
+                assert x["location_rank"] in (0, 1) and x["argmax_abs_index"] is not None
+    assert_same_on_every_rank([r[locations]["records"] for r in ranks], "non-finite records")
 
 
 # ---------------------------------------------------------------------------------------------------------------

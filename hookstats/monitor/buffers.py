@@ -368,14 +368,18 @@ class Buffers:
         return None
 
     def columns(self):
-        """(module, kind, step, stats) over every kept block, for the summary."""
+        """(module, kind, step, stats, nonfinite mask or None) over every kept block, for the summary."""
         if not self.blocks:
-            return [], [], np.empty(0, dtype=np.int64), np.empty((0, _NF))
+            return [], [], np.empty(0, dtype=np.int64), np.empty((0, _NF)), None
         module = np.concatenate([b.column("module") for b in self.blocks])
         kind = np.concatenate([b.column("kind") for b in self.blocks])
         steps = np.concatenate([b.steps for b in self.blocks])
         stats = np.concatenate([b.stats for b in self.blocks])
-        return module, kind, steps, stats
+        mask = None
+        if self.group is not None:  # merged blocks: the ranks with a NaN/Inf
+            mask = np.concatenate([b.nonfinite_mask if b.nonfinite_mask is not None else
+                                   np.zeros(len(b), dtype=np.int64) for b in self.blocks])
+        return module, kind, steps, stats, mask
 
     def release(self) -> None:
         self.rec.close()
