@@ -566,6 +566,79 @@ def sec_ddp(rank: int, world: int, out: Path) -> dict:
     }
 
 
+class Branchy(nn.Module):
+    """A branch used on rank 0 only (DDP find_unused_parameters=True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x, use_b: bool):
+        y = self.a(x)
+        return y + self.b(x) if use_b else y
+
+
+def sec_ddp_grads(rank: int, world: int, out: Path) -> dict:
+    """The grad kind under DDP (Note [grad records across ranks]): the Monitor on the DDP module records the averaged
+    grads once per syncing backward (none in no_sync()), with optimizer= the grads at the step, on the plain module
+    without optimizer= each rank's local grads (merged as their concatenation); find_unused_parameters=True with a
+    branch used on one rank."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hookstats
+
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon_ddp = hookstats.Monitor(ddp, kinds=("grad",), process_group="world")
+    mon_opt = hookstats.Monitor(model, kinds=("grad",), process_group="world", optimizer=opt)
+    mon_local = hookstats.Monitor(model, kinds=("grad",), process_group="world")
+    cap = Capture(model, ("grad",))
+    gen = _gen(9)
+    X = torch.randn(3, 8, 6, generator=gen, dtype=torch.float64)
+    Y = torch.randn(3, 8, 3, generator=gen, dtype=torch.float64)
+    # step 0: one backward; step 1: a no_sync() micro-batch, then a syncing one (grads accumulate)
+    F.mse_loss(ddp(X[0].chunk(world)[rank]), Y[0].chunk(world)[rank]).backward()
+    opt.step()
+    grads0 = [q.grad.clone() for q in model.parameters()]
+    F.mse_loss(ref(X[0]), Y[0]).backward()
+    ref_grads = [[q.grad.clone() for q in ref.parameters()]]
+    for mon in (mon_ddp, mon_opt, mon_local):
+        mon.step()
+    cap.step += 1
+    opt.zero_grad()
+    ref.zero_grad()
+    with ddp.no_sync():
+        F.mse_loss(ddp(X[1].chunk(world)[rank]), Y[1].chunk(world)[rank]).backward()
+    F.mse_loss(ddp(X[2].chunk(world)[rank]), Y[2].chunk(world)[rank]).backward()
+    opt.step()
+    for i in (1, 2):
+        F.mse_loss(ref(X[i]), Y[i]).backward()
+    ref_grads.append([q.grad.clone() for q in ref.parameters()])
+    res = {"names": [n for n, _ in model.named_parameters()], "ref_grads": ref_grads, "local_seen": cap.seen,
+           "grads": [grads0, [q.grad.clone() for q in model.parameters()]]}
+    for name, mon in (("ddp", mon_ddp), ("opt", mon_opt), ("local", mon_local)):
+        mon.flush()
+        res[name] = mon.records()
+        mon.detach()
+    cap.remove()
+
+    torch.manual_seed(10)
+    br = Branchy().double()
+    dbr = DDP(br, find_unused_parameters=True)
+    mon = hookstats.Monitor(dbr, kinds=("forward", "backward_pre", "grad"), process_group="world")
+    x = torch.randn(4, 6, generator=_gen(12 + rank), dtype=torch.float64)
+    dbr(x, use_b=rank == 0).square().mean().backward()
+    mon.flush()
+    res["unused"] = mon.records()
+    res["unused_grads"] = {n: (None if q.grad is None else q.grad.clone()) for n, q in dbr.named_parameters()}
+    mon.detach()
+    return res
+
+
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -707,7 +780,7 @@ def sec_placements(rank: int, world: int, out: Path) -> dict:
 SCENARIOS = {
     "monitor": [("model", sec_model), ("special", sec_special), ("flush_every", sec_flush_every),
                 ("uneven", sec_uneven), ("mismatch", sec_mismatch), ("nonfinite", sec_nonfinite)],
-    "parallel": [("ddp", sec_ddp), ("fsdp", sec_fsdp), ("placements", sec_placements)],
+    "parallel": [("ddp", sec_ddp), ("ddp_grads", sec_ddp_grads), ("fsdp", sec_fsdp), ("placements", sec_placements)],
 }
 
 

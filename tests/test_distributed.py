@@ -422,6 +422,60 @@ def test_ddp_clip_grad_norm_matches_unsharded(parallel_run):
     assert_tensors_close(ranks[1]["grads"], ranks[0]["grads"], "rank 1 vs rank 0 grads", rtol=0)
 
 
+@pytest.mark.parametrize("how", ["ddp", "opt"])
+def test_ddp_grad_records_are_the_optimizers_grads(parallel_run, how):
+    """kinds=("grad",) with the Monitor on the DDP module (after DDP's allreduce, once per syncing backward: step 1
+    has a no_sync() micro-batch first) or with optimizer=: one record per parameter and step, numel once, the
+    statistics of the grads DDP left (the same on both ranks; replicated: counted once), which are the full-batch
+    run's grads (to rounding)."""
+    ranks = parallel_run.section("ddp_grads")
+    names = ranks[0]["names"]
+    for rank, r in enumerate(ranks):
+        recs = r[how]
+        prefix = "module." if how == "ddp" else ""
+        assert [(x["step"], x["module"]) for x in recs] == [(s, prefix + n) for s in (0, 1) for n in names]
+        bad = []
+        for x in recs:
+            i = names.index(x["module"][len(prefix):])
+            full, got = r["ref_grads"][x["step"]][i], r["grads"][x["step"]][i]
+            assert x["ranks"] == WORLD and x["stats"]["numel"] == full.numel(), x["module"]
+            bad += check_record(x, [got], where=f"rank {rank} {x['module']} step {x['step']}")
+            assert_rel(x["stats"]["l2"], float(full.norm()), 1e-12, f"{x['module']} l2 vs the full-batch run")
+        assert not bad, "\n".join(bad)
+    assert_same_on_every_rank([r[how] for r in ranks], f"{how} grad records")
+
+
+def test_ddp_local_grad_records_without_optimizer(parallel_run):
+    """Post-accumulate hooks on the module DDP wraps (no optimizer=): each rank's local grads, before DDP's
+    allreduce, merged as their concatenation (every accumulation its own call: two on step 1)."""
+    ranks = parallel_run.section("ddp_grads")
+    recs = ranks[0]["local"]
+    assert len(recs) == 4 + 8
+    bad = []
+    calls: dict = {}
+    for x in recs:
+        k = (x["step"], x["module"], "grad", 0)
+        c = calls[k] = calls.get(k, -1) + 1
+        want = [r["local_seen"][k] for r in ranks]  # Capture keeps the last call's tensor
+        if x["step"] == 0 or c == 1:
+            bad += check_record(x, want, where=str(k))
+        assert x["ranks"] == WORLD
+    assert not bad, "\n".join(bad)
+
+
+def test_ddp_find_unused_parameters(parallel_run):
+    """A branch used on rank 0 only (find_unused_parameters=True): its forward and backward_pre records come from
+    rank 0 (ranks = 1), its grads are DDP's averaged ones (replicated, ranks = 2, numel once)."""
+    for r in parallel_run.section("ddp_grads"):
+        got = {(x["module"], x["kind"]): x for x in r["unused"]}
+        assert got[("module.b", "forward")]["ranks"] == 1 and got[("module.a", "forward")]["ranks"] == 2
+        assert got[("module.b", "backward_pre")]["ranks"] == 1
+        for n, g in r["unused_grads"].items():
+            x = got[(n, "grad")]
+            assert x["ranks"] == WORLD and x["stats"]["numel"] == g.numel()
+            assert x["stats"]["l2"] == pytest.approx(float(g.norm()), rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # FSDP2
 
