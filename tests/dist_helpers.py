@@ -639,6 +639,56 @@ def sec_ddp_grads(rank: int, world: int, out: Path) -> dict:
     return res
 
 
+def tiny_models() -> dict:
+    """Small transformers models with random weights (float64, no dropout, eager attention)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    return {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=32, attn_implementation="eager")),
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(
+            vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")),
+    }
+
+
+def sec_models(rank: int, world: int, out: Path) -> dict:
+    """Llama and GPT-2 (transformers, random weights) under DDP, each rank half of the batch: a Monitor on the DDP
+    module (forward and grad records, merged) beside a single-process Monitor on a copy run on the whole batch, and
+    hookstats.clip_grad_norm_ against torch's on that copy."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hookstats
+
+    res = {}
+    for name, make in tiny_models().items():
+        torch.manual_seed(13)
+        model = make().double()
+        ref = copy.deepcopy(model)
+        ddp = DDP(model)
+        mon = hookstats.Monitor(ddp, kinds=("forward", "grad"), process_group="world")
+        ref_mon = hookstats.Monitor(ref, kinds=("forward", "grad"))
+        ids = torch.randint(0, 64, (4, 8), generator=_gen(14))
+        mine = ids.chunk(world)[rank]
+        ddp(input_ids=mine, labels=mine).loss.backward()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        mon.flush()
+        recs = mon.records()
+        mon.detach()
+        ref_recs = ref_mon.records()
+        ref_mon.detach()
+        ref_total = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        max_norm = 0.5 * ref_total
+        tn = hookstats.clip_grad_norm_(ddp.parameters(), max_norm)
+        rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        err = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-300))
+                  for p, q in zip(model.parameters(), ref.parameters()))
+        res[name] = {"records": recs, "ref_records": ref_recs, "clip_total": float(tn), "ref_clip_total": float(rn),
+                     "grad_rel_error": err}
+    return res
+
+
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -780,7 +830,8 @@ def sec_placements(rank: int, world: int, out: Path) -> dict:
 SCENARIOS = {
     "monitor": [("model", sec_model), ("special", sec_special), ("flush_every", sec_flush_every),
                 ("uneven", sec_uneven), ("mismatch", sec_mismatch), ("nonfinite", sec_nonfinite)],
-    "parallel": [("ddp", sec_ddp), ("ddp_grads", sec_ddp_grads), ("fsdp", sec_fsdp), ("placements", sec_placements)],
+    "parallel": [("ddp", sec_ddp), ("ddp_grads", sec_ddp_grads), ("fsdp", sec_fsdp), ("placements", sec_placements),
+                 ("models", sec_models)],
 }
 
 

@@ -567,3 +567,48 @@ def test_replicated_dtensor_is_counted_once(parallel_run):
             assert recs[name]["stats"]["numel"] == t.numel(), name
             bad = check_record(recs[name], [t], EXP, where=name)
             assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real models: transformers Llama and GPT-2 (random weights) under DDP
+
+# Tensors every rank computes whole (not per sample): their merged record holds each rank's copy, numel x WORLD.
+# The rotary / position embeddings of the positions, and the loss (each rank's mean).
+PER_RANK_WHOLE = {"llama": {("model.rotary_emb", 0), ("model.rotary_emb", 1), ("", 0)},
+                  "gpt2": {("transformer.wpe", 0), ("", 0)}}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_real_model_ddp_records_match_full_batch(parallel_run, name):
+    """Every forward and grad record of the DDP run (Monitor on the DDP module) equals the single-process run on the
+    whole batch, except the tensors each rank computes whole (PER_RANK_WHOLE: numel x WORLD, each rank's copy);
+    the clip total equals torch's and the clipped grads the copy's."""
+    for rank, r in enumerate(parallel_run.section("models")):
+        r = r[name]
+        ref = {(x["step"], x["module"], x["kind"], x["index"]): x for x in r["ref_records"]}
+        compared, whole, bad = 0, set(), []
+        for x in r["records"]:
+            if x["module"] == "":  # the DDP wrapper's own forward: the same tensors as "module"'s
+                continue
+            m = "" if x["module"] == "module" else x["module"][len("module."):]
+            y = ref[(x["step"], m, x["kind"], x["index"])]
+            assert x["ranks"] == WORLD
+            if y["stats"]["numel"] != x["stats"]["numel"]:
+                assert x["stats"]["numel"] == WORLD * y["stats"]["numel"], (m, x["kind"], x["index"])
+                whole.add((m, x["index"]))
+                continue
+            compared += 1
+            for f in ("numel", "nan_count", "inf_count"):
+                if x["stats"][f] != y["stats"][f]:
+                    bad.append(f"{m} {x['kind']} {x['index']} {f}: {x['stats'][f]} vs {y['stats'][f]}")
+            for f in ("sum", "l1", "l2", "linf", "min", "max", "std"):
+                a, b = x["stats"][f], y["stats"][f]
+                if abs(a - b) > 1e-10 * max(abs(b), 1e-3 * y["stats"]["linf"]):
+                    bad.append(f"{m} {x['kind']} {x['index']} {f}: {a!r} vs {b!r}")
+        assert not bad, f"rank {rank}:\n  " + "\n  ".join(bad)
+        assert whole == PER_RANK_WHOLE[name]
+        grads = [x for x in r["records"] if x["kind"] == "grad"]
+        assert len(grads) == len([x for x in r["ref_records"] if x["kind"] == "grad"]) > 10
+        assert compared == len(r["records"]) - len(whole) - len([x for x in r["records"] if x["module"] == ""])
+        assert_rel(r["clip_total"], r["ref_clip_total"], 1e-12, f"{name} clip total")
+        assert r["grad_rel_error"] < 1e-12
