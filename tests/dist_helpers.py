@@ -474,6 +474,67 @@ def sec_mismatch(rank: int, world: int, out: Path) -> dict:
     return res
 
 
+@contextlib.contextmanager
+def count_collectives():
+    """Counts calls of the torch.distributed collectives a Monitor could use, by name."""
+    import torch.distributed as dist
+
+    names = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "all_gather_object", "barrier")
+    calls: list = []
+    orig = {n: getattr(dist, n) for n in names}
+
+    def wrap(n):
+        def counting(*args, **kw):
+            calls.append(n)
+            return orig[n](*args, **kw)
+        return counting
+
+    for n in names:
+        setattr(dist, n, wrap(n))
+    try:
+        yield calls
+    finally:
+        for n in names:
+            setattr(dist, n, orig[n])
+
+
+def sec_collectives(rank: int, world: int, out: Path) -> dict:
+    """One collective per flush: step()'s flush (flush_every=1) starts one all_gather and returns with it pending; a
+    read ends it without a collective; a flush whose payload outgrows the agreed capacity sends twice, once."""
+    import hookstats
+
+    torch.manual_seed(7)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    res = {"per_step": [], "pending": [], "read_calls": [], "counts": []}
+    with count_collectives() as calls:
+        mon = hookstats.Monitor(m, kinds=("forward", "backward_pre"), process_group="world", flush_every=1)
+        g = _gen(70 + rank)
+        for _ in range(3):
+            m(torch.randn(2 + rank, 4, generator=g, dtype=torch.float64)).sum().backward()
+            n0 = len(calls)
+            mon.step()
+            res["per_step"].append(calls[n0:])
+            res["pending"].append(mon._buf._pending is not None)
+            n0 = len(calls)
+            res["counts"].append(len(mon.records()))
+            res["read_calls"].append(calls[n0:])
+        mon.detach()
+        feed = Feed()
+        big = hookstats.Monitor(feed, kinds=("forward",), process_group="world", histogram="exp")
+        res["big"] = []
+        for step in range(3):
+            for _ in range(8 if step < 2 else 1):  # exponent histograms of float64: 2,100+ counts a record
+                feed(torch.randn(5, generator=g, dtype=torch.float64))
+            n0 = len(calls)
+            big.flush()
+            res["big"].append(calls[n0:])
+            big.step()
+        res["big_records"] = len(big.records())
+        res["big_capacity"] = big._buf._capacity
+        big.detach()
+    return res
+
+
 class Poison(nn.Module):
     """Puts a NaN into its output on one rank, at one element, at one step."""
 
@@ -711,14 +772,20 @@ def sec_fsdp(rank: int, world: int, out: Path) -> dict:
     fully_shard(model, mesh=mesh)
     # after fully_shard: it replaces the parameters by DTensors, and hooks on the old ones would be lost
     mon = hookstats.Monitor(model, kinds=("forward", "grad"), process_group="world")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon_opt = hookstats.Monitor(model, kinds=("grad",), process_group="world", optimizer=opt)
     cap = Capture(model, ("forward",))
     X = torch.randn(8, 5, generator=_gen(11), dtype=torch.float64) * 2
     xs = X.chunk(world)[rank]
     model(xs).square().sum().backward()
+    opt.step()  # optimizer=: the sharded grads at the step, merged into the full ones (not as replicas)
     (ref(X).square().sum() / world).backward()  # FSDP2 averages the grads over ranks
     mon.flush()
     records = mon.records()
     mon.detach()
+    mon_opt.flush()
+    opt_records = mon_opt.records()
+    mon_opt.detach()
     cap.remove()
 
     names = [n for n, _ in model.named_parameters()]
@@ -737,7 +804,7 @@ def sec_fsdp(rank: int, world: int, out: Path) -> dict:
         totals[p] = float(t)
         ref_totals[p] = float(torch.nn.utils.get_total_norm([q.grad for q in ref_params], p))
 
-    res = {"records": records, "seen": cap.seen, "names": names, "local_shapes": local_shapes,
+    res = {"records": records, "opt_records": opt_records, "seen": cap.seen, "names": names, "local_shapes": local_shapes,
            "all_dtensor": all_dtensor, "full_grads": full_grads, "totals": totals, "ref_totals": ref_totals,
            "calls_norm": calls_norm, "total_types": total_types}
 
@@ -829,7 +896,8 @@ def sec_placements(rank: int, world: int, out: Path) -> dict:
 
 SCENARIOS = {
     "monitor": [("model", sec_model), ("special", sec_special), ("flush_every", sec_flush_every),
-                ("uneven", sec_uneven), ("mismatch", sec_mismatch), ("nonfinite", sec_nonfinite)],
+                ("uneven", sec_uneven), ("mismatch", sec_mismatch), ("nonfinite", sec_nonfinite),
+                ("collectives", sec_collectives)],
     "parallel": [("ddp", sec_ddp), ("ddp_grads", sec_ddp_grads), ("fsdp", sec_fsdp), ("placements", sec_placements),
                  ("models", sec_models)],
 }

@@ -529,6 +529,12 @@ def test_fsdp_monitor_records_full_grads(parallel_run):
     assert_same_on_every_rank([r["records"] for r in ranks], "FSDP records")
     grads = {r["module"]: r for r in records if r["kind"] == "grad"}
     assert sorted(grads) == sorted(ranks[0]["names"])
+    # with optimizer=: the same full grads (DTensor shards are merged, not taken as replicas)
+    opt = {r["module"]: r for r in ranks[0]["opt_records"]}
+    assert sorted(opt) == sorted(grads)
+    for name, rec in opt.items():
+        assert same_value(rec["stats"], grads[name]["stats"]), name
+        assert rec["ranks"] == WORLD  # rank 1's empty shards are records too
     bad = []
     for name, full in zip(ranks[0]["names"], ranks[0]["full_grads"]):
         rec = grads[name]
@@ -612,3 +618,15 @@ def test_real_model_ddp_records_match_full_batch(parallel_run, name):
         assert compared == len(r["records"]) - len(whole) - len([x for x in r["records"] if x["module"] == ""])
         assert_rel(r["clip_total"], r["ref_clip_total"], 1e-12, f"{name} clip total")
         assert r["grad_rel_error"] < 1e-12
+
+
+def test_one_collective_per_flush(monitor_run):
+    """step() with flush_every=1 issues one all_gather (and nothing else) and returns with it pending; records()
+    ends it without a collective; a flush that outgrows the agreed capacity sends twice, the next ones once."""
+    for r in monitor_run.section("collectives"):
+        assert r["per_step"] == [["all_gather_into_tensor"]] * 3
+        assert r["pending"] == [True] * 3
+        assert r["read_calls"] == [[]] * 3
+        assert r["counts"] == [8, 16, 24]
+        assert r["big"] == [["all_gather_into_tensor"] * 2, ["all_gather_into_tensor"], ["all_gather_into_tensor"]]
+        assert r["big_records"] == 17
