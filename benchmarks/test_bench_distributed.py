@@ -267,7 +267,8 @@ def _monitor_main(out: Path, repeats: int) -> None:
     sync = hookstats.Monitor(model.module, kinds=("forward", "backward_pre"), process_group="world")
     flush_times = []
     calls: list = []
-    orig = dist.all_gather_into_tensor
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    orig = getattr(dist, gather_name)
 
     def counting(*a, **kw):
         calls.append(1)
@@ -278,11 +279,11 @@ def _monitor_main(out: Path, repeats: int) -> None:
         opt.zero_grad(set_to_none=False)
         dist.barrier()
         n0 = len(calls)
-        dist.all_gather_into_tensor = counting
+        setattr(dist, gather_name, counting)
         t0 = time.perf_counter()
         sync.flush()
         t = time.perf_counter() - t0
-        dist.all_gather_into_tensor = orig
+        setattr(dist, gather_name, orig)
         sync.step()
         if i >= MERGE_WARMUP:
             flush_times.append(t)

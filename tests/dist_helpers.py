@@ -479,7 +479,9 @@ def count_collectives():
     """Counts calls of the torch.distributed collectives a Monitor could use, by name."""
     import torch.distributed as dist
 
-    names = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "all_gather_object", "barrier")
+    names = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
+             "all_gather_object", "barrier")
+    names = tuple(n for n in names if hasattr(dist, n))
     calls: list = []
     orig = {n: getattr(dist, n) for n in names}
 

@@ -144,6 +144,7 @@ class Buffers:
         self._pending: Optional[Gather] = None
         self._pending_n = 0
         self._capacity = INITIAL_CAPACITY
+        self._sig: Optional[tuple] = None
         self.merge_failures = 0  # flushes whose records could not be merged (dropped)
         self.dropped_records = 0  # this rank's records in those flushes
         self.replica_mismatches = 0
@@ -259,10 +260,13 @@ class Buffers:
 
     # -- merging across ranks (Note [merging records across ranks] in hookstats.distributed) --------------------------
     def _signature(self) -> float:
-        h = self.histogram
-        return merge_signature([self.table.hook_names, self.hook_modes, None if h is None else (h.kind, h.bins, h.lo,
-                                                                                                 h.hi),
-                                self.locations])
+        """What every rank's Monitor must share (hooks, their merge modes, histogram and locations settings)."""
+        n = len(self.table.hook_names)
+        if self._sig is None or self._sig[0] != n:
+            h = self.histogram
+            spec = None if h is None else (h.kind, h.bins, h.lo, h.hi)
+            self._sig = (n, merge_signature([self.table.hook_names, self.hook_modes, spec, self.locations]))
+        return self._sig[1]
 
     def _start_merge(self, block: Block, async_merge: bool) -> None:
         from ..distributed import collective_device
@@ -288,8 +292,7 @@ class Buffers:
         chunks = g.chunks()
         longest = max(len(p) for _, p in chunks)
         if longest > self._capacity or 4 * longest < self._capacity:  # every rank computes the same
-            self._capacity = capacity_for(2 * longest) if longest > self._capacity else max(
-                INITIAL_CAPACITY, capacity_for(2 * longest))
+            self._capacity = capacity_for(longest)
         try:
             m = combine(chunks, g.sig, np.asarray(self.hook_modes + [0], dtype=np.int64), self.table.hook_names)
         except MergeError:

@@ -23,7 +23,7 @@ _KEYS = ("step", "hook", "index", "call", "dtype", "hlen", "ndim", "argmax", "no
 _K = len(_KEYS)
 _ROW = _K + _NF
 _HEAD = 4  # payload length, records, signature, locations flag
-INITIAL_CAPACITY = 8192  # float64 per rank (64 KB): a flush of ~300 records without histograms fits
+INITIAL_CAPACITY = 4096  # float64 per rank (32 KB): a flush of ~180 records without histograms fits
 
 
 class MergeError(RuntimeError):
@@ -101,7 +101,8 @@ class Gather:
         chunk[_HEAD:_HEAD + k] = p[:k]
         self.send = torch.from_numpy(chunk).to(self.device)
         self.recv = torch.empty(self.world * (_HEAD + cap), dtype=torch.float64, device=self.device)
-        self.work = dist.all_gather_into_tensor(self.recv, self.send, group=self.group, async_op=async_op)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # all_gather_into_tensor's newer name
+        self.work = gather(self.recv, self.send, group=self.group, async_op=async_op)
         self.done = not async_op
 
     def wait(self) -> None:
@@ -172,14 +173,23 @@ def combine(chunks: list, sig: float, modes: np.ndarray, hook_names: list) -> Me
     out = Merged()
     N = len(rows)
     key = rows[:, :4].astype(np.int64)
-    if N:
+    n0 = counts[0]
+    # the usual case: every rank wrote the same records in the same order (a [world, n] layout, no grouping)
+    aligned = all(c == n0 for c in counts) and all(np.array_equal(key[:n0], key[r * n0:(r + 1) * n0])
+                                                   for r in range(1, world))
+    if aligned:
+        uniq, gid = key[:n0], np.tile(np.arange(n0, dtype=np.int64), world)
+        o = np.arange(N, dtype=np.int64).reshape(world, n0).T.reshape(-1)
+        first = np.arange(n0, dtype=np.int64)
+    elif N:
         uniq, gid = np.unique(key, axis=0, return_inverse=True)
         gid = gid.reshape(-1)
     else:
         uniq, gid = np.empty((0, 4), dtype=np.int64), np.empty(0, dtype=np.int64)
     G = len(uniq)
-    o = np.lexsort((rank, gid))  # rows by record, then rank: every sum below runs in rank order
-    first = o[np.searchsorted(gid[o], np.arange(G))] if G else np.empty(0, dtype=np.int64)
+    if not aligned:
+        o = np.lexsort((rank, gid))  # rows by record, then rank: every sum below runs in rank order
+        first = o[np.searchsorted(gid[o], np.arange(G))] if G else np.empty(0, dtype=np.int64)
     # dtype and histogram length must agree within a record
     for col, what in ((4, "dtype"), (5, "histogram length")):
         v = rows[:, col]
@@ -211,7 +221,7 @@ def combine(chunks: list, sig: float, modes: np.ndarray, hook_names: list) -> Me
     bits = np.where(bad_rank & (rank < 63), np.left_shift(np.int64(1), np.minimum(rank, 62)), 0).astype(np.int64)
     np.bitwise_or.at(mask, gid, bits)
     out.nonfinite_mask = mask
-    stats = _merge_stats(st, gid, o, G)
+    stats = _merge_stats(st, gid, o, G, world if aligned and not (order != np.arange(G)).any() else 0)
     stats[rep] = st[first[rep]]
     mism = 0
     if rep.any():
@@ -268,31 +278,39 @@ def combine(chunks: list, sig: float, modes: np.ndarray, hook_names: list) -> Me
     return out
 
 
-def _merge_stats(st: np.ndarray, gid: np.ndarray, o: np.ndarray, G: int) -> np.ndarray:
-    """The 13 statistics of each record's concatenation over its ranks (Note [merging records across ranks])."""
+def _merge_stats(st: np.ndarray, gid: np.ndarray, o: np.ndarray, G: int, world: int = 0) -> np.ndarray:
+    """The 13 statistics of each record's concatenation over its ranks (Note [merging records across ranks]).
+    world > 0: the rows are [world, G] rank-major, record g of every rank at row r G + g (reduced along ranks, in
+    rank order); else grouped by gid, o ordering the rows by (record, rank)."""
     F = _F
-    gid_o, s = gid[o], st[o]
+    if world:
+        s = st
+
+        def reduce(fn, v, init):
+            return fn.reduce(v.reshape((world, G) + v.shape[1:]), axis=0)
+    else:
+        gid_o, s = gid[o], st[o]
+
+        def reduce(fn, v, init):
+            out = np.full((G,) + v.shape[1:], init)
+            fn.at(out, gid_o, v)
+            return out
     cnt, nan = s[:, F["numel"]], s[:, F["nan_count"]]
     no_value = (cnt == 0) | (nan > 0)
-    gmax = np.full(G, -math.inf)
-    gmin = np.full(G, math.inf)
-    glinf = np.zeros(G)
-    np.maximum.at(gmax, gid_o, np.where(no_value, -math.inf, s[:, F["max"]]))
-    np.minimum.at(gmin, gid_o, np.where(no_value, math.inf, s[:, F["min"]]))
-    np.maximum.at(glinf, gid_o, np.where(no_value, 0.0, s[:, F["linf"]]))
+    gmax = reduce(np.maximum, np.where(no_value, -math.inf, s[:, F["max"]]), -math.inf)
+    gmin = reduce(np.minimum, np.where(no_value, math.inf, s[:, F["min"]]), math.inf)
+    glinf = reduce(np.maximum, np.where(no_value, 0.0, s[:, F["linf"]]), 0.0)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         L = np.where(np.isfinite(glinf) & (glinf > 0), glinf, 1.0)
         c = np.where(np.isfinite(gmax) & np.isfinite(gmin), 0.5 * gmax + 0.5 * gmin, 0.0)
-        Lr, cr = L[gid_o], c[gid_o]
+        Lr, cr = (np.tile(L, world), np.tile(c, world)) if world else (L[gid_o], c[gid_o])
         sd = s[:, F["std"]] / Lr
         m2 = np.where(cnt >= 2, sd * sd * (cnt - 1), 0.0)
         dm = np.where(cnt >= 1, (s[:, F["mean"]] - cr) / Lr, 0.0)
         l2s = s[:, F["l2"]] / Lr
         add = np.stack([cnt, s[:, F["sum"]], s[:, F["l1"]], l2s * l2s, nan, s[:, F["inf_count"]],
                         s[:, F["zero_count"]], m2 + cnt * dm * dm], 1)
-        acc = np.zeros((G, 8))
-        np.add.at(acc, gid_o, add)
-        N, S, L1, L2s, NAN, INF, ZERO, M2c = acc.T
+        N, S, L1, L2s, NAN, INF, ZERO, M2c = reduce(np.add, add, 0.0).T
         gmean = np.where(N > 0, S / np.maximum(N, 1), math.nan)
         d = (gmean - c) / L
         std = L * np.sqrt(np.maximum(M2c - N * d * d, 0) / np.maximum(N - 1, 1))
