@@ -196,7 +196,7 @@ def test_fsdp_clip_grad_norm(benchmark, hookstats, tmp_path):
 
 
 MERGE_LAYERS, MERGE_WIDTH, MERGE_BATCH, MERGE_STEPS = 24, 128, 32, 10
-MERGE_WARMUP, MERGE_REPEATS = 2, 12
+MERGE_WARMUP, MERGE_REPEATS = 2, 20
 MERGE_CASES = ("none", "local_1", "merged_1", "merged_10")
 
 
@@ -235,7 +235,7 @@ def _monitor_main(out: Path, repeats: int) -> None:
             if mon is not None:
                 mon.step()
         if mon is not None:
-            mon.records()  # the last merge ends inside the sample
+            mon.first_nonfinite()  # a cheap read: the last merge ends inside the sample
             mon._buf.blocks.clear()  # keep memory flat across samples
 
     # check: a merged step's records hold both ranks' batches

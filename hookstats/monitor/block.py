@@ -98,7 +98,12 @@ def gather_rows(block: np.ndarray, slot: np.ndarray, row: np.ndarray) -> HistRow
 
 def mask_ranks(mask: int) -> list:
     """The ranks set in a nonfinite_mask (bit r: rank r, for ranks 0-62)."""
-    return [r for r in range(63) if mask >> r & 1]
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
 
 
 class Record(dict):

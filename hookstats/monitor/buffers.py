@@ -145,6 +145,7 @@ class Buffers:
         self._pending_n = 0
         self._capacity = INITIAL_CAPACITY
         self._sig: Optional[tuple] = None
+        self._coll_dev: Optional[torch.device] = None
         self.merge_failures = 0  # flushes whose records could not be merged (dropped)
         self.dropped_records = 0  # this rank's records in those flushes
         self.replica_mismatches = 0
@@ -271,7 +272,9 @@ class Buffers:
     def _start_merge(self, block: Block, async_merge: bool) -> None:
         from ..distributed import collective_device
 
-        dev = collective_device(self.group, None)
+        if self._coll_dev is None:
+            self._coll_dev = collective_device(self.group, None)
+        dev = self._coll_dev
         payload = pack(block, self.locations)
         self._pending = Gather(self.group, dev, payload, len(block), self._signature(), self.locations,
                                self._capacity, async_op=async_merge)
