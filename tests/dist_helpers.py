@@ -560,13 +560,16 @@ def sec_nonfinite(rank: int, world: int, out: Path) -> dict:
     model = nn.Sequential(nn.Linear(4, 5), Poison(rank, 1, 1, (1, 2)), nn.Linear(5, 2)).double()
     mons = {loc: hookstats.Monitor(model, kinds=("forward",), process_group="world", locations=loc)
             for loc in (False, True)}
+    calls = Calls(model)
     g = _gen(60 + rank)
     for step in range(3):
         model[1].step = step
-        model(torch.randn(3, 4, generator=g, dtype=torch.float64))
+        model(torch.randn(3 + rank, 4, generator=g, dtype=torch.float64))
         for mon in mons.values():
             mon.step()
-    res = {}
+        calls.step += 1
+    calls.remove()
+    res = {"seen": calls.seen}
     for loc, mon in mons.items():
         mon.flush()
         first = mon.first_nonfinite()

@@ -366,7 +366,7 @@ def test_nonfinite_names_the_rank(monitor_run, locations):
         assert (f["step"], f["module"], f["nonfinite_ranks"], f["stats"]["nan_count"]) == (1, "1", [1], 1)
         want = "step 1, module 1, kind forward, index 0, NaN/Inf on ranks [1]"
         if locations:
-            assert f["first_nonfinite_index"] == (1, 2) and f["location_rank"] == 1 and f["shape"] == (3, 5)
+            assert f["first_nonfinite_index"] == (1, 2) and f["location_rank"] == 1 and f["shape"] == (4, 5)
             want += ", element (1, 2) on rank 1"
         assert res["str"] == want
         rows = {x["module"]: x for x in res["summary"]}
@@ -374,9 +374,13 @@ def test_nonfinite_names_the_rank(monitor_run, locations):
         assert "NaN/Inf ranks" in res["text"]
         clean = [x for x in res["records"] if x["stats"]["nan_count"] == 0]
         assert clean and all(x["nonfinite_ranks"] == [] for x in clean)
-        if locations:  # a clean record names the largest |x| and the rank holding it
+        if locations:  # a clean record names the largest |x|, on the rank holding it, in that rank's shape
             for x in clean:
-                assert x["location_rank"] in (0, 1) and x["argmax_abs_index"] is not None
+                t = ranks[x["location_rank"]]["seen"][(x["step"], x["module"])][0]
+                assert x["shape"] == tuple(t.shape)
+                assert float(t[x["argmax_abs_index"]].abs()) == x["stats"]["linf"], x
+        else:
+            assert "location_rank" not in f and "shape" not in f
     assert_same_on_every_rank([r[locations]["records"] for r in ranks], "non-finite records")
 
 

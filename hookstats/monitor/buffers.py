@@ -139,6 +139,7 @@ class Buffers:
         self.group = None  # a ProcessGroup: flush merges rows across its ranks
         self._seq = 0
         self.ready: list[Block] = []  # flushed (merged) blocks not yet handed to exporters
+        self._held_scalars: list = []
         self.hook_modes: list[int] = []  # per hook: 0 merged over ranks, 1 replicated (DDP grads: one rank's)
         self.merged_table = MergedSites(self.table.hook_names)
         self._pending: Optional[Gather] = None
@@ -254,6 +255,20 @@ class Buffers:
         self._seq += len(block)
         if self.keep and len(block):
             self.blocks.append(block)
+
+    def take_ready(self, scalars: list = ()) -> list:
+        """(block, scalars) pairs for the exporters: every block flushed since the last call, the scalars with the
+        last one; scalars flushed while a merge is still running wait for its block."""
+        self._held_scalars += list(scalars)
+        ready, self.ready = self.ready, []
+        if not ready:
+            if self._pending is not None or not self._held_scalars:
+                return []
+            ready = [self.empty_block()]
+        out = [(b, []) for b in ready]
+        out[-1] = (ready[-1], self._held_scalars)
+        self._held_scalars = []
+        return out
 
     def empty_block(self) -> Block:
         e = np.empty(0, dtype=np.int64)

@@ -78,11 +78,15 @@ class Monitor:
     exporters have them (long runs).
     slots: steps the buffers hold before they grow (default: flush_every, or 16).
     `log(tag, value)` records a scalar (loss, total grad norm) beside the statistics, without a host sync.
-    process_group (a ProcessGroup, or "world"): flush() merges every rank's records (Note [merging records across
-    ranks] in hookstats.distributed) and becomes a collective that every rank calls at the same points (step() with
-    flush_every, flush(), detach()); records()/summary()/first_nonfinite() then read what was flushed without
-    flushing, so that calling them on one rank cannot hang the others. Exporters write on `export_rank` only.
-    DTensor tensors (FSDP2's sharded parameters and grads) are recorded by their local shard.
+    process_group (a ProcessGroup, or "world"): flush() merges every rank's records in one all_gather (Note [merging
+    records across ranks] in hookstats.distributed; docs/distributed.md) and becomes a collective that every rank
+    calls at the same points (step() with flush_every, which only starts it, flush(), detach());
+    records()/summary()/first_nonfinite() then read what was flushed without starting one, so that calling them on
+    one rank cannot hang the others. A merged record combines the ranks that wrote it (`ranks`), names the ranks
+    whose tensor held a NaN/Inf (`nonfinite_ranks`) and, with locations, the element's rank (`location_rank`); what
+    cannot be merged raises MergeError on every rank and is dropped (merge_failures). The grad kind under DDP
+    records the optimizer's (averaged) grads once (Note [grad records across ranks]). Exporters write on
+    `export_rank` only. DTensor tensors (FSDP2's sharded parameters and grads) are recorded by their local shard.
     """
 
     def __init__(self, model: torch.nn.Module, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
@@ -132,7 +136,6 @@ class Monitor:
         self._handles: list = []
         self._model = model
         self._optimizer = optimizer
-        self._held_scalars: list = []  # scalars of a flush whose merge has not ended yet (async_merge)
         self._export: Optional[ExportThread] = None
         self._tables: list = []  # table() cache: the Arrow table of each kept block
 
@@ -257,13 +260,7 @@ class Monitor:
         import weakref
 
         me = weakref.ref(self)  # DDP must not keep a dropped Monitor (and its buffers) alive
-
-        def record() -> None:
-            mon = me()
-            if mon is not None:
-                mon.record_grads()
-
-        return record
+        return lambda: me() is not None and me().record_grads()
 
     def _optimizer_hook(self):
         import weakref
@@ -371,24 +368,13 @@ class Monitor:
         try:
             block = self._buf.flush(async_merge)
         finally:  # a failed merge still hands over the scalars and the blocks merged before it
-            self._held_scalars += self._buf.scalars.flush(self._buf.keep)
-            self._hand_over()
+            self._hand_over(self._buf.scalars.flush(self._buf.keep))
         return block
 
-    def _hand_over(self) -> None:
-        """Gives the export thread every merged block not yet given (and the scalars flushed with them)."""
-        ready, self._buf.ready = self._buf.ready, []
-        if not ready and self._buf.group is not None and self._buf._pending is not None:
-            return  # the scalars go with the block whose merge is still running
-        scalars, self._held_scalars = self._held_scalars, []
-        if self._export is None:
-            return
-        for i, block in enumerate(ready or [None]):
-            sc = scalars if i == max(len(ready), 1) - 1 else []
-            if block is None:
-                if sc:
-                    self._export.submit(self._buf.empty_block(), sc)
-            elif len(block) or sc:
+    def _hand_over(self, scalars: list = ()) -> None:
+        """Gives the export thread every flushed (merged) block not yet given, with the scalars flushed with it."""
+        for block, sc in self._buf.take_ready(scalars):
+            if self._export is not None and (len(block) or sc):
                 self._export.submit(block, sc)
 
     @property
@@ -399,6 +385,7 @@ class Monitor:
 
     @property
     def dropped_records(self) -> int:
+        """This rank's records in the flushes counted by merge_failures."""
         return self._buf.dropped_records
 
     @property
