@@ -56,6 +56,10 @@ def _extension():
     return _C
 
 
+class _SeveralDevices(RuntimeError):
+    pass
+
+
 class ScalarBuffer:
     """Scalars logged with Monitor.log(): one float64 slot each, on the value's device, copied there (no sync)."""
 
@@ -195,7 +199,10 @@ class Buffers:
         records across ranks] in hookstats.distributed) in one all_gather, and the merged Block is returned; with
         async_merge the gather is only started (None is returned) and ends at the next flush or read. Blocks that
         became ready (merged) wait in `ready` for the Monitor's exporters."""
-        block = self._local_block()
+        try:
+            block = self._local_block()
+        except _SeveralDevices:  # (with a group only) this rank still takes part in the gather: every rank raises
+            block = None
         if self.group is None:
             self._keep(block)
             self.ready.append(block)
@@ -222,7 +229,7 @@ class Buffers:
         self.table.sync(self.rec)
         if self.group is not None and len(stats_blocks) > 1:
             self.rec.reset()
-            raise RuntimeError("hookstats.Monitor(process_group=...) records tensors of one device per rank; this "
+            raise _SeveralDevices("hookstats.Monitor(process_group=...) records tensors of one device per rank; this "
                                f"rank recorded tensors on {self.rec.devices()}")
         # CPU blocks are read in place: the gathers below copy the rows out before reset() (a copy of the whole
         # block first would double the flush's memory traffic: 80 MB a flush for exponent histograms of 1,000
@@ -284,16 +291,18 @@ class Buffers:
             self._sig = (n, merge_signature([self.table.hook_names, self.hook_modes, spec, self.locations]))
         return self._sig[1]
 
-    def _start_merge(self, block: Block, async_merge: bool) -> None:
+    def _start_merge(self, block: Optional[Block], async_merge: bool) -> None:
         from ..distributed import collective_device
 
         if self._coll_dev is None:
             self._coll_dev = collective_device(self.group, None)
         dev = self._coll_dev
-        payload = pack(block, self.locations)
-        self._pending = Gather(self.group, dev, payload, len(block), self._signature(), self.locations,
-                               self._capacity, async_op=async_merge)
-        self._pending_n = len(block)
+        if block is None:  # Note [merging records across ranks]: signature -1 makes every rank refuse this flush
+            payload, n, sig = np.empty(0), 0, -1.0
+        else:
+            payload, n, sig = pack(block, self.locations), len(block), self._signature()
+        self._pending = Gather(self.group, dev, payload, n, sig, self.locations, self._capacity, async_op=async_merge)
+        self._pending_n = n
 
     def finish(self, collective: bool) -> Optional[Block]:
         """Ends the pending gather, if any, and keeps its merged Block. Off a collective point (a read on one rank)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
 
 import numpy as np
 import torch
@@ -145,6 +144,10 @@ def combine(chunks: list, sig: float, modes: np.ndarray, hook_names: list) -> Me
     world = len(chunks)
     counts = [int(h[1]) for h, _ in chunks]
     sigs = [h[2] for h, _ in chunks]
+    if -1.0 in sigs:
+        raise MergeError(f"hookstats.Monitor(process_group=...) records tensors of one device per rank; rank "
+                         f"{sigs.index(-1.0)} recorded tensors on several: records of this flush "
+                         f"({', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}) were dropped.")
     if any(s != sig for s in sigs):
         raise MergeError(
             "hookstats.Monitor: ranks' Monitors differ (other models, hooks, kinds or histogram settings: signatures "
@@ -345,10 +348,6 @@ def signature(parts) -> float:
     for m in parts:
         crc = zlib.crc32(repr(m).encode(), crc)
     return float(crc)
-
-
-def optional_int(v) -> Optional[int]:
-    return None if v is None or v < 0 else int(v)
 
 
 class MergedSites(SiteTable):
