@@ -468,6 +468,31 @@ def sec_mismatch(rank: int, world: int, out: Path) -> dict:
     res["hooks_after_detach"] = len(feed._forward_hooks)
     res["failures_settings"] = mon.merge_failures
 
+    # a rank that recorded on several devices (simulated: one CPU here) still joins the gather, so every rank raises
+    from hookstats.monitor import buffers
+
+    feed = Feed()
+    mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
+    feed(x)
+    if rank == 1:
+        real = mon._buf._local_block
+
+        def several():
+            real()
+            raise buffers._SeveralDevices("recorded on cpu and cuda:0")
+
+        mon._buf._local_block = several
+    try:
+        mon.flush()
+        res["errors"]["several_devices"] = None
+    except RuntimeError as e:
+        res["errors"]["several_devices"] = str(e)
+    mon._buf.__dict__.pop("_local_block", None)
+    mon.step()
+    feed(x)
+    res["several_devices_next"] = [(r["ranks"], r["stats"]["numel"]) for r in mon.flush()]
+    mon.detach()
+
     t = torch.ones(3)
     dist.all_reduce(t)  # the group still works
     res["all_reduce_after"] = t.tolist()

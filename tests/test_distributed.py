@@ -355,6 +355,15 @@ def test_differing_monitors_raise_and_detach_detaches(monitor_run):
         assert r["all_reduce_after"] == [float(WORLD)] * 3
 
 
+def test_rank_on_several_devices_raises_everywhere(monitor_run):
+    """A rank whose records are on several devices cannot merge; it still takes part in the gather, so every rank
+    raises (none waits in a collective) and the next flush merges."""
+    for r in monitor_run.section("mismatch"):
+        err = r["errors"]["several_devices"]
+        assert err is not None and "rank 1 recorded tensors on several" in err, err
+        assert r["several_devices_next"] == [(WORLD, 8)]
+
+
 @pytest.mark.parametrize("locations", [False, True])
 def test_nonfinite_names_the_rank(monitor_run, locations):
     """A NaN put at element (1, 2) on rank 1 at step 1: first_nonfinite() on every rank names step 1, module 1 and
