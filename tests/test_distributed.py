@@ -44,7 +44,6 @@ DEADLINE_S = 180.0  # per launch; each takes ~20-30 s on a loaded 2-core machine
 EXP = hookstats.Histogram.exponent()
 RANGE = hookstats.Histogram.range(8, -2.0, 2.0)
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MISMATCH = "ranks recorded different tensors"
 
 
 # ---------------------------------------------------------------------------------------------------------------
