@@ -20,6 +20,23 @@ process start to exit: one round), and the numbers that matter go into extra_inf
     {OP}_rank_hookstats_s, {OP}_rank_torch_s, {OP}_rank_speedup   lists, one entry per rank
 Before timing, each rank checks hookstats' total and clipped grads against PyTorch's on the same sharded grads, so a
 broken op cannot post a fast time. No timing is asserted.
+
+Group dist_monitor-cpu-float32-2ranks, one benchmark (test_monitor_merge_flush): the cost of a Monitor's merged
+flush (Note [merging records across ranks] in hookstats/distributed.py) against the training step.
+  the model   DDP over MERGE_LAYERS Linear(MERGE_WIDTH) + Tanh pairs (48 modules with the root: 96 records a step for
+              kinds forward and backward_pre), batch MERGE_BATCH per rank, SGD; four copies, one per case
+  cases, each a sample of MERGE_STEPS training steps (forward, backward, optimizer step, mon.step()), interleaved
+  (the order rotates every repeat), after a barrier:
+    none          no Monitor
+    local_1       Monitor without process_group, flush_every=1 (the host copy alone)
+    merged_1      Monitor(process_group="world", flush_every=1): one all_gather a step, started by step()
+    merged_10     Monitor(process_group="world", flush_every=10)
+  and the synchronous merged flush alone (flush_s: mon.flush() after one step's records, timed directly).
+  extra_info: family "dist_monitor", world_size, backend, records_per_step, steps, repeats, and per case CASE
+  {CASE}_step_s (the slowest rank's median per step), {CASE}_ratio ({CASE}_step_s / none_step_s), {CASE}_flush_cost_s
+  ({CASE}_step_s - none_step_s: the Monitor's cost per step, recording and flush), flush_s (the slowest rank's median
+  of a synchronous merged flush of one step's records) and flush_collectives (collectives per flush, counted).
+  Before timing, each rank checks that the merged records of one step hold both ranks' batches (numel 2x local).
 """
 from __future__ import annotations
 
@@ -161,7 +178,8 @@ def test_fsdp_clip_grad_norm(benchmark, hookstats, tmp_path):
     launches = []
 
     def run():
-        launches.append(helpers.launch(Path(__file__), [str(tmp_path)], tmp_path, world=WORLD, timeout=DEADLINE_S))
+        launches.append(helpers.launch(Path(__file__), ["clip", str(tmp_path)], tmp_path, world=WORLD,
+                                       timeout=DEADLINE_S))
 
     benchmark.group = f"dist_clip-cpu-float32-{WORLD}ranks"
     benchmark.pedantic(run, rounds=1, iterations=1)
@@ -188,5 +206,154 @@ def test_fsdp_clip_grad_norm(benchmark, hookstats, tmp_path):
     benchmark.extra_info.update(info)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The merged flush's cost per step
+
+
+MERGE_LAYERS, MERGE_WIDTH, MERGE_BATCH, MERGE_STEPS = 24, 128, 32, 10
+MERGE_WARMUP, MERGE_REPEATS = 2, 20
+MERGE_CASES = ("none", "local_1", "merged_1", "merged_10")
+
+
+def _monitor_main(out: Path, repeats: int) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hookstats
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(MERGE_LAYERS):
+        layers += [nn.Linear(MERGE_WIDTH, MERGE_WIDTH), nn.Tanh()]
+    base = nn.Sequential(*layers[:-1])
+    x = torch.randn(MERGE_BATCH, MERGE_WIDTH, generator=torch.Generator().manual_seed(1 + rank))
+    runs = {}
+    for case in MERGE_CASES:
+        model = DDP(copy_module(base))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        mon = None
+        if case != "none":
+            every = int(case.split("_")[1])
+            mon = hookstats.Monitor(model.module, kinds=("forward", "backward_pre"), flush_every=every,
+                                    keep_records=True, process_group="world" if case.startswith("merged") else None)
+        runs[case] = (model, opt, mon)
+
+    def train(case: str) -> None:
+        model, opt, mon = runs[case]
+        for _ in range(MERGE_STEPS):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            if mon is not None:
+                mon.step()
+        if mon is not None:
+            mon.first_nonfinite()  # a cheap read: the last merge ends inside the sample
+            mon._buf.blocks.clear()  # keep memory flat across samples
+
+    # check: a merged step's records hold both ranks' batches
+    mon = runs["merged_1"][2]
+    model, opt, _ = runs["merged_1"]
+    for _ in range(MERGE_STEPS):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        mon.step()
+    recs = mon.records()
+    per_step = len(recs) // MERGE_STEPS if recs else 0
+    fwd = [r for r in recs if r["kind"] == "forward" and r["module"] == "0"]
+    check = {"records_per_step": per_step, "numel": fwd[0]["stats"]["numel"] if fwd else -1,
+             "want_numel": world * MERGE_BATCH * MERGE_WIDTH}
+    mon._buf.blocks.clear()
+    times: dict = {c: [] for c in MERGE_CASES}
+    for i in range(MERGE_WARMUP + repeats):
+        k = i % len(MERGE_CASES)
+        for case in MERGE_CASES[k:] + MERGE_CASES[:k]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            train(case)
+            t = (time.perf_counter() - t0) / MERGE_STEPS
+            if i >= MERGE_WARMUP:
+                times[case].append(t)
+    # the synchronous merged flush alone, of one step's records
+    model, opt, _ = runs["merged_10"]
+    sync = hookstats.Monitor(model.module, kinds=("forward", "backward_pre"), process_group="world")
+    flush_times = []
+    calls: list = []
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    orig = getattr(dist, gather_name)
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return orig(*a, **kw)
+
+    for i in range(MERGE_WARMUP + repeats):
+        model(x).square().mean().backward()
+        opt.zero_grad(set_to_none=False)
+        dist.barrier()
+        n0 = len(calls)
+        setattr(dist, gather_name, counting)
+        t0 = time.perf_counter()
+        sync.flush()
+        t = time.perf_counter() - t0
+        setattr(dist, gather_name, orig)
+        sync.step()
+        if i >= MERGE_WARMUP:
+            flush_times.append(t)
+            check["flush_collectives"] = len(calls) - n0
+    sync.detach()
+    for _, _, m in runs.values():
+        if m is not None:
+            m.detach()
+    result = {"check": check, "median_s": {c: statistics.median(ts) for c, ts in times.items()},
+              "times_s": times, "flush_s": statistics.median(flush_times), "torch_threads": torch.get_num_threads()}
+    (out / f"merge_rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def copy_module(m: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(m)
+
+
+def test_monitor_merge_flush(benchmark, hookstats, tmp_path):
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("needs torch.distributed with the gloo backend")
+    helpers = _launcher()
+    launches = []
+    repeats = 1 if benchmark.disabled else MERGE_REPEATS
+
+    def run():
+        launches.append(helpers.launch(Path(__file__), ["monitor", str(tmp_path), str(repeats)], tmp_path,
+                                       world=WORLD, timeout=DEADLINE_S))
+
+    benchmark.group = f"dist_monitor-cpu-float32-{WORLD}ranks"
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    launch = launches[-1]
+    assert launch.returncodes == [0] * WORLD and not launch.timed_out, launch.describe()
+    ranks = [json.loads((tmp_path / f"merge_rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, res in enumerate(ranks):
+        c = res["check"]
+        assert c["records_per_step"] == 2 * 2 * MERGE_LAYERS, f"rank {r}: {c}"  # 2 kinds x (2 L - 1 modules + root)
+        assert c["numel"] == c["want_numel"], f"rank {r}: merged records are not both ranks' batches: {c}"
+    info = dict(family="dist_monitor", world_size=WORLD, backend="gloo", device="cpu", dtype="float32",
+                records_per_step=ranks[0]["check"]["records_per_step"], steps=MERGE_STEPS, repeats=repeats,
+                layers=MERGE_LAYERS, width=MERGE_WIDTH, batch=MERGE_BATCH, launch_s=launch.seconds,
+                torch_threads=ranks[0]["torch_threads"], flush_s=max(r["flush_s"] for r in ranks),
+                flush_collectives=ranks[0]["check"]["flush_collectives"])
+    none = max(r["median_s"]["none"] for r in ranks)
+    for case in MERGE_CASES:
+        t = max(r["median_s"][case] for r in ranks)
+        info.update({f"{case}_step_s": t, f"{case}_ratio": t / none, f"{case}_flush_cost_s": t - none,
+                     f"{case}_rank_step_s": [r["median_s"][case] for r in ranks]})
+    benchmark.extra_info.update(info)
+
+
 if __name__ == "__main__":
-    _rank_main(Path(sys.argv[1]))
+    if sys.argv[1] == "monitor":
+        _monitor_main(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        _rank_main(Path(sys.argv[2]))

@@ -2,7 +2,7 @@
 
 Shows: which model to hand the Monitor (`accelerator.unwrap_model(model)`: the module under DDP, whose modules and
 parameters the hooks go on), where to record the grads under gradient accumulation (`optimizer="manual"` and
-`mon.record_grads(replicated=True)` once per optimizer step, after `accelerator.clip_grad_norm_`: the clipped grads
+`mon.record_grads()` once per optimizer step, after `accelerator.clip_grad_norm_`: the clipped grads
 the optimizer uses), one `mon.step()` per optimizer step, and how ranks merge: with `process_group="world"` every
 flush is a collective that merges the ranks' rows on the device (activations: the statistics of the global batch;
 DDP's grads, the same on every rank after its all_reduce, counted once), and rank 0 alone writes the log.
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
             accelerator.backward(loss)
             if accelerator.sync_gradients:  # the last micro-batch: grads summed (and averaged across ranks)
                 accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
-                mon.record_grads(replicated=True)  # what opt.step() uses
+                mon.record_grads()  # what opt.step() uses
                 clipped.append({n: torch.linalg.vector_norm(p.grad.double()).item()
                                 for n, p in accelerator.unwrap_model(model).named_parameters()})
             opt.step()  # accelerate skips it on the other micro-batches

@@ -1,38 +1,55 @@
-"""torch.distributed support: merging Monitor records across ranks, and the local part of a DTensor.
+"""torch.distributed support: merging Monitor records across ranks, the grad kind under DDP, and the local part of a
+DTensor.
 
 Note [merging records across ranks]
-With `Monitor(..., process_group=pg)`, `flush()` is a collective: every rank of pg must call it at the same point,
-having recorded the same tensors (same modules, kinds and order: true of DDP and FSDP2, where every rank runs the
-same model). The rows of the device buffer are merged before they are copied to the host, so that every record
-holds the statistics of the concatenation of what each rank's hook saw: the whole global batch for activations and
-grad_outputs, the whole gradient for FSDP2's sharded parameter grads. Three all_reduces per flush, whatever the
-number of records:
-  1. MAX over a 4-value header [rows, -rows, signature, -signature]: every rank checks that all recorded the same
-     number of tensors with the same (module, kind, index, dtype) sequence; a mismatch raises instead of merging
-     unrelated rows (or hanging in a collective of mismatched sizes).
-  2. MAX over [max, -min, linf] per row (rows with no value or a NaN contribute -inf, -inf, 0).
-  3. SUM over the additive columns [numel, sum, l1, (l2 / L)^2, NaN, Inf, zero count, ((n - 1) std^2 + n (mean -
-     c)^2) / L^2] per row and every histogram count (float64: exact up to 2^53). L is the merged linf, so squares
-     neither overflow nor underflow (values near 1e300 keep a finite std, as in one process), and c the merged
-     mid-range: the variance is combined around a point inside the data, not around 0 as E[x^2] - mean^2 would be,
-     so |mean| >> std costs little (relative error ~ eps (range / std)^2 at worst, from each rank's rounded mean).
-Then, on the device: mean = sum / numel, std = L sqrt((sum of the M2 terms - numel ((mean - c) / L)^2) / (numel -
-1)), var = std^2, l2 = L sqrt(sum), and NaN where the single-process statistics give NaN (any NaN: min, max, linf, l2,
-var; Inf: var). All ranks end up with the same merged rows; exporters write on one rank (export_rank).
+With `Monitor(..., process_group=pg)`, `flush()` is a collective: every rank of pg calls it at the same points
+(flush(), step() with flush_every, detach()). A record is keyed by (step, hook, tensor index, call number): the
+hook ids are the same on every rank (the Monitor attaches its hooks in module order), and calls are numbered per
+rank (Note [monitor sites]), so that the 3rd call of a module on rank 1 merges with the 3rd call on rank 0 if there
+is one. A flush packs this rank's records (key, dtype, histogram length, location indices, the 13 statistics, then
+the histogram rows and the shapes) into one float64 buffer (hookstats/monitor/merge.py) and all_gathers the
+buffers, each padded to a capacity agreed before (the largest payload seen, rounded up to a power of two; a payload
+over it makes the flush send again at the new capacity: two collectives then, at the first flush and when records
+grow). Each rank then combines the same buffers in the same order, so every rank holds the same merged records:
+  - a record combines the ranks that wrote it: counts summed, statistics of the concatenation of their tensors
+    (max / min / linf over the ranks with values; numel, sum, l1, NaN / Inf / zero counts summed; l2 as L sqrt(sum
+    (l2_r / L)^2) with L the merged linf, so squares neither overflow nor underflow; the variance combined around
+    the merged mid-range c, sum((n_r - 1) std_r^2 + n_r (mean_r - c)^2), not as E[x^2] - mean^2, so |mean| >> std
+    costs little); histograms summed (exact in int64). `ranks` says how many ranks wrote it. A record that no rank
+    wrote does not exist. Sums run in rank order: the merge is deterministic.
+  - replicated records (the grad kind under DDP: Note [grad records across ranks]) are the lowest rank's row,
+    counted once; replicas that differ are counted (Monitor.replica_mismatches) and warned about.
+  - `nonfinite_ranks`: the ranks whose tensor held a NaN or Inf (a bitmask of ranks 0-62 in the Block). With
+    locations=True the record names one element and its rank (`location_rank`): on the lowest rank with a NaN/Inf,
+    else on the rank holding the largest |x|; coordinates and `shape` are that rank's tensor's.
+  - what cannot be merged raises MergeError on every rank at the same flush (each rank computes from the same
+    buffers): Monitors that differ (hook names, kinds, histogram or locations settings: a signature in each
+    buffer's header), or one record with different dtypes or histogram lengths on different ranks. That flush's
+    records are dropped and counted (Monitor.merge_failures, dropped_records); the rows were reset, so the next
+    flush merges normally, and detach() detaches whatever a flush raises.
+With flush_every, step()'s flush starts the all_gather asynchronously and returns; the merge ends at the next
+flush, or at a read (records(), summary(), first_nonfinite(), table()): a read waits for the gather only, never
+starts a collective (a payload that must be sent again waits for the next flush).
+
+Note [grad records across ranks]
+DDP runs post-accumulate-grad hooks before its allreduce: the hook sees this rank's local gradient, not the one the
+optimizer uses. So with a process group the "grad" kind records:
+  - under DDP (the Monitor given the DistributedDataParallel module) without optimizer=: every parameter's .grad
+    once per backward, after DDP's allreduce (a callback queued behind DDP's own at the end of the backward pass;
+    none in no_sync() backwards), merged as replicated: the record of the averaged gradient, numel once;
+  - with optimizer=: the grads at the optimizer's step, plain tensors merged as replicated (DDP's are the same on
+    every rank), DTensors (FSDP2) by their local shards merged into the full gradient;
+  - otherwise (hooks on a plain module, no optimizer=): each rank's gradient after its accumulation, merged as the
+    concatenation of the ranks' local gradients (a module wrapped by DDP: before the allreduce).
 """
 from __future__ import annotations
 
-import math
 import sys
 import warnings
-import zlib
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from ._ops import STATS_FIELDS
-
-_F = {name: i for i, name in enumerate(STATS_FIELDS)}
 
 
 def _dist():
@@ -63,92 +80,63 @@ def collective_device(group, buffer_device: Optional[torch.device]) -> torch.dev
     return torch.device("cpu")
 
 
-def signature(metas: Sequence[tuple]) -> float:
-    """A float64-exact checksum of the (module, kind, index, dtype) sequence (the same on every rank, unlike hash())."""
-    crc = 0
-    for m in metas:
-        crc = zlib.crc32(repr(m).encode(), crc)
-    return float(crc)
+def grad_mode(model, group, optimizer) -> Optional[str]:
+    """How the grad kind records under a process group (Note [grad records across ranks]): "end_of_backward" (DDP,
+    no optimizer=), "optimizer" (optimizer=: plain-tensor grads replicated), or None (as without a group)."""
+    if group is None:
+        return None
+    if optimizer is not None:
+        return "optimizer"
+    from torch.nn.parallel import DistributedDataParallel
+
+    return "end_of_backward" if isinstance(model, DistributedDataParallel) else None
 
 
-def merge_rows(group, stats: torch.Tensor, hists: Sequence[torch.Tensor], sig: float) -> tuple:
-    """The merged stats rows [n, 13] (float64) and histogram rows (int64), Note [merging records across ranks].
-    `stats` and each of `hists` are this rank's rows; returns new tensors on the same device."""
-    dist = _dist()
-    dev = stats.device
-    n = stats.shape[0]
-    head = torch.tensor([n, -n, sig, -sig], dtype=torch.float64, device=dev)
-    dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
-    h = head.tolist()  # flush copies to the host anyway; this one waits for the check
-    if h[0] != n or -h[1] != n or h[2] != sig or -h[3] != sig:
-        raise RuntimeError(
-            "hookstats.Monitor: ranks recorded different tensors since the last flush (this rank: "
-            f"{n} records; across ranks: {int(-h[1])} to {int(h[0])}, or the same count of different "
-            "modules/kinds/dtypes). Every rank must attach the same Monitor to the same model, run the same steps "
-            "and call flush() at the same points."
-        )
-    if n == 0:
-        return stats, list(hists)
-    F = _F
-    cnt = stats[:, F["numel"]]
-    nan = stats[:, F["nan_count"]]
-    no_value = (cnt == 0) | (nan > 0)
-    ninf = torch.full_like(cnt, -math.inf)
-    mx = torch.stack([
-        torch.where(no_value, ninf, stats[:, F["max"]]),
-        torch.where(no_value, ninf, -stats[:, F["min"]]),
-        torch.where(no_value, torch.zeros_like(cnt), stats[:, F["linf"]]),
-    ], 1)
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
-    gmax, gmin, glinf = mx[:, 0], -mx[:, 1], mx[:, 2]
-    # Scale for l2 and shift for the variance, agreed by every rank.
-    L = torch.where(torch.isfinite(glinf) & (glinf > 0), glinf, torch.ones_like(glinf))
-    c = torch.where(torch.isfinite(gmax) & torch.isfinite(gmin), 0.5 * gmax + 0.5 * gmin, torch.zeros_like(gmax))
-    mean = stats[:, F["mean"]]
-    # Everything squared is first divided by L: values near 1e300 or 1e-300 neither overflow nor underflow.
-    sd = stats[:, F["std"]] / L
-    m2 = torch.where(cnt >= 2, sd * sd * (cnt - 1), torch.zeros_like(sd))
-    dm = torch.where(cnt >= 1, (mean - c) / L, torch.zeros_like(mean))
-    l2s = stats[:, F["l2"]] / L
-    add = torch.stack([cnt, stats[:, F["sum"]], stats[:, F["l1"]], l2s * l2s, nan, stats[:, F["inf_count"]],
-                       stats[:, F["zero_count"]], m2 + cnt * dm * dm], 1)
-    parts = [add.reshape(-1)] + [hb.to(torch.float64).reshape(-1) for hb in hists]
-    packed = torch.cat(parts)
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    add = packed[: add.numel()].view(n, 8)
-    N, S, L1, L2s, NAN, INF, ZERO, M2c = add.unbind(1)
-    out = torch.empty_like(stats)
-    gmean = torch.where(N > 0, S / N.clamp_min(1), torch.full_like(S, math.nan))
-    d = (gmean - c) / L
-    std = L * ((M2c - N * d * d).clamp_min(0) / (N - 1).clamp_min(1)).sqrt()
-    bad_var = (N < 2) | (NAN > 0) | (INF > 0)
-    std = torch.where(bad_var, torch.full_like(std, math.nan), std)
-    var = std * std
-    l2 = L * L2s.sqrt()
-    l2 = torch.where(INF > 0, torch.full_like(l2, math.inf), l2)
-    has_nan = NAN > 0
-    nanv = torch.full_like(l2, math.nan)
-    empty = N == 0
-    out[:, F["numel"]] = N
-    out[:, F["sum"]] = S
-    out[:, F["mean"]] = gmean
-    out[:, F["var"]] = var
-    out[:, F["std"]] = std
-    out[:, F["l1"]] = L1
-    out[:, F["l2"]] = torch.where(has_nan, nanv, l2)
-    out[:, F["linf"]] = torch.where(has_nan, nanv, glinf)
-    out[:, F["min"]] = torch.where(has_nan | empty, nanv, gmin)
-    out[:, F["max"]] = torch.where(has_nan | empty, nanv, gmax)
-    out[:, F["nan_count"]] = NAN
-    out[:, F["inf_count"]] = INF
-    out[:, F["zero_count"]] = ZERO
-    merged_h = []
-    off = add.numel()
-    for hb in hists:
-        k = hb.numel()
-        merged_h.append(packed[off: off + k].view(hb.shape).round().to(hb.dtype))
-        off += k
-    return out, merged_h
+class _Handles:
+    def __init__(self, h):
+        self.h = h
+
+    def remove(self) -> None:
+        self.h.remove()
+
+
+def after_ddp_allreduce(ddp, record) -> _Handles:
+    """Calls record() once per backward of `ddp` that syncs grads, after DDP's allreduce has written them: a forward
+    hook puts a grad hook on the outputs, which queues a callback at the end of the backward pass; that callback
+    queues record(), so that it runs after the callbacks queued during the backward pass (DDP's finalize_backward,
+    which waits for the allreduce). The engine runs callbacks in the order queued, and those queued while
+    running."""
+    from torch.autograd import Variable
+    from torch.autograd.graph import register_multi_grad_hook
+
+    def queue_record():
+        Variable._execution_engine.queue_callback(record)
+
+    def on_grad(grads):
+        Variable._execution_engine.queue_callback(queue_record)
+
+    def fwd(module, args, output):
+        if not torch.is_grad_enabled() or not getattr(module, "require_backward_grad_sync", True):
+            return None
+        ts: list = []
+        _tensors(output, ts)
+        ts = [t for t in ts if t.requires_grad]
+        if ts:
+            register_multi_grad_hook(ts, on_grad, mode="any")
+        return None
+
+    return _Handles(ddp.register_forward_hook(fwd))
+
+
+def _tensors(obj, out: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _tensors(o, out)
+    elif isinstance(obj, dict) or hasattr(obj, "values"):
+        for o in obj.values():
+            _tensors(o, out)
 
 
 def _dtensor_type():

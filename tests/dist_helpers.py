@@ -329,44 +329,279 @@ def sec_flush_every(rank: int, world: int, out: Path) -> dict:
     return {"counts": counts, "records": mon.records(), "seen": cap.seen, "path": str(path)}
 
 
+class Calls:
+    """forward records' tensors of every call, in call order: (step, module) -> [tensor of call 0, call 1, ...]."""
+
+    def __init__(self, model: nn.Module):
+        self.step = 0
+        self.seen: dict[tuple, list] = {}
+        self.handles = [mod.register_forward_hook(lambda m, a, o, name=name: self._put(name, o))
+                        for name, mod in model.named_modules()]
+
+    def _put(self, name, o):
+        self.seen.setdefault((self.step, name), []).append(o.detach().clone())
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class Experts(nn.Module):
+    """Mixture-of-experts routing: each token goes to expert argmax(router), experts called once per routed chunk
+    (twice when a chunk of tokens is split), so that experts run a different number of times on each rank."""
+
+    def __init__(self, d: int = 4, n: int = 3):
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        which = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = (which == e).nonzero()[:, 0]
+            for part in idx.split(3):  # chunks of 3 tokens: more calls where more tokens are routed
+                if len(part):
+                    out[part] = expert(x[part])
+        return out
+
+
+def sec_uneven(rank: int, world: int, out: Path) -> dict:
+    """Sites that record on some ranks only: the issue's ModuleDict case (with a JSONL log on rank 0), and MoE routing
+    (experts called a different number of times per rank), with flush_every (asynchronous merges) and histograms."""
+    import hookstats
+    from hookstats.export.jsonl import JSONLWriter
+
+    torch.manual_seed(4)
+    m = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)}).double()
+    path = out / f"uneven_rank{rank}.jsonl"
+    writer = JSONLWriter(path)
+    mon = hookstats.Monitor(m, kinds=("forward",), include=("a", "b"), process_group="world", exporters=[writer],
+                            histogram=(8, (-2.0, 2.0)))
+    calls = Calls(m)
+    x = torch.randn(2 + rank, 3, generator=_gen(40 + rank), dtype=torch.float64)
+    m["a"](x)
+    m["b"](x)
+    mon.step()
+    calls.step += 1
+    m["a" if rank == 0 else "b"](x)
+    mon.flush()
+    res = {"records": mon.records(), "summary": mon.summary_rows(), "seen": calls.seen, "path": str(path)}
+    mon.detach()
+    writer.close()
+    calls.remove()
+
+    torch.manual_seed(5)
+    moe = Experts().double()
+    mon = hookstats.Monitor(moe, kinds=("forward",), process_group="world", flush_every=2, histogram="exp")
+    calls = Calls(moe)
+    g = _gen(50 + rank)
+    for _ in range(4):
+        moe(torch.randn(6 + 5 * rank, 4, generator=g, dtype=torch.float64) + (rank - 0.5))
+        mon.step()
+        calls.step += 1
+    res["moe_records"] = mon.records()  # the last step's flush may still be merging: this read ends it
+    mon.detach()
+    res["moe_seen"] = calls.seen
+    calls.remove()
+    return res
+
+
 def sec_mismatch(rank: int, world: int, out: Path) -> dict:
-    """Ranks that recorded different tensors: every flush must raise on every rank, and leave the group usable."""
+    """Records that differ between ranks: a record more, or from another module, merge (item 1); another dtype, or
+    Monitors with other settings, raise on every rank, drop that flush's records, and the next flush merges."""
     import torch.distributed as dist
 
     import hookstats
 
-    errors = {}
-
-    def attempt(case: str, mon) -> None:
-        try:
-            mon.flush()
-            errors[case] = None
-        except RuntimeError as e:
-            errors[case] = str(e)
-        for h in mon._handles:  # not detach(): that flushes again, and raises again
-            h.remove()
-
+    res = {"errors": {}, "after": {}}
     x = torch.randn(4, dtype=torch.float64, generator=_gen(5))
+
+    def attempt(case: str, mon, feed) -> None:
+        try:
+            res["after"][case] = {"flushed": [dict(r) for r in mon.flush()]}
+            res["errors"][case] = None
+        except RuntimeError as e:
+            res["errors"][case] = str(e)
+            res["after"][case] = {"error_type": type(e).__name__}
+        # recovery: the next step merges normally
+        mon.step()
+        feed(x)
+        res["after"][case].update(next=[dict(r) for r in mon.flush()], failures=mon.merge_failures,
+                                  dropped=mon.dropped_records)
+        mon.detach()
+
     feed = Feed()
     mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
     feed(x)
     if rank == 1:
-        feed(x)  # one extra record
-    attempt("extra_record", mon)
+        feed(x * 2)  # one extra call
+    attempt("extra_record", mon, feed)
 
     two = nn.Sequential(Feed(), Feed())
     mon = hookstats.Monitor(two, kinds=("forward",), process_group="world")
     two[rank](x)  # as many records, from different modules
-    attempt("other_module", mon)
+    attempt("other_module", mon, lambda x: two(x))
 
     feed = Feed()
     mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
-    feed(x if rank == 0 else x.float())  # as many records, different dtypes
-    attempt("other_dtype", mon)
+    feed(x if rank == 0 else x.float())  # the same record, different dtypes
+    feed(x)
+    attempt("other_dtype", mon, feed)
+
+    feed = Feed()
+    mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world",
+                            histogram=None if rank == 0 else (4, (-1.0, 1.0)))  # different settings
+    feed(x)
+    try:
+        mon.flush()
+        res["errors"]["other_settings"] = None
+    except RuntimeError as e:
+        res["errors"]["other_settings"] = str(e)
+    # detach() after a failed merge: the hooks go, whatever the flush raises
+    feed(x)
+    try:
+        mon.detach()
+        res["detach_error"] = None
+    except RuntimeError as e:
+        res["detach_error"] = str(e)
+    res["hooks_after_detach"] = len(feed._forward_hooks)
+    res["failures_settings"] = mon.merge_failures
+
+    # a rank that recorded on several devices (simulated: one CPU here) still joins the gather, so every rank raises
+    from hookstats.monitor import buffers
+
+    feed = Feed()
+    mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
+    feed(x)
+    if rank == 1:
+        real = mon._buf._local_block
+
+        def several():
+            real()
+            raise buffers._SeveralDevices("recorded on cpu and cuda:0")
+
+        mon._buf._local_block = several
+    try:
+        mon.flush()
+        res["errors"]["several_devices"] = None
+    except RuntimeError as e:
+        res["errors"]["several_devices"] = str(e)
+    mon._buf.__dict__.pop("_local_block", None)
+    mon.step()
+    feed(x)
+    res["several_devices_next"] = [(r["ranks"], r["stats"]["numel"]) for r in mon.flush()]
+    mon.detach()
 
     t = torch.ones(3)
     dist.all_reduce(t)  # the group still works
-    return {"errors": errors, "all_reduce_after": t.tolist()}
+    res["all_reduce_after"] = t.tolist()
+    return res
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Counts calls of the torch.distributed collectives a Monitor could use, by name."""
+    import torch.distributed as dist
+
+    names = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
+             "all_gather_object", "barrier")
+    names = tuple(n for n in names if hasattr(dist, n))
+    calls: list = []
+    orig = {n: getattr(dist, n) for n in names}
+
+    def wrap(n):
+        def counting(*args, **kw):
+            calls.append(n)
+            return orig[n](*args, **kw)
+        return counting
+
+    for n in names:
+        setattr(dist, n, wrap(n))
+    try:
+        yield calls
+    finally:
+        for n in names:
+            setattr(dist, n, orig[n])
+
+
+def sec_collectives(rank: int, world: int, out: Path) -> dict:
+    """One collective per flush: step()'s flush (flush_every=1) starts one all_gather and returns with it pending; a
+    read ends it without a collective; a flush whose payload outgrows the agreed capacity sends twice, once."""
+    import hookstats
+
+    torch.manual_seed(7)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    res = {"per_step": [], "pending": [], "read_calls": [], "counts": []}
+    with count_collectives() as calls:
+        mon = hookstats.Monitor(m, kinds=("forward", "backward_pre"), process_group="world", flush_every=1)
+        g = _gen(70 + rank)
+        for _ in range(3):
+            m(torch.randn(2 + rank, 4, generator=g, dtype=torch.float64)).sum().backward()
+            n0 = len(calls)
+            mon.step()
+            res["per_step"].append(calls[n0:])
+            res["pending"].append(mon._buf._pending is not None)
+            n0 = len(calls)
+            res["counts"].append(len(mon.records()))
+            res["read_calls"].append(calls[n0:])
+        mon.detach()
+        feed = Feed()
+        big = hookstats.Monitor(feed, kinds=("forward",), process_group="world", histogram="exp")
+        res["big"] = []
+        for step in range(3):
+            for _ in range(8 if step < 2 else 1):  # exponent histograms of float64: 2,100+ counts a record
+                feed(torch.randn(5, generator=g, dtype=torch.float64))
+            n0 = len(calls)
+            big.flush()
+            res["big"].append(calls[n0:])
+            big.step()
+        res["big_records"] = len(big.records())
+        res["big_capacity"] = big._buf._capacity
+        big.detach()
+    return res
+
+
+class Poison(nn.Module):
+    """Puts a NaN into its output on one rank, at one element, at one step."""
+
+    def __init__(self, rank: int, at_rank: int, at_step: int, where: tuple):
+        super().__init__()
+        self.rank, self.at_rank, self.at_step, self.where, self.step = rank, at_rank, at_step, where, 0
+
+    def forward(self, x):
+        if self.rank == self.at_rank and self.step == self.at_step:
+            x = x.clone()
+            x[self.where] = math.nan
+        return x
+
+
+def sec_nonfinite(rank: int, world: int, out: Path) -> dict:
+    """A NaN on rank 1 only: the merged first_nonfinite() names rank 1 on every rank, the summary too, and with
+    locations=True the element and its rank."""
+    import hookstats
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(4, 5), Poison(rank, 1, 1, (1, 2)), nn.Linear(5, 2)).double()
+    mons = {loc: hookstats.Monitor(model, kinds=("forward",), process_group="world", locations=loc)
+            for loc in (False, True)}
+    calls = Calls(model)
+    g = _gen(60 + rank)
+    for step in range(3):
+        model[1].step = step
+        model(torch.randn(3 + rank, 4, generator=g, dtype=torch.float64))
+        for mon in mons.values():
+            mon.step()
+        calls.step += 1
+    calls.remove()
+    res = {"seen": calls.seen}
+    for loc, mon in mons.items():
+        mon.flush()
+        first = mon.first_nonfinite()
+        res[loc] = {"first": dict(first) if first else None, "str": str(first), "summary": mon.summary_rows(),
+                    "text": mon.summary(), "records": mon.records()}
+        mon.detach()
+    return res
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -422,6 +657,129 @@ def sec_ddp(rank: int, world: int, out: Path) -> dict:
     }
 
 
+class Branchy(nn.Module):
+    """A branch used on rank 0 only (DDP find_unused_parameters=True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x, use_b: bool):
+        y = self.a(x)
+        return y + self.b(x) if use_b else y
+
+
+def sec_ddp_grads(rank: int, world: int, out: Path) -> dict:
+    """The grad kind under DDP (Note [grad records across ranks]): the Monitor on the DDP module records the averaged
+    grads once per syncing backward (none in no_sync()), with optimizer= the grads at the step, on the plain module
+    without optimizer= each rank's local grads (merged as their concatenation); find_unused_parameters=True with a
+    branch used on one rank."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hookstats
+
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon_ddp = hookstats.Monitor(ddp, kinds=("grad",), process_group="world")
+    mon_opt = hookstats.Monitor(model, kinds=("grad",), process_group="world", optimizer=opt)
+    mon_local = hookstats.Monitor(model, kinds=("grad",), process_group="world")
+    cap = Capture(model, ("grad",))
+    gen = _gen(9)
+    X = torch.randn(3, 8, 6, generator=gen, dtype=torch.float64)
+    Y = torch.randn(3, 8, 3, generator=gen, dtype=torch.float64)
+    # step 0: one backward; step 1: a no_sync() micro-batch, then a syncing one (grads accumulate)
+    F.mse_loss(ddp(X[0].chunk(world)[rank]), Y[0].chunk(world)[rank]).backward()
+    opt.step()
+    grads0 = [q.grad.clone() for q in model.parameters()]
+    F.mse_loss(ref(X[0]), Y[0]).backward()
+    ref_grads = [[q.grad.clone() for q in ref.parameters()]]
+    for mon in (mon_ddp, mon_opt, mon_local):
+        mon.step()
+    cap.step += 1
+    opt.zero_grad()
+    ref.zero_grad()
+    with ddp.no_sync():
+        F.mse_loss(ddp(X[1].chunk(world)[rank]), Y[1].chunk(world)[rank]).backward()
+    F.mse_loss(ddp(X[2].chunk(world)[rank]), Y[2].chunk(world)[rank]).backward()
+    opt.step()
+    for i in (1, 2):
+        F.mse_loss(ref(X[i]), Y[i]).backward()
+    ref_grads.append([q.grad.clone() for q in ref.parameters()])
+    res = {"names": [n for n, _ in model.named_parameters()], "ref_grads": ref_grads, "local_seen": cap.seen,
+           "grads": [grads0, [q.grad.clone() for q in model.parameters()]]}
+    for name, mon in (("ddp", mon_ddp), ("opt", mon_opt), ("local", mon_local)):
+        mon.flush()
+        res[name] = mon.records()
+        mon.detach()
+    cap.remove()
+
+    torch.manual_seed(10)
+    br = Branchy().double()
+    dbr = DDP(br, find_unused_parameters=True)
+    mon = hookstats.Monitor(dbr, kinds=("forward", "backward_pre", "grad"), process_group="world")
+    x = torch.randn(4, 6, generator=_gen(12 + rank), dtype=torch.float64)
+    dbr(x, use_b=rank == 0).square().mean().backward()
+    mon.flush()
+    res["unused"] = mon.records()
+    res["unused_grads"] = {n: (None if q.grad is None else q.grad.clone()) for n, q in dbr.named_parameters()}
+    mon.detach()
+    return res
+
+
+def tiny_models() -> dict:
+    """Small transformers models with random weights (float64, no dropout, eager attention)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    return {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=32, attn_implementation="eager")),
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(
+            vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager")),
+    }
+
+
+def sec_models(rank: int, world: int, out: Path) -> dict:
+    """Llama and GPT-2 (transformers, random weights) under DDP, each rank half of the batch: a Monitor on the DDP
+    module (forward and grad records, merged) beside a single-process Monitor on a copy run on the whole batch, and
+    hookstats.clip_grad_norm_ against torch's on that copy."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hookstats
+
+    res = {}
+    for name, make in tiny_models().items():
+        torch.manual_seed(13)
+        model = make().double()
+        ref = copy.deepcopy(model)
+        ddp = DDP(model)
+        mon = hookstats.Monitor(ddp, kinds=("forward", "grad"), process_group="world")
+        ref_mon = hookstats.Monitor(ref, kinds=("forward", "grad"))
+        ids = torch.randint(0, 64, (4, 8), generator=_gen(14))
+        mine = ids.chunk(world)[rank]
+        ddp(input_ids=mine, labels=mine).loss.backward()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        mon.flush()
+        recs = mon.records()
+        mon.detach()
+        ref_recs = ref_mon.records()
+        ref_mon.detach()
+        ref_total = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        max_norm = 0.5 * ref_total
+        tn = hookstats.clip_grad_norm_(ddp.parameters(), max_norm)
+        rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        err = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-300))
+                  for p, q in zip(model.parameters(), ref.parameters()))
+        res[name] = {"records": recs, "ref_records": ref_recs, "clip_total": float(tn), "ref_clip_total": float(rn),
+                     "grad_rel_error": err}
+    return res
+
+
 def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -444,14 +802,20 @@ def sec_fsdp(rank: int, world: int, out: Path) -> dict:
     fully_shard(model, mesh=mesh)
     # after fully_shard: it replaces the parameters by DTensors, and hooks on the old ones would be lost
     mon = hookstats.Monitor(model, kinds=("forward", "grad"), process_group="world")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon_opt = hookstats.Monitor(model, kinds=("grad",), process_group="world", optimizer=opt)
     cap = Capture(model, ("forward",))
     X = torch.randn(8, 5, generator=_gen(11), dtype=torch.float64) * 2
     xs = X.chunk(world)[rank]
     model(xs).square().sum().backward()
+    opt.step()  # optimizer=: the sharded grads at the step, merged into the full ones (not as replicas)
     (ref(X).square().sum() / world).backward()  # FSDP2 averages the grads over ranks
     mon.flush()
     records = mon.records()
     mon.detach()
+    mon_opt.flush()
+    opt_records = mon_opt.records()
+    mon_opt.detach()
     cap.remove()
 
     names = [n for n, _ in model.named_parameters()]
@@ -470,7 +834,7 @@ def sec_fsdp(rank: int, world: int, out: Path) -> dict:
         totals[p] = float(t)
         ref_totals[p] = float(torch.nn.utils.get_total_norm([q.grad for q in ref_params], p))
 
-    res = {"records": records, "seen": cap.seen, "names": names, "local_shapes": local_shapes,
+    res = {"records": records, "opt_records": opt_records, "seen": cap.seen, "names": names, "local_shapes": local_shapes,
            "all_dtensor": all_dtensor, "full_grads": full_grads, "totals": totals, "ref_totals": ref_totals,
            "calls_norm": calls_norm, "total_types": total_types}
 
@@ -562,8 +926,10 @@ def sec_placements(rank: int, world: int, out: Path) -> dict:
 
 SCENARIOS = {
     "monitor": [("model", sec_model), ("special", sec_special), ("flush_every", sec_flush_every),
-                ("mismatch", sec_mismatch)],
-    "parallel": [("ddp", sec_ddp), ("fsdp", sec_fsdp), ("placements", sec_placements)],
+                ("uneven", sec_uneven), ("mismatch", sec_mismatch), ("nonfinite", sec_nonfinite),
+                ("collectives", sec_collectives)],
+    "parallel": [("ddp", sec_ddp), ("ddp_grads", sec_ddp_grads), ("fsdp", sec_fsdp), ("placements", sec_placements),
+                 ("models", sec_models)],
 }
 
 

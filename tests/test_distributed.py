@@ -44,7 +44,6 @@ DEADLINE_S = 180.0  # per launch; each takes ~20-30 s on a loaded 2-core machine
 EXP = hookstats.Histogram.exponent()
 RANGE = hookstats.Histogram.range(8, -2.0, 2.0)
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MISMATCH = "ranks recorded different tensors"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,16 +266,130 @@ def test_exporters_write_on_rank0_only(monitor_run):
     assert not path1.exists() or path1.read_text() == "", "rank 1's exporter was written to"
 
 
-@pytest.mark.parametrize("case", ["extra_record", "other_module", "other_dtype"])
-def test_ranks_that_recorded_different_tensors_raise(monitor_run, case):
-    """Rank 1 records one more tensor, or as many from another module, or of another dtype: flush() raises on every
-    rank (and returns: the test would hit its deadline otherwise), and the group still works afterwards."""
-    ranks = monitor_run.section("mismatch")
-    for rank, r in enumerate(ranks):
-        err = r["errors"][case]
-        assert err is not None, f"rank {rank} merged records of different tensors without an error"
-        assert MISMATCH in err, err
+def check_calls(records: list, seen: dict, world_seen: list, hist=None) -> None:
+    """forward records merged per call: the k-th record of (step, module) is the concatenation of the k-th call's
+    tensors on the ranks that made a k-th call, and says how many ranks did."""
+    by_key: dict = {}
+    for r in records:
+        by_key.setdefault((r["step"], r["module"]), []).append(r)
+    keys = set().union(*[set(s) for s in world_seen])
+    assert set(by_key) == keys, f"records {sorted(set(by_key) ^ keys)} differ from the calls made"
+    bad = []
+    for k in sorted(keys):
+        ncalls = max(len(s.get(k, [])) for s in world_seen)
+        assert len(by_key[k]) == ncalls, f"{k}: {len(by_key[k])} records for {ncalls} calls"
+        for c, rec in enumerate(by_key[k]):
+            parts = [s[k][c] for s in world_seen if len(s.get(k, [])) > c]
+            assert rec["ranks"] == len(parts), f"{k} call {c}: ranks {rec['ranks']}, {len(parts)} ranks called"
+            bad += check_record(rec, parts, hist, where=f"{k} call {c}")
+    assert not bad, "merged records differ from the reference:\n  " + "\n  ".join(bad)
+
+
+def test_site_recorded_on_one_rank_merges(monitor_run):
+    """The issue's ModuleDict case: step 1 runs "a" on rank 0 and "b" on rank 1; each merged record holds the ranks
+    that wrote it (ranks = 1), records() and summary_rows() work on both ranks, rank 0's log holds every site."""
+    from hookstats.export.jsonl import read_jsonl
+
+    ranks = monitor_run.section("uneven")
+    recs = [r["records"] for r in ranks]
+    assert [(r["step"], r["module"], r["ranks"]) for r in recs[0]] == [(0, "a", 2), (0, "b", 2), (1, "a", 1),
+                                                                        (1, "b", 1)]
+    check_calls(recs[0], ranks[0]["seen"], [r["seen"] for r in ranks], RANGE)
+    assert_same_on_every_rank(recs, "uneven records")
+    for r in ranks:
+        assert [(x["module"], x["records"]) for x in r["summary"]] == [("a", 2), ("b", 2)]
+    log = read_jsonl(ranks[0]["path"])
+    assert [(x["step"], x["module"], x["ranks"], x["stats"]["numel"]) for x in log.records] == \
+        [(x["step"], x["module"], x["ranks"], x["stats"]["numel"]) for x in recs[0]]
+    path1 = Path(ranks[1]["path"])
+    assert not path1.exists() or path1.read_text() == ""
+
+
+def test_moe_routing_merges_calls_per_rank(monitor_run):
+    """Experts called a different number of times on each rank (and some on one rank only), flush_every=2 (the
+    merge's all_gather started by step() and ended by the next flush or read), exponent histograms: each call
+    merges with the same-numbered call of the other rank."""
+    ranks = monitor_run.section("uneven")
+    recs = [r["moe_records"] for r in ranks]
+    check_calls(recs[0], ranks[0]["moe_seen"], [r["moe_seen"] for r in ranks], EXP)
+    assert_same_on_every_rank(recs, "MoE records")
+    assert {r["ranks"] for r in recs[0]} == {1, 2}, "the case should hold calls made on one rank only"
+    assert len({r["step"] for r in recs[0]}) == 4
+
+
+@pytest.mark.parametrize("case", ["extra_record", "other_module"])
+def test_different_calls_per_rank_merge(monitor_run, case):
+    """Rank 1 calls a module once more, or the ranks call different modules: merged, each record from the ranks
+    that wrote it; the next step merges normally."""
+    for r in monitor_run.section("mismatch"):
+        assert r["errors"][case] is None, r["errors"][case]
+        got = [(x["module"], x["ranks"], x["stats"]["numel"]) for x in r["after"][case]["flushed"]]
+        want = [("", 2, 8), ("", 1, 4)] if case == "extra_record" else [("0", 1, 4), ("1", 1, 4)]
+        assert got == want
+        assert r["after"][case]["failures"] == 0
+
+
+def test_unmergeable_records_raise_then_recover(monitor_run):
+    """One record of another dtype on rank 1: MergeError on every rank, naming the record and counting records;
+    the flush's records are dropped and counted, and the next step merges normally."""
+    for rank, r in enumerate(monitor_run.section("mismatch")):
+        err = r["errors"]["other_dtype"]
+        assert err is not None, f"rank {rank} merged records of different dtypes"
+        assert "kind forward, index 0, call 0 has dtype float64 on rank 0 and float32 on rank 1" in err, err
+        assert "rank 0: 2, rank 1: 2) were dropped" in err, err
+        after = r["after"]["other_dtype"]
+        assert after["error_type"] == "MergeError"
+        assert (after["failures"], after["dropped"]) == (1, 2)
+        assert [(x["ranks"], x["stats"]["numel"]) for x in after["next"]] == [(2, 8)]
+
+
+def test_differing_monitors_raise_and_detach_detaches(monitor_run):
+    """Monitors with other settings on the ranks: flush() raises on every rank; detach() after that raises again
+    (its own flush) but removes the hooks; the group still works."""
+    for rank, r in enumerate(monitor_run.section("mismatch")):
+        for err in (r["errors"]["other_settings"], r["detach_error"]):
+            assert err is not None and "Monitors differ" in err and "rank 0: 1, rank 1: 1" in err, err
+        assert r["hooks_after_detach"] == 0
+        assert r["failures_settings"] == 2
         assert r["all_reduce_after"] == [float(WORLD)] * 3
+
+
+def test_rank_on_several_devices_raises_everywhere(monitor_run):
+    """A rank whose records are on several devices cannot merge; it still takes part in the gather, so every rank
+    raises (none waits in a collective) and the next flush merges."""
+    for r in monitor_run.section("mismatch"):
+        err = r["errors"]["several_devices"]
+        assert err is not None and "rank 1 recorded tensors on several" in err, err
+        assert r["several_devices_next"] == [(WORLD, 8)]
+
+
+@pytest.mark.parametrize("locations", [False, True])
+def test_nonfinite_names_the_rank(monitor_run, locations):
+    """A NaN put at element (1, 2) on rank 1 at step 1: first_nonfinite() on every rank names step 1, module 1 and
+    rank 1 (and with locations the element, on rank 1); the summary's NaN/Inf ranks column says 1."""
+    ranks = monitor_run.section("nonfinite")
+    for rank, r in enumerate(ranks):
+        res = r[locations]
+        f = res["first"]
+        assert (f["step"], f["module"], f["nonfinite_ranks"], f["stats"]["nan_count"]) == (1, "1", [1], 1)
+        want = "step 1, module 1, kind forward, index 0, NaN/Inf on ranks [1]"
+        if locations:
+            assert f["first_nonfinite_index"] == (1, 2) and f["location_rank"] == 1 and f["shape"] == (4, 5)
+            want += ", element (1, 2) on rank 1"
+        assert res["str"] == want
+        rows = {x["module"]: x for x in res["summary"]}
+        assert rows["0"]["nonfinite_ranks"] == [] and rows["1"]["nonfinite_ranks"] == [1]
+        assert "NaN/Inf ranks" in res["text"]
+        clean = [x for x in res["records"] if x["stats"]["nan_count"] == 0]
+        assert clean and all(x["nonfinite_ranks"] == [] for x in clean)
+        if locations:  # a clean record names the largest |x|, on the rank holding it, in that rank's shape
+            for x in clean:
+                t = ranks[x["location_rank"]]["seen"][(x["step"], x["module"])][0]
+                assert x["shape"] == tuple(t.shape)
+                assert float(t[x["argmax_abs_index"]].abs()) == x["stats"]["linf"], x
+        else:
+            assert "location_rank" not in f and "shape" not in f
+    assert_same_on_every_rank([r[locations]["records"] for r in ranks], "non-finite records")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,6 +432,60 @@ def test_ddp_clip_grad_norm_matches_unsharded(parallel_run):
         assert r["calls_norm"] == {p: 0 for p in r["ref_totals"]}
         assert r["calls_clip"] == 0
     assert_tensors_close(ranks[1]["grads"], ranks[0]["grads"], "rank 1 vs rank 0 grads", rtol=0)
+
+
+@pytest.mark.parametrize("how", ["ddp", "opt"])
+def test_ddp_grad_records_are_the_optimizers_grads(parallel_run, how):
+    """kinds=("grad",) with the Monitor on the DDP module (after DDP's allreduce, once per syncing backward: step 1
+    has a no_sync() micro-batch first) or with optimizer=: one record per parameter and step, numel once, the
+    statistics of the grads DDP left (the same on both ranks; replicated: counted once), which are the full-batch
+    run's grads (to rounding)."""
+    ranks = parallel_run.section("ddp_grads")
+    names = ranks[0]["names"]
+    for rank, r in enumerate(ranks):
+        recs = r[how]
+        prefix = "module." if how == "ddp" else ""
+        assert [(x["step"], x["module"]) for x in recs] == [(s, prefix + n) for s in (0, 1) for n in names]
+        bad = []
+        for x in recs:
+            i = names.index(x["module"][len(prefix):])
+            full, got = r["ref_grads"][x["step"]][i], r["grads"][x["step"]][i]
+            assert x["ranks"] == WORLD and x["stats"]["numel"] == full.numel(), x["module"]
+            bad += check_record(x, [got], where=f"rank {rank} {x['module']} step {x['step']}")
+            assert_rel(x["stats"]["l2"], float(full.norm()), 1e-12, f"{x['module']} l2 vs the full-batch run")
+        assert not bad, "\n".join(bad)
+    assert_same_on_every_rank([r[how] for r in ranks], f"{how} grad records")
+
+
+def test_ddp_local_grad_records_without_optimizer(parallel_run):
+    """Post-accumulate hooks on the module DDP wraps (no optimizer=): each rank's local grads, before DDP's
+    allreduce, merged as their concatenation (every accumulation its own call: two on step 1)."""
+    ranks = parallel_run.section("ddp_grads")
+    recs = ranks[0]["local"]
+    assert len(recs) == 4 + 8
+    bad = []
+    calls: dict = {}
+    for x in recs:
+        k = (x["step"], x["module"], "grad", 0)
+        c = calls[k] = calls.get(k, -1) + 1
+        want = [r["local_seen"][k] for r in ranks]  # Capture keeps the last call's tensor
+        if x["step"] == 0 or c == 1:
+            bad += check_record(x, want, where=str(k))
+        assert x["ranks"] == WORLD
+    assert not bad, "\n".join(bad)
+
+
+def test_ddp_find_unused_parameters(parallel_run):
+    """A branch used on rank 0 only (find_unused_parameters=True): its forward and backward_pre records come from
+    rank 0 (ranks = 1), its grads are DDP's averaged ones (replicated, ranks = 2, numel once)."""
+    for r in parallel_run.section("ddp_grads"):
+        got = {(x["module"], x["kind"]): x for x in r["unused"]}
+        assert got[("module.b", "forward")]["ranks"] == 1 and got[("module.a", "forward")]["ranks"] == 2
+        assert got[("module.b", "backward_pre")]["ranks"] == 1
+        for n, g in r["unused_grads"].items():
+            x = got[(n, "grad")]
+            assert x["ranks"] == WORLD and x["stats"]["numel"] == g.numel()
+            assert x["stats"]["l2"] == pytest.approx(float(g.norm()), rel=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,6 +541,12 @@ def test_fsdp_monitor_records_full_grads(parallel_run):
     assert_same_on_every_rank([r["records"] for r in ranks], "FSDP records")
     grads = {r["module"]: r for r in records if r["kind"] == "grad"}
     assert sorted(grads) == sorted(ranks[0]["names"])
+    # with optimizer=: the same full grads (DTensor shards are merged, not taken as replicas)
+    opt = {r["module"]: r for r in ranks[0]["opt_records"]}
+    assert sorted(opt) == sorted(grads)
+    for name, rec in opt.items():
+        assert same_value(rec["stats"], grads[name]["stats"]), name
+        assert rec["ranks"] == WORLD  # rank 1's empty shards are records too
     bad = []
     for name, full in zip(ranks[0]["names"], ranks[0]["full_grads"]):
         rec = grads[name]
@@ -412,3 +585,61 @@ def test_replicated_dtensor_is_counted_once(parallel_run):
             assert recs[name]["stats"]["numel"] == t.numel(), name
             bad = check_record(recs[name], [t], EXP, where=name)
             assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real models: transformers Llama and GPT-2 (random weights) under DDP
+
+# Tensors every rank computes whole (not per sample): their merged record holds each rank's copy, numel x WORLD.
+# The rotary / position embeddings of the positions, and the loss (each rank's mean).
+PER_RANK_WHOLE = {"llama": {("model.rotary_emb", 0), ("model.rotary_emb", 1), ("", 0)},
+                  "gpt2": {("transformer.wpe", 0), ("", 0)}}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_real_model_ddp_records_match_full_batch(parallel_run, name):
+    """Every forward and grad record of the DDP run (Monitor on the DDP module) equals the single-process run on the
+    whole batch, except the tensors each rank computes whole (PER_RANK_WHOLE: numel x WORLD, each rank's copy);
+    the clip total equals torch's and the clipped grads the copy's."""
+    for rank, r in enumerate(parallel_run.section("models")):
+        r = r[name]
+        ref = {(x["step"], x["module"], x["kind"], x["index"]): x for x in r["ref_records"]}
+        compared, whole, bad = 0, set(), []
+        for x in r["records"]:
+            if x["module"] == "":  # the DDP wrapper's own forward: the same tensors as "module"'s
+                continue
+            m = "" if x["module"] == "module" else x["module"][len("module."):]
+            y = ref[(x["step"], m, x["kind"], x["index"])]
+            assert x["ranks"] == WORLD
+            if y["stats"]["numel"] != x["stats"]["numel"]:
+                assert x["stats"]["numel"] == WORLD * y["stats"]["numel"], (m, x["kind"], x["index"])
+                whole.add((m, x["index"]))
+                continue
+            compared += 1
+            for f in ("numel", "nan_count", "inf_count"):
+                if x["stats"][f] != y["stats"][f]:
+                    bad.append(f"{m} {x['kind']} {x['index']} {f}: {x['stats'][f]} vs {y['stats'][f]}")
+            for f in ("sum", "l1", "l2", "linf", "min", "max", "std"):
+                a, b = x["stats"][f], y["stats"][f]
+                if abs(a - b) > 1e-10 * max(abs(b), 1e-3 * y["stats"]["linf"]):
+                    bad.append(f"{m} {x['kind']} {x['index']} {f}: {a!r} vs {b!r}")
+        assert not bad, f"rank {rank}:\n  " + "\n  ".join(bad)
+        assert whole == PER_RANK_WHOLE[name]
+        grads = [x for x in r["records"] if x["kind"] == "grad"]
+        assert len(grads) == len([x for x in r["ref_records"] if x["kind"] == "grad"]) > 10
+        assert compared == len(r["records"]) - len(whole) - len([x for x in r["records"] if x["module"] == ""])
+        assert_rel(r["clip_total"], r["ref_clip_total"], 1e-12, f"{name} clip total")
+        assert r["grad_rel_error"] < 1e-12
+
+
+def test_one_collective_per_flush(monitor_run):
+    """step() with flush_every=1 issues one all_gather (and nothing else) and returns with it pending; records()
+    ends it without a collective; a flush that outgrows the agreed capacity sends twice, the next ones once."""
+    ag = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+    for r in monitor_run.section("collectives"):
+        assert r["per_step"] == [[ag]] * 3
+        assert r["pending"] == [True] * 3
+        assert r["read_calls"] == [[]] * 3
+        assert r["counts"] == [8, 16, 24]
+        assert r["big"] == [[ag] * 2, [ag], [ag]]
+        assert r["big_records"] == 17

@@ -54,6 +54,7 @@ def _dense(h) -> Optional[list]:
 
 
 _LOCATION_KEYS = ("shape", "argmax_abs_index", "first_nonfinite_index")
+_MERGE_KEYS = ("ranks", "nonfinite_ranks", "location_rank")  # Note [merging records across ranks]
 
 
 def encode_record(r: dict) -> dict:
@@ -64,6 +65,9 @@ def encode_record(r: dict) -> dict:
     for k in _LOCATION_KEYS:  # Monitor(locations=True) records only
         if k in r:
             out[k] = None if r[k] is None else list(r[k])
+    for k in _MERGE_KEYS:  # records merged across ranks only
+        if k in r:
+            out[k] = r[k]
     return out
 
 
@@ -74,6 +78,9 @@ def decode_record(d: dict) -> dict:
     for k in _LOCATION_KEYS:
         if k in d:
             r[k] = None if d[k] is None else tuple(d[k])
+    for k in _MERGE_KEYS:
+        if k in d:
+            r[k] = d[k]
     return r
 
 
@@ -102,8 +109,8 @@ def encode_block(block) -> str:
     tmpl = _row_template()
     stats = block.stats
     finite = np.isfinite(stats).all(axis=1)
-    if getattr(block, "loc", None) is not None:  # records with locations: each through encode_record
-        finite[:] = False
+    if getattr(block, "loc", None) is not None or getattr(block, "ranks", None) is not None:
+        finite[:] = False  # records with locations or merged across ranks: each through encode_record
     rows = stats.tolist()
     steps = block.steps.tolist()
     inv = inv.tolist()

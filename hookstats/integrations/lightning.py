@@ -96,7 +96,7 @@ class HookstatsCallbackMixin:
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._keeper is not None and "grad" in self.monitor.kinds:
-            self.monitor.record_grads(replicated=True)
+            self.monitor.record_grads()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._keeper is None:

@@ -103,7 +103,7 @@ class HookstatsCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self._keeper is not None and "grad" in self.monitor.kinds:
-            self.monitor.record_grads(replicated=True)
+            self.monitor.record_grads()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._keeper is not None:

@@ -96,17 +96,33 @@ def gather_rows(block: np.ndarray, slot: np.ndarray, row: np.ndarray) -> HistRow
     return HistRows(data, cols, length)
 
 
+def mask_ranks(mask: int) -> list:
+    """The ranks set in a nonfinite_mask (bit r: rank r, for ranks 0-62)."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
 class Record(dict):
     """A record dict that prints where it is: `step 90, module embed, kind forward, index 0, element (3, 17, 250)`
-    (the element: the first NaN/Inf when the tensor held one, else the first largest |x|; only with locations)."""
+    (the element: the first NaN/Inf when the tensor held one, else the first largest |x|; only with locations).
+    Merged across ranks it names the ranks whose tensors held a NaN/Inf, and the rank of the element:
+    `..., index 0, NaN/Inf on ranks [1], element (3, 17, 250) on rank 1`."""
 
     def __str__(self) -> str:
         out = f"step {self['step']}, module {self['module'] or '<model>'}, kind {self['kind']}, index {self['index']}"
+        if self.get("nonfinite_ranks"):
+            out += f", NaN/Inf on ranks {self['nonfinite_ranks']}"
         where = self.get("first_nonfinite_index")
         if where is None:
             where = self.get("argmax_abs_index")
         if where is not None:
             out += f", element {tuple(where)}"
+            if self.get("location_rank") is not None:
+                out += f" on rank {self['location_rank']}"
         return out
 
 
@@ -139,6 +155,11 @@ class Block:
             np.cumsum(shape_ndim, out=self.shape_off[1:])
         self._records: Optional[list] = None
         self._coords: Optional[tuple] = None
+        # Merged across ranks (Note [merging records across ranks]): ranks that wrote each record, a bitmask of the
+        # ranks whose tensor held a NaN/Inf (ranks 0-62), and with locations the rank whose element is named.
+        self.ranks: Optional[np.ndarray] = None
+        self.nonfinite_mask: Optional[np.ndarray] = None
+        self.location_rank: Optional[np.ndarray] = None
 
     def shape(self, i: int) -> tuple:
         """Record i's tensor shape (with locations)."""
@@ -177,6 +198,11 @@ class Block:
             r["shape"] = self.shape(i)
             r["argmax_abs_index"] = a[i]
             r["first_nonfinite_index"] = f[i]
+        if self.ranks is not None:
+            r["ranks"] = int(self.ranks[i])
+            r["nonfinite_ranks"] = mask_ranks(int(self.nonfinite_mask[i]))
+            if self.location_rank is not None:
+                r["location_rank"] = int(self.location_rank[i])
         return r
 
     def records(self) -> list[dict]:

@@ -21,6 +21,8 @@ import torch
 
 from .._ops import STATS_FIELDS, Histogram, as_histogram
 from .block import Block, HistRows, LazyRecords, Record, gather_rows, unravel_rows  # noqa: F401 (re-exported)
+from .merge import INITIAL_CAPACITY, Gather, MergeError, MergedSites, capacity_for, combine, hist_rows, pack
+from .merge import signature as merge_signature
 from .sites import SiteTable
 
 _NF = len(STATS_FIELDS)
@@ -52,6 +54,10 @@ def _extension():
 
     _C.set_local_part(local_part)  # DTensors (FSDP2, TP) are recorded by their local shard
     return _C
+
+
+class _SeveralDevices(RuntimeError):
+    pass
 
 
 class ScalarBuffer:
@@ -136,15 +142,30 @@ class Buffers:
         self.keep = True
         self.group = None  # a ProcessGroup: flush merges rows across its ranks
         self._seq = 0
+        self.ready: list[Block] = []  # flushed (merged) blocks not yet handed to exporters
+        self._held_scalars: list = []
+        self.hook_modes: list[int] = []  # per hook: 0 merged over ranks, 1 replicated (DDP grads: one rank's)
+        self.merged_table = MergedSites(self.table.hook_names)
+        self._pending: Optional[Gather] = None
+        self._pending_n = 0
+        self._capacity = INITIAL_CAPACITY
+        self._sig: Optional[tuple] = None
+        self._coll_dev: Optional[torch.device] = None
+        self.merge_failures = 0  # flushes whose records could not be merged (dropped)
+        self.dropped_records = 0  # this rank's records in those flushes
+        self.replica_mismatches = 0
+        self._warned_replicas = False
         from .compile import register
 
         self.id = register(self)  # what traced hooks pass to the record op (Note [monitor under torch.compile])
 
     # -- recording --------------------------------------------------------------------------------------------------
-    def hook(self, name: str, kind: str) -> int:
-        """A new hook id, for records labelled (name, kind)."""
+    def hook(self, name: str, kind: str, replicated: bool = False) -> int:
+        """A new hook id, for records labelled (name, kind); replicated: its tensors are the same on every rank
+        (merged as one rank's, not as shards)."""
         hid = self.rec.add_hook()
         self.table.add_hook(hid, name, kind)
+        self.hook_modes.append(1 if replicated else 0)
         return hid
 
     def record(self, hid: int, obj) -> None:
@@ -172,15 +193,44 @@ class Buffers:
         return self.rec.pending_slots + self.scalars.pending
 
     # -- flush ------------------------------------------------------------------------------------------------------
-    def flush(self) -> Block:
+    def flush(self, async_merge: bool = False) -> Optional[Block]:
         """One host copy per buffer, the device rows reset, and the copied rows as a Block (kept in `blocks` unless
-        keep is False). With a process group the rows are merged across ranks first (Note [merging records across
-        ranks] in hookstats.distributed), and this is a collective."""
+        keep is False). With a process group this is a collective: the rows are merged across ranks (Note [merging
+        records across ranks] in hookstats.distributed) in one all_gather, and the merged Block is returned; with
+        async_merge the gather is only started (None is returned) and ends at the next flush or read. Blocks that
+        became ready (merged) wait in `ready` for the Monitor's exporters."""
+        try:
+            block = self._local_block()
+        except _SeveralDevices:  # (with a group only) this rank still takes part in the gather: every rank raises
+            block = None
+        if self.group is None:
+            self._keep(block)
+            self.ready.append(block)
+            return block
+        err = None
+        try:
+            self.finish(collective=True)  # the previous flush's gather, if it was started asynchronously
+        except MergeError as e:
+            err = e
+        self._start_merge(block, async_merge)
+        out = None
+        if not async_merge:
+            try:
+                out = self.finish(collective=True)
+            except MergeError as e:
+                err = err or e
+        if err is not None:
+            raise err
+        return out
+
+    def _local_block(self) -> Block:
         taken = self.rec.take()
         stats_blocks, hist_blocks, steps, hist_on, order_slots, order_sites = taken[:6]
         self.table.sync(self.rec)
-        if self.group is not None:
-            stats_blocks, hist_blocks = self._merge(stats_blocks, hist_blocks, steps)
+        if self.group is not None and len(stats_blocks) > 1:
+            self.rec.reset()
+            raise _SeveralDevices("hookstats.Monitor(process_group=...) records tensors of one device per rank; this "
+                               f"rank recorded tensors on {self.rec.devices()}")
         # CPU blocks are read in place: the gathers below copy the rows out before reset() (a copy of the whole
         # block first would double the flush's memory traffic: 80 MB a flush for exponent histograms of 1,000
         # modules over 10 steps)
@@ -204,10 +254,104 @@ class Buffers:
             warnings.warn(f"hookstats.Monitor: {dropped} replays of a captured CUDA graph were overwritten before "
                           f"this flush: a captured step keeps the rows of its last `slots` replays. Flush at least "
                           f"every `slots` replays (flush_every=), or give the Monitor more slots (slots=).",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=4)
+        return block
+
+    def _keep(self, block: Block) -> None:
+        block.seq0 = self._seq
         self._seq += len(block)
         if self.keep and len(block):
             self.blocks.append(block)
+
+    def take_ready(self, scalars: list = ()) -> list:
+        """(block, scalars) pairs for the exporters: every block flushed since the last call, the scalars with the
+        last one; scalars flushed while a merge is still running wait for its block."""
+        self._held_scalars += list(scalars)
+        ready, self.ready = self.ready, []
+        if not ready:
+            if self._pending is not None or not self._held_scalars:
+                return []
+            ready = [self.empty_block()]
+        out = [(b, []) for b in ready]
+        out[-1] = (ready[-1], self._held_scalars)
+        self._held_scalars = []
+        return out
+
+    def empty_block(self) -> Block:
+        e = np.empty(0, dtype=np.int64)
+        return Block(self.table, e, e, np.empty((0, _NF)), e, e, [], self._seq)
+
+    # -- merging across ranks (Note [merging records across ranks] in hookstats.distributed) --------------------------
+    def _signature(self) -> float:
+        """What every rank's Monitor must share (hooks, their merge modes, histogram and locations settings)."""
+        n = len(self.table.hook_names)
+        if self._sig is None or self._sig[0] != n:
+            h = self.histogram
+            spec = None if h is None else (h.kind, h.bins, h.lo, h.hi)
+            self._sig = (n, merge_signature([self.table.hook_names, self.hook_modes, spec, self.locations]))
+        return self._sig[1]
+
+    def _start_merge(self, block: Optional[Block], async_merge: bool) -> None:
+        from ..distributed import collective_device
+
+        if self._coll_dev is None:
+            self._coll_dev = collective_device(self.group, None)
+        dev = self._coll_dev
+        if block is None:  # Note [merging records across ranks]: signature -1 makes every rank refuse this flush
+            payload, n, sig = np.empty(0), 0, -1.0
+        else:
+            payload, n, sig = pack(block, self.locations), len(block), self._signature()
+        self._pending = Gather(self.group, dev, payload, n, sig, self.locations, self._capacity, async_op=async_merge)
+        self._pending_n = n
+
+    def finish(self, collective: bool) -> Optional[Block]:
+        """Ends the pending gather, if any, and keeps its merged Block. Off a collective point (a read on one rank)
+        a gather whose payloads outgrew the capacity stays pending: sending it again is a collective."""
+        g = self._pending
+        if g is None:
+            return None
+        need = g.overflow()
+        if need:
+            if not collective:
+                return None
+            g.resend(capacity_for(need))
+        self._pending = None
+        chunks = g.chunks()
+        longest = max(len(p) for _, p in chunks)
+        if longest > self._capacity or 4 * longest < self._capacity:  # every rank computes the same
+            self._capacity = capacity_for(longest)
+        try:
+            m = combine(chunks, g.sig, np.asarray(self.hook_modes + [0], dtype=np.int64), self.table.hook_names)
+        except MergeError:
+            self.merge_failures += 1
+            self.dropped_records += self._pending_n
+            raise
+        if m.replica_mismatches:
+            self.replica_mismatches += m.replica_mismatches
+            if not self._warned_replicas:
+                self._warned_replicas = True
+                warnings.warn(f"hookstats.Monitor: {m.replica_mismatches} records of replicated gradients differ "
+                              "between ranks (Monitor.replica_mismatches counts them); the merged record is the "
+                              "lowest rank's. Replicated grads (DDP's, after its allreduce) should be identical.",
+                              RuntimeWarning, stacklevel=3)
+        block = self._merged_block(m)
+        self._keep(block)
+        self.ready.append(block)
+        return block
+
+    def _merged_block(self, m) -> Block:
+        t = self.merged_table
+        sites = t.ids(m.hook, m.index, m.call, m.dtype)
+        n = len(sites)
+        hgroup = np.full(n, -1, dtype=np.int64)
+        hrow = np.zeros(n, dtype=np.int64)
+        hists = []
+        for g, (L, (gsel, acc)) in enumerate(sorted(m.hists.items())):
+            hgroup[gsel] = g
+            hrow[gsel] = np.arange(len(gsel))
+            hists.append(hist_rows(acc))
+        block = Block(t, m.steps, sites, m.stats, hgroup, hrow, hists, self._seq, m.loc, m.shape_ndim, m.shape_dims)
+        block.ranks, block.nonfinite_mask, block.location_rank = m.ranks, m.nonfinite_mask, m.location_rank
         return block
 
     def _device_rows(self, blocks: list, slot: np.ndarray, site: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -239,27 +383,6 @@ class Buffers:
         return Block(t, steps[slot] if n else np.empty(0, dtype=np.int64), site, stat, hgroup, hrow, out_hists,
                      self._seq)
 
-    def _merge(self, stats_blocks: list, hist_blocks: list, steps: list):
-        from ..distributed import collective_device, merge_rows, signature
-
-        if len(stats_blocks) > 1:
-            raise RuntimeError("hookstats.Monitor(process_group=...) records tensors of one device per rank; this "
-                               f"rank recorded tensors on {self.rec.devices()}")
-        if stats_blocks:
-            dev_block = stats_blocks[0]
-            rows = dev_block.reshape(-1, _NF)
-            shape = dev_block.shape
-        else:
-            dev = collective_device(self.group, None)
-            rows = torch.empty((0, _NF), dtype=torch.float64, device=dev)
-            shape = (0, 0, _NF)
-        sig = signature([self.table.signature(), tuple(steps), tuple((len_, tuple(b.shape)) for _, len_, b in
-                                                                      hist_blocks)])
-        merged, mh = merge_rows(self.group, rows, [b.reshape(-1, b.shape[-1]) for _, _, b in hist_blocks], sig)
-        new_stats = [merged.view(shape)] if stats_blocks else []
-        new_hists = [(d, n, m.view(b.shape)) for (d, n, b), m in zip(hist_blocks, mh)]
-        return new_stats, new_hists
-
     # -- reading ----------------------------------------------------------------------------------------------------
     def records(self) -> list[dict]:
         out: list[dict] = []
@@ -275,14 +398,18 @@ class Buffers:
         return None
 
     def columns(self):
-        """(module, kind, step, stats) over every kept block, for the summary."""
+        """(module, kind, step, stats, nonfinite mask or None) over every kept block, for the summary."""
         if not self.blocks:
-            return [], [], np.empty(0, dtype=np.int64), np.empty((0, _NF))
+            return [], [], np.empty(0, dtype=np.int64), np.empty((0, _NF)), None
         module = np.concatenate([b.column("module") for b in self.blocks])
         kind = np.concatenate([b.column("kind") for b in self.blocks])
         steps = np.concatenate([b.steps for b in self.blocks])
         stats = np.concatenate([b.stats for b in self.blocks])
-        return module, kind, steps, stats
+        mask = None
+        if self.group is not None:  # merged blocks: the ranks with a NaN/Inf
+            mask = np.concatenate([b.nonfinite_mask if b.nonfinite_mask is not None else
+                                   np.zeros(len(b), dtype=np.int64) for b in self.blocks])
+        return module, kind, steps, stats, mask
 
     def release(self) -> None:
         self.rec.close()

@@ -12,6 +12,7 @@ import torch
 
 from .._ops import STATS_FIELDS
 from .._select import SITE_ALIASES, Selection, Site
+from ..distributed import is_dtensor as _is_dtensor
 from ..export.protocol import is_exporter
 from . import hooks as _hooks
 from .block import LazyRecords
@@ -79,11 +80,15 @@ class Monitor:
     exporters have them (long runs).
     slots: steps the buffers hold before they grow (default: flush_every, or 16).
     `log(tag, value)` records a scalar (loss, total grad norm) beside the statistics, without a host sync.
-    process_group (a ProcessGroup, or "world"): flush() merges every rank's records (Note [merging records across
-    ranks] in hookstats.distributed) and becomes a collective that every rank calls at the same points (step() with
-    flush_every, flush(), detach()); records()/summary()/first_nonfinite() then read what was flushed without
-    flushing, so that calling them on one rank cannot hang the others. Exporters write on `export_rank` only.
-    DTensor tensors (FSDP2's sharded parameters and grads) are recorded by their local shard.
+    process_group (a ProcessGroup, or "world"): flush() merges every rank's records in one all_gather (Note [merging
+    records across ranks] in hookstats.distributed; docs/distributed.md) and becomes a collective that every rank
+    calls at the same points (step() with flush_every, which only starts it, flush(), detach());
+    records()/summary()/first_nonfinite() then read what was flushed without starting one, so that calling them on
+    one rank cannot hang the others. A merged record combines the ranks that wrote it (`ranks`), names the ranks
+    whose tensor held a NaN/Inf (`nonfinite_ranks`) and, with locations, the element's rank (`location_rank`); what
+    cannot be merged raises MergeError on every rank and is dropped (merge_failures). The grad kind under DDP
+    records the optimizer's (averaged) grads once (Note [grad records across ranks]). Exporters write on
+    `export_rank` only. DTensor tensors (FSDP2's sharded parameters and grads) are recorded by their local shard.
     """
 
     def __init__(self, model: torch.nn.Module, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
@@ -118,9 +123,6 @@ class Monitor:
             raise ValueError(f"hookstats.Monitor: start_step must be an int >= 0, got {start_step!r}")
         if not isinstance(locations, bool):
             raise TypeError(f"hookstats.Monitor: locations must be True or False, got {locations!r}")
-        if locations and process_group is not None:
-            raise ValueError("hookstats.Monitor: locations=True does not merge across ranks yet; use it without "
-                             "process_group= (each rank's Monitor then names its own elements)")
         self.exporters = exporters
         self._buf = Buffers(histogram, slots, locations=locations)
         self._buf.keep = keep_records
@@ -182,14 +184,21 @@ class Monitor:
                     _hooks.backward_hook(rec, mid, b.hook(name, "backward"))))
         self._params: list = []
         if "grad" in kinds:
+            from ..distributed import grad_mode
+
+            ddp = grad_mode(model, b.group, self._optimizer)  # Note [grad records across ranks]
             for pname, p in model.named_parameters():
                 if p.requires_grad and self._wanted(pname):
-                    hid = b.hook(pname, "grad")
+                    hid = b.hook(pname, "grad", replicated=ddp is not None and not _is_dtensor(p))
                     self._params.append((hid, p))
-                    if self._optimizer is None:
+                    if self._optimizer is None and ddp != "end_of_backward":
                         self._handles.append(p.register_post_accumulate_grad_hook(_hooks.grad_hook(rec, mid, hid)))
             if self._optimizer is not None and self._optimizer != "manual":
                 self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_hook()))
+            elif ddp == "end_of_backward":
+                from ..distributed import after_ddp_allreduce
+
+                self._handles.append(after_ddp_allreduce(model, self._weak_record_grads()))
 
     def _attach_where(self, model, include, exclude, channel_stats, per_sample) -> None:
         """The "where in the tensor" options: per-channel statistics and per-sample gradient norms."""
@@ -257,6 +266,12 @@ class Monitor:
                         "layers": [names[j] for j in bad[:, i].nonzero()[:, 0].tolist()]}
         return None
 
+    def _weak_record_grads(self):
+        import weakref
+
+        me = weakref.ref(self)  # DDP must not keep a dropped Monitor (and its buffers) alive
+        return lambda: me() is not None and me().record_grads()
+
     def _optimizer_hook(self):
         import weakref
 
@@ -270,20 +285,17 @@ class Monitor:
 
         return hook
 
-    def record_grads(self, replicated: bool = False) -> None:
+    def record_grads(self) -> None:
         """Records every monitored parameter's current .grad (kind "grad") under the current step: one C++ call,
-        one kernel launch per gradient. Called at the optimizer's step when the Monitor was given `optimizer=`.
-        replicated=True (with a process group): the plain-tensor grads are the same on every rank (DDP's, after its
-        all_reduce), so only export_rank's count in the merge (the others record an empty view of each: merging R
-        copies would give R times the numel and sqrt(R) times the l2); DTensor grads are merged by their shards."""
+        one kernel launch per gradient. Called at the optimizer's step when the Monitor was given `optimizer=`; with
+        `optimizer="manual"` (a training framework's callback, after it clipped the grads) only when called. With a
+        process group and `optimizer=`, plain-tensor grads are DDP's replicated ones: merged once, not as shards
+        (Note [grad records across ranks]); DTensor grads are merged from their shards."""
         if "grad" not in self.kinds:
             raise RuntimeError("hookstats.Monitor.record_grads needs the 'grad' kind (kinds=(..., 'grad'))")
         if self._model is None or not self._buf.rec.active:
             return
-        grads = [(hid, p.grad) for hid, p in self._params if p.grad is not None]
-        if replicated and self._buf.group is not None and not self._exporting:
-            grads = [(hid, g if hasattr(g, "placements") else g.reshape(-1)[:0]) for hid, g in grads]
-        self._buf.rec.record_params(grads)
+        self._buf.rec.record_params([(hid, p.grad) for hid, p in self._params if p.grad is not None])
 
     def _active_exporters(self) -> list:
         return self.exporters if self._exporting else []
@@ -332,7 +344,12 @@ class Monitor:
         self._step += 1
         self._begin_step()
         if self.flush_every is not None and self._step % self.flush_every == 0:
-            self.flush()
+            if self._buf.group is not None:  # the merge's all_gather runs while the next steps do
+                self._flush_block(async_merge=True)
+                if self._export is not None:
+                    self._export.raise_pending()
+            else:
+                self.flush()
 
     def log(self, tag: str, value) -> None:
         """Records a scalar under the current step: a one-element tensor (copied on its device, no host sync:
@@ -370,12 +387,34 @@ class Monitor:
             self._export.raise_pending()
         return LazyRecords(block)
 
-    def _flush_block(self):
-        block = self._buf.flush()
-        scalars = self._buf.scalars.flush(self._buf.keep)
-        if self._export is not None and (len(block) or scalars):
-            self._export.submit(block, scalars)
+    def _flush_block(self, async_merge: bool = False):
+        try:
+            block = self._buf.flush(async_merge)
+        finally:  # a failed merge still hands over the scalars and the blocks merged before it
+            self._hand_over(self._buf.scalars.flush(self._buf.keep))
         return block
+
+    def _hand_over(self, scalars: list = ()) -> None:
+        """Gives the export thread every flushed (merged) block not yet given, with the scalars flushed with it."""
+        for block, sc in self._buf.take_ready(scalars):
+            if self._export is not None and (len(block) or sc):
+                self._export.submit(block, sc)
+
+    @property
+    def merge_failures(self) -> int:
+        """Flushes whose records could not be merged across ranks (Note [merging records across ranks]): each
+        raised MergeError on every rank, and its records were dropped (`dropped_records` counts this rank's)."""
+        return self._buf.merge_failures
+
+    @property
+    def dropped_records(self) -> int:
+        """This rank's records in the flushes counted by merge_failures."""
+        return self._buf.dropped_records
+
+    @property
+    def replica_mismatches(self) -> int:
+        """Merged records of replicated grads (DDP's) that were not the same on every rank."""
+        return self._buf.replica_mismatches
 
     def drain(self) -> None:
         """Waits until the exporters have written every flush handed to them, then raises an exporter error, if any.
@@ -416,8 +455,14 @@ class Monitor:
         return self.table().to_pandas()
 
     def _read(self) -> None:
-        if self._buf.group is None and self._model is not None:
-            self.flush()
+        if self._buf.group is None:
+            if self._model is not None:
+                self.flush()
+        elif self._buf._pending is not None:  # a merge started by step(): ends here unless it must be sent again
+            try:
+                self._buf.finish(collective=False)
+            finally:
+                self._hand_over()
 
     def scalars(self) -> list[dict]:
         """Every scalar logged with log() so far: dicts with seq, step, tag and value, in call order. Flushes first

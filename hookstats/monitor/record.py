@@ -58,13 +58,14 @@ class record(_Forms):
 
     def flush(self) -> None:
         self._buf.flush()
+        self._buf.ready.clear()  # no exporters here
 
     def records(self) -> list[dict]:
-        self._buf.flush()
+        self.flush()
         return self._buf.records()
 
     def first_nonfinite(self) -> Optional[dict]:
-        self._buf.flush()
+        self.flush()
         return self._buf.first_nonfinite()
 
     @property

@@ -3,8 +3,6 @@ index, call number, dtype) each site id stands for, and where its rows are. Kept
 (step, site id) pair and carries no metadata of its own."""
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16"}
@@ -17,7 +15,6 @@ class SiteTable:
         self.dtypes: list[str] = []
         self._n = 0
         self._cols = {c: np.empty(0, dtype=np.int64) for c in _INT_COLS}
-        self._crc = 0
 
     def add_hook(self, hid: int, name: str, kind: str) -> None:
         assert hid == len(self.hook_names), (hid, len(self.hook_names))
@@ -41,8 +38,6 @@ class SiteTable:
         for j, c in enumerate(_INT_COLS):
             self._cols[c] = np.concatenate([self._cols[c], arr[:, j]])
         self.dtypes.extend(_DTYPES.get(s[3], s[3]) for s in new)
-        for s in new:
-            self._crc = zlib.crc32(repr((self.hook_names[s[0]], s[1], s[2], s[3])).encode(), self._crc)
         self._n += len(new)
 
     def column(self, name: str) -> np.ndarray:
@@ -54,7 +49,3 @@ class SiteTable:
         if name == "dtype":
             return np.array(self.dtypes, dtype=object)
         return self._cols[name]
-
-    def signature(self) -> int:
-        """A checksum of the site table, the same on every rank that recorded the same sites."""
-        return self._crc
