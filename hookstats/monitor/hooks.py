@@ -36,33 +36,50 @@ import functools
 
 import torch
 
+from ..hooks import _flatten
 from .compile import inlined_only, is_compiling, record_traced, record_traced_tensor
 
 
-def forward_hook(rec, mid: int, fwd: int, grad: int):
-    """A forward hook recording the output (hook id fwd >= 0) and registering grad_output hooks (grad >= 0)."""
+def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = None):
+    """(forward hook, forward pre-hook or None): the forward hook records the output (hook id fwd >= 0) and hooks
+    grad_output (grad >= 0: per output slot, Note [grad_output per output slot] in csrc/monitor/monitor_py.cpp),
+    putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0)
+    takes the call's start. An alias that cannot be put in place (a tuple subclass that cannot be rebuilt) records
+    nothing, and is counted in unplaced[0]."""
     from .. import _C
 
-    call = _C.forward_hook(rec, fwd, grad)
-    call_no_grad = _C.forward_hook(rec, fwd, -1) if grad >= 0 else call
+    unplaced = [0] if unplaced is None else unplaced
+
+    call, start, call_no_grad = _C.forward_hook(rec, fwd, grad)
 
     def hook(module, args, output):
         if is_compiling():
             if fwd >= 0:
                 record_traced(mid, fwd, output)
             if grad >= 0:
-                _traced_grad_hooks(mid, grad, output)
+                return _traced_grad_hooks(mid, grad, output, unplaced)
             return None
         if grad >= 0 and _compiled_autograd_on():
-            # An eager forward whose backward compiled autograd will trace: it cannot run C++ tensor hooks, so the
+            # An eager forward whose backward compiled autograd will trace: it cannot run C++ hooks or nodes, so the
             # grad_output hooks are Python ones it can trace (they record through the ordered op).
             call_no_grad(module, args, output)
-            _traced_grad_hooks(mid, grad, output)
+            return _traced_grad_hooks(mid, grad, output, unplaced)
+        aliases = call(module, args, output)
+        if aliases is None:
             return None
-        call(module, args, output)
+        made = {i: a for i, a in aliases if a is not None}
+        unplaced[0] += len(aliases) - len(made)
+        return replace_outputs(output, made, unplaced)
+
+    if start is None:
+        return inlined_only(hook), None
+
+    def pre_hook(module, args):
+        if not is_compiling():
+            start(module, args)
         return None
 
-    return inlined_only(hook)
+    return inlined_only(hook), inlined_only(pre_hook)
 
 
 _CA = None
@@ -80,14 +97,62 @@ def _compiled_autograd_on() -> bool:
     return bool(getattr(_CA, "compiled_autograd_enabled", False))
 
 
-def _traced_grad_hooks(mid: int, hid: int, output) -> None:
-    from ..hooks import _flatten
-
+def _traced_grad_hooks(mid: int, hid: int, output, unplaced: list | None = None):
+    """The traced (and compiled-autograd) form of the grad_output hooks: every output that requires grad gets a
+    view_as alias of its own, as its slot's edge (Note [grad_output per output slot]: the sequence numbers that
+    prove a tensor hook exact are not there to read while tracing); returns the output with the aliases in place."""
     tensors: list = []
     _flatten(output, tensors, keep_none=True)
+    aliases = {}
     for i, t in enumerate(tensors):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(functools.partial(record_traced_tensor, mid, hid, i))
+            a = t.view_as(t)
+            a.register_hook(functools.partial(record_traced_tensor, mid, hid, i))
+            aliases[i] = a
+    return replace_outputs(output, aliases, unplaced) if aliases else None
+
+
+def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
+    """obj with the tensor at each flat index of `aliases` (hookstats.hooks._flatten's, None counted) replaced by
+    its alias. Tuples are rebuilt (as torch.nn.modules' BackwardHook does: type(obj)(*items) for a namedtuple),
+    lists and dicts (OrderedDict, ModelOutput) changed in place, so that a ModelOutput's attributes follow. A tuple
+    that cannot be rebuilt keeps its tensors, and the aliases not placed are counted in unplaced[0]."""
+    pos = [0]
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            i = pos[0]
+            pos[0] += 1
+            return aliases.get(i, o)
+        if o is None:
+            pos[0] += 1
+            return o
+        if isinstance(o, tuple):
+            first = pos[0]
+            items = [walk(v) for v in o]
+            if type(o) is tuple:
+                return tuple(items)
+            try:
+                return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+            except Exception:  # its aliases get no gradient, so record nothing: counted, never a wrong number
+                if unplaced is not None:
+                    unplaced[0] += sum(first <= i < pos[0] for i in aliases)
+                return o
+        if isinstance(o, list):
+            for k, v in enumerate(o):
+                n = walk(v)
+                if n is not v:
+                    o[k] = n
+            return o
+        if isinstance(o, dict):
+            for k, v in list(o.items()):
+                n = walk(v)
+                if n is not v:
+                    o[k] = n
+            return o
+        return o
+
+    return walk(obj)
 
 
 def forward_pre_hook(rec, mid: int, hid: int):
