@@ -62,36 +62,36 @@ def _hf_loss(out) -> torch.Tensor:
     return out.loss
 
 
-def gpt2() -> RealModel:
+def gpt2(layers: int = 2) -> RealModel:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=layers, n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
     return RealModel("gpt2", GPT2LMHeadModel(cfg), _lm, _hf_loss)
 
 
-def llama() -> RealModel:
+def llama(layers: int = 2) -> RealModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                       attn_implementation="eager")
     return RealModel("llama", LlamaForCausalLM(cfg), _lm, _hf_loss)
 
 
-def bert() -> RealModel:
+def bert(layers: int = 2) -> RealModel:
     from transformers import BertConfig, BertForMaskedLM
 
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                      intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0, attn_implementation="eager")
     return RealModel("bert", BertForMaskedLM(cfg), _lm, _hf_loss)
 
 
-def t5() -> RealModel:
+def t5(layers: int = 2) -> RealModel:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4, dropout_rate=0.0,
                    relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0,
                    attn_implementation="eager")
 
@@ -101,10 +101,10 @@ def t5() -> RealModel:
     return RealModel("t5", T5ForConditionalGeneration(cfg), batch, _hf_loss)
 
 
-def mixtral() -> RealModel:
+def mixtral(layers: int = 2) -> RealModel:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                         num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                         router_aux_loss_coef=0.1, attn_implementation="eager",
@@ -129,23 +129,23 @@ def _timm(name: str) -> RealModel:
     return RealModel(name, model, _images, loss)
 
 
-def resnet18() -> RealModel:
+def resnet18(layers: int = 2) -> RealModel:  # layers: the transformers models' only
     return _timm("resnet18")
 
 
-def convnext_atto() -> RealModel:
+def convnext_atto(layers: int = 2) -> RealModel:
     return _timm("convnext_atto")
 
 
-BUILDERS: dict[str, Callable[[], RealModel]] = {
+BUILDERS: dict[str, Callable[..., RealModel]] = {
     "gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5, "mixtral": mixtral, "resnet18": resnet18,
     "convnext_atto": convnext_atto,
 }
 
 
-def build(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> RealModel:
+def build(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, layers: int = 2) -> RealModel:
     torch.manual_seed(seed)
-    rm = BUILDERS[name]()
+    rm = BUILDERS[name](layers)
     rm.model.train()
     return rm.to(dtype)
 

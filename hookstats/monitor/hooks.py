@@ -145,9 +145,11 @@ def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
                     o[k] = n
             return o
         if isinstance(o, dict):
-            for k, v in list(o.items()):
-                n = walk(v)
-                if n is not v:
+            items = {k: walk(v) for k, v in o.items()}
+            if is_compiling():  # dynamo does not carry a ModelOutput's __setitem__ into the traced output
+                return type(o)(**items) if type(o) is not dict else items
+            for k, n in items.items():
+                if n is not o[k]:
                     o[k] = n
             return o
         return o
