@@ -8,24 +8,42 @@ cannot see a cycle, so a hook that reached the Monitor would keep the model aliv
 
 Note [grad_output by tensor hooks]
 "backward_pre" (grad_output) is not recorded with register_full_backward_pre_hook, whose BackwardHookFunction wraps
-every module's inputs and outputs in autograd nodes (that alone doubles the step of a 1,000-module MLP). The forward
-hook registers a C++ tensor hook on each output that requires grad; the autograd engine runs it, without Python or
-the GIL, with the gradient of the loss w.r.t. that output. Where this equals the full backward pre-hook, and where
-not:
-- The values are the same: both see the gradient w.r.t. the module's output tensor (its total gradient, summed over
-  every consumer). An output modified in place after the module (`y = m(x); y.mul_(2)`): a tensor hook registered
-  before the in-place op keeps the gradient w.r.t. the value the module returned, as the full pre-hook does.
-- Outputs that need no grad: no record, and none from the pre-hook either (it never fires then). An output that
-  the loss does not use: no record (PyTorch passes None; the pre-hook records nothing for None either).
-- A container whose output is its last child's output (nn.Sequential): the same tensor gets both modules' hooks, so
-  both record it, with the same values. Tensor hooks run in registration order, so the child's record comes first;
-  PyTorch's pre-hooks run the container's first (records come in the order the hooks ran).
-- A module called several times in a step, gradient accumulation (several backward calls per step) and
-  retain_graph (backward twice over one graph): one record per backward call, each its own site (the call number
-  counts hook runs per step), as the pre-hook is called once per backward call.
+every module's inputs and outputs in autograd nodes (that alone doubles the step of a 1,000-module MLP). It records
+what that hook receives: per output slot of the call, the gradient that flows through that slot (not the tensor's
+total gradient). The forward hook puts a C++ tensor hook on an output where the autograd sequence numbers prove
+that the two are the same, and returns an alias with a recording node of its own in place of any other output
+(Note [grad_output per output slot] in csrc/monitor/monitor_py.cpp; a forward pre-hook per module notes the
+call's start). When a record equals PyTorch's grad_output (tests/test_grad_output_slots.py and
+tests/test_real_models.py against the pre-hook on twins; docs/guide/hooks-semantics.md has the table):
+- Equal, to rounding, for every Tensor or tuple output: a computed output; an output that is an input (nn.Identity,
+  Dropout in eval or p=0); the same tensor in several slots; an output the module also consumed (router logits,
+  T5's position_bias, attention weights); a leaf output (a Parameter, an input reused across steps: one record a
+  step, and no hook is ever put on the leaf); a view. "To rounding": PyTorch's node, like an alias, collects its
+  slot's gradients before they join the tensor's other contributions, so a twin with pre-hooks can sum in another
+  order.
+- No record, as the pre-hook gives none: outputs that need no grad; an output the loss does not use (None).
+- An output modified in place after the module (ReLU(inplace=True), `x += shortcut`): PyTorch's hook raises; the
+  record is the gradient w.r.t. the value the module returned (a tensor hook stays on the node it was registered
+  on; an alias is a detach() sharing the version counter, whose node stays on the path of the in-place op).
+- Where PyTorch gives nothing, the same definition: a dict / ModelOutput output (the pre-hook never fires), tensors
+  nested in a tuple element (PyTorch wraps top-level tensors only). So an HF model called with labels= records its
+  loss (and any output used outside the model), not its logits, which only the model's own loss consumed.
+- Index: the flat position, None counted, other objects not; PyTorch's grad_output counts every tuple element.
+- A tuple subclass that cannot be rebuilt with an alias in it (type(t)(items) fails), or a tensor that refuses
+  detach(): no record for those slots, counted in Monitor.unrecorded_grad_outputs and summary().
+- A container whose output is its last child's (nn.Sequential): both record it, with the same values; the child's
+  record first (PyTorch's pre-hooks run the container's first).
+- A module called several times in a step, gradient accumulation and retain_graph: one record per backward call,
+  each its own site (the call number counts hook runs per step), as the pre-hook is called once per backward call.
+- Gradients: a tensor hook reads, an alias's node passes the gradient on unchanged; no bit changed on the tested
+  models (tests/test_real_models.py). An alias can change rounding only for a tensor whose gradient has three or
+  more contributions, some through the alias and some not (they are then summed in another grouping).
 - Registration happens in the forward: a graph built before the Monitor was attached has no hooks (the pre-hook
-  needs the forward too). Under torch.compile the tensor hooks are traced with compiled autograd; without it the
-  forward hook's registration is a graph break, as module backward hooks are.
+  needs the forward too). Traced hooks (torch.compile, and an eager forward whose backward compiled autograd
+  traces) cannot read sequence numbers: every output that requires grad gets a view_as alias with a traced hook.
+  Its records equal eager ones (tests/test_real_models.py) except that an output modified in place after the
+  module loses its record (the in-place op rebases the view), and AOTAutograd can record a zero gradient for a
+  returned slot that nothing uses.
 "backward" (grad_input) keeps register_full_backward_hook, with the C++ callable as its body: a tensor hook on a
 module's input would see the input's total gradient, which differs from grad_input whenever another module also
 reads that input (every residual connection), so only PyTorch's wrapping gives grad_input.
