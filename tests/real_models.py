@@ -65,8 +65,8 @@ def _hf_loss(out) -> torch.Tensor:
 def gpt2(layers: int = 2) -> RealModel:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=layers, n_head=4, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=layers, n_head=4, bos_token_id=0,
+                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
     return RealModel("gpt2", GPT2LMHeadModel(cfg), _lm, _hf_loss)
 
 
