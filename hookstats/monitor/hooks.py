@@ -29,6 +29,8 @@ tests/test_real_models.py against the pre-hook on twins; docs/guide/hooks-semant
   nested in a tuple element (PyTorch wraps top-level tensors only). So an HF model called with labels= records its
   loss (and any output used outside the model), not its logits, which only the model's own loss consumed.
 - Index: the flat position, None counted, other objects not; PyTorch's grad_output counts every tuple element.
+- Not proven by sequence numbers: a computed output that the module also keeps elsewhere (an attribute) and that is
+  used through that reference after the call; its record then includes that use (PyTorch's would not).
 - A tuple subclass that cannot be rebuilt with an alias in it (type(t)(items) fails), or a tensor that refuses
   detach(): no record for those slots, counted in Monitor.unrecorded_grad_outputs and summary().
 - A container whose output is its last child's (nn.Sequential): both record it, with the same values; the child's
