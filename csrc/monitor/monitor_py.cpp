@@ -102,12 +102,14 @@ void record_obj(Recorder& r, int32_t hook, py::handle obj) {
 // - exact with a tensor hook: the output's grad_fn was created during this call (its sequence
 //   number is >= the one taken by forward_start before the forward ran) and is the newest node of
 //   the thread (nothing differentiable was computed after it, so nothing in the module consumed
-//   it), and the tensor fills one slot only;
+//   it), and the tensor fills one slot only (several outputs of one node, such as chunk's, can
+//   all be newest);
 // - otherwise (a leaf; an input or any tensor from before the call; a tensor the module computed
 //   on after producing it, or returned twice) the output is replaced by an alias: a detach() of
 //   it (same storage and version counter, so in-place ops and saved-tensor checks work as before)
 //   whose grad_fn is a SlotGrad node that records its gradient and passes it on unchanged to the
-//   tensor's own edge. The alias dies with the graph: no hook is left on a leaf.
+//   tensor's own edge. The alias dies with the graph: no hook is left on a leaf. When one output
+//   of a call needs an alias, every output of the call gets one.
 // The alias adds a gradient buffer on the path: a tensor whose gradient has three or more
 // contributions, some through the alias, may have them summed in another grouping (Note
 // [grad_output by tensor hooks] in hookstats/monitor/hooks.py).
@@ -152,17 +154,24 @@ uint64_t take_start(const void* key) {
 // hook where that is exact, else an alias. Returns the aliases as a list of (flat index, alias),
 // or None.
 py::object hook_outputs(const std::shared_ptr<Recorder>& r, int32_t hook, const Tensors& ts, uint64_t start) {
+  // All tensor hooks, or (when one output needs an alias) all aliases, made in output order: the records of a
+  // call then come in the same order (the engine runs later nodes first) for every Monitor on the model.
   const uint64_t newest = at::sequence_number::peek();  // before any alias is made
+  bool exact = true;
+  for (size_t k = 0; exact && k < ts.size(); ++k) {
+    const at::Tensor& t = ts[k].second;
+    if (!t.defined() || !t.requires_grad()) continue;
+    const auto& fn = t.grad_fn();
+    exact = fn && start > 0 && fn->sequence_nr() >= start && fn->sequence_nr() + 1 == newest;
+    for (size_t j = 0; exact && j < ts.size(); ++j) {
+      exact = j == k || !ts[j].second.defined() || !ts[j].second.is_same(t);
+    }
+  }
   py::object out = py::none();
   for (size_t k = 0; k < ts.size(); ++k) {
     const at::Tensor& t = ts[k].second;
     if (!t.defined() || !t.requires_grad()) continue;
     const int32_t index = ts[k].first;
-    const auto& fn = t.grad_fn();
-    bool exact = fn && start > 0 && fn->sequence_nr() >= start && fn->sequence_nr() + 1 == newest;
-    for (size_t j = 0; exact && j < ts.size(); ++j) {
-      exact = j == k || !ts[j].second.defined() || !ts[j].second.is_same(t);
-    }
     std::weak_ptr<Recorder> weak = r;
     if (exact) {
       const_cast<at::Tensor&>(t).register_hook([weak, hook, index](const at::Tensor& g) {
