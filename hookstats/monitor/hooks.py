@@ -34,7 +34,9 @@ tests/test_real_models.py against the pre-hook on twins; docs/guide/hooks-semant
 - A tuple subclass that cannot be rebuilt with an alias in it (type(t)(items) fails), or a tensor that refuses
   detach(): no record for those slots, counted in Monitor.unrecorded_grad_outputs and summary().
 - A container whose output is its last child's (nn.Sequential): both record it, with the same values; the child's
-  record first (PyTorch's pre-hooks run the container's first).
+  record first (PyTorch's pre-hooks run the container's first), or the container's where the child's output needed
+  an alias (the container's tensor hook then runs before the alias's node). When one output of a call needs an
+  alias, all get one: a call's records then come in one order for every Monitor on the model.
 - A module called several times in a step, gradient accumulation and retain_graph: one record per backward call,
   each its own site (the call number counts hook runs per step), as the pre-hook is called once per backward call.
 - Gradients: a tensor hook reads, an alias's node passes the gradient on unchanged; no bit changed on the tested
