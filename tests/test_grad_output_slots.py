@@ -307,3 +307,22 @@ def test_a_tuple_that_cannot_be_rebuilt_is_counted_not_recorded():
     assert mon.unrecorded_grad_outputs == 2
     assert "2 backward_pre slot(s) not recorded" in mon.summary()
     mon.detach()
+
+
+def test_two_monitors_on_one_model_record_the_same_in_the_same_order():
+    # The first Monitor's aliases are new outputs to the second; every output of a call that needs an alias gets
+    # one, so both see a call's slots in one order.
+    torch.manual_seed(0)
+    model = RouterNet()
+    a = hookstats.Monitor(model, kinds=("forward", "backward_pre"))
+    b = hookstats.Monitor(model, kinds=("forward", "backward_pre"))
+    for s in range(2):
+        _loss(model, torch.randn(5, 4)).backward()
+        a.step()
+        b.step()
+    ra, rb = a.records(), b.records()
+    key = lambda r: (r["step"], r["module"], r["kind"], r["index"], r["stats"]["l2"])  # noqa: E731
+    assert [key(r) for r in ra] == [key(r) for r in rb]
+    assert any(r["module"] == "moe" and r["index"] == 1 for r in ra)
+    a.detach()
+    b.detach()
