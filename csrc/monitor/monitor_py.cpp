@@ -5,15 +5,18 @@
 // thin Python function that dynamo can trace, Note [monitor under torch.compile]): they flatten
 // what the hook sees in C++, skip non-floating tensors, and launch the stats kernel into the
 // site's row (Note [monitor sites] in recorder.h) with no Python per tensor. grad_output is
-// recorded by a C++ tensor hook that the forward hook registers on each output requiring grad,
-// which the autograd engine runs without Python or the GIL (Note [grad_output by tensor hooks]
-// in hookstats/monitor/hooks.py says where this equals register_full_backward_pre_hook).
+// recorded when autograd computes it, per output slot (Note [grad_output per output slot]), by a
+// C++ tensor hook or an alias's node, which the autograd engine runs without Python or the GIL.
 #include <torch/extension.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/numpy.h>
 
+#include <ATen/SequenceNumber.h>
+#include <torch/csrc/autograd/function.h>
+
 #include <cstring>
+#include <type_traits>
 #include <typeinfo>
 #include <iterator>
 #include <memory>
@@ -90,36 +93,139 @@ void record_obj(Recorder& r, int32_t hook, py::handle obj) {
   r.record_many(hook, call, ts);
 }
 
-// grad_output of each output that requires grad, recorded when autograd computes it.
-void hook_outputs(const std::shared_ptr<Recorder>& r, int32_t hook, const Tensors& ts) {
-  for (const auto& p : ts) {
-    const at::Tensor& t = p.second;
-    if (!t.defined() || !t.requires_grad()) continue;
-    const int32_t index = p.first;
-    std::weak_ptr<Recorder> weak = r;
-    const_cast<at::Tensor&>(t).register_hook([weak, hook, index](const at::Tensor& g) {
-      if (!g.defined()) return;  // an output of a multi-output op that the loss does not use
-      auto rec = weak.lock();
-      if (!rec || !rec->active()) return;
-      rec->record(hook, index, rec->next_tensor_call(hook, index), plain(g));
-    });
+// Note [grad_output per output slot]
+// PyTorch's full backward pre-hook sees, for each output slot of a call, the gradient that flows
+// through that slot (BackwardHook wraps the returned tensors in a node of their own). A tensor
+// hook sees the tensor's total gradient, which is the same only when every consumer of the tensor
+// reached it through this slot. hook_outputs proves that from the autograd sequence numbers
+// (thread-local, one per node created) and gives every other output an edge of its own:
+// - exact with a tensor hook: the output's grad_fn was created during this call (its sequence
+//   number is >= the one taken by forward_start before the forward ran) and is the newest node of
+//   the thread (nothing differentiable was computed after it, so nothing in the module consumed
+//   it), and the tensor fills one slot only (several outputs of one node, such as chunk's, can
+//   all be newest);
+// - otherwise (a leaf; an input or any tensor from before the call; a tensor the module computed
+//   on after producing it, or returned twice) the output is replaced by an alias: a detach() of
+//   it (same storage and version counter, so in-place ops and saved-tensor checks work as before)
+//   whose grad_fn is a SlotGrad node that records its gradient and passes it on unchanged to the
+//   tensor's own edge. The alias dies with the graph: no hook is left on a leaf. When one output
+//   of a call needs an alias, every output of the call gets one.
+// The alias adds a gradient buffer on the path: a tensor whose gradient has three or more
+// contributions, some through the alias, may have them summed in another grouping (Note
+// [grad_output by tensor hooks] in hookstats/monitor/hooks.py).
+struct SlotGrad : torch::autograd::Node {
+  std::weak_ptr<Recorder> rec;
+  int32_t hook, index;
+  SlotGrad(std::weak_ptr<Recorder> r, int32_t h, int32_t i) : rec(std::move(r)), hook(h), index(i) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const at::Tensor& g = grads[0];
+    if (g.defined()) {
+      auto r = rec.lock();
+      if (r && r->active()) r->record(hook, index, r->next_tensor_call(hook, index), plain(g));
+    }
+    return std::move(grads);
   }
+  std::string name() const override { return "hookstats::SlotGrad"; }
+};
+
+// The autograd sequence number each monitored call started at (forward_start), per thread, with
+// the state of the forward hook that takes it back; entries left by a forward that raised are
+// dropped when an outer call ends.
+using Start = std::pair<const void*, uint64_t>;
+std::vector<Start>& starts() {
+  static thread_local std::vector<Start> s;
+  return s;
 }
 
-// forward hook (module, args, output): records output (fwd >= 0) and hooks grad_output (grad >= 0).
+// The start of the call `key` is ending, or 0 (unknown: every output gets an alias).
+uint64_t take_start(const void* key) {
+  auto& s = starts();
+  for (size_t i = s.size(); i-- > 0;) {
+    if (s[i].first == key) {
+      const uint64_t v = s[i].second;
+      s.resize(i);
+      return v;
+    }
+  }
+  return 0;
+}
+
+// grad_output of each output that requires grad (Note [grad_output per output slot]): a tensor
+// hook where that is exact, else an alias. Returns the aliases as a list of (flat index, alias),
+// or None.
+py::object hook_outputs(const std::shared_ptr<Recorder>& r, int32_t hook, const Tensors& ts, uint64_t start) {
+  // All tensor hooks, or (when one output needs an alias) all aliases, made in output order: the records of a
+  // call then come in the same order (the engine runs later nodes first) for every Monitor on the model.
+  const uint64_t newest = at::sequence_number::peek();  // before any alias is made
+  bool exact = true;
+  for (size_t k = 0; exact && k < ts.size(); ++k) {
+    const at::Tensor& t = ts[k].second;
+    if (!t.defined() || !t.requires_grad()) continue;
+    const auto& fn = t.grad_fn();
+    exact = fn && start > 0 && fn->sequence_nr() >= start && fn->sequence_nr() + 1 == newest;
+    for (size_t j = 0; exact && j < ts.size(); ++j) {
+      exact = j == k || !ts[j].second.defined() || !ts[j].second.is_same(t);
+    }
+  }
+  py::object out = py::none();
+  for (size_t k = 0; k < ts.size(); ++k) {
+    const at::Tensor& t = ts[k].second;
+    if (!t.defined() || !t.requires_grad()) continue;
+    const int32_t index = ts[k].first;
+    std::weak_ptr<Recorder> weak = r;
+    if (exact) {
+      const_cast<at::Tensor&>(t).register_hook([weak, hook, index](const at::Tensor& g) {
+        if (!g.defined()) return;  // an output of a multi-output op that the loss does not use
+        auto rec = weak.lock();
+        if (!rec || !rec->active()) return;
+        rec->record(hook, index, rec->next_tensor_call(hook, index), plain(g));
+      });
+      continue;
+    }
+    py::object alias = py::none();  // None: no alias could be made (a subclass refusing detach): counted
+    try {
+      auto node = c10::make_intrusive<SlotGrad>(weak, hook, index);
+      node->set_next_edges(torch::autograd::collect_next_edges(t));
+      at::Tensor a = t.detach();
+      torch::autograd::create_gradient_edge(a, std::move(node));
+      alias = py::reinterpret_steal<py::object>(THPVariable_Wrap(a));
+    } catch (const std::exception&) {
+      PyErr_Clear();
+    }
+    if (out.is_none()) out = py::list();
+    out.cast<py::list>().append(py::make_tuple(index, alias));
+  }
+  return out;
+}
+
+// forward pre-hook of a module whose grad_output is recorded: the call's start (take_start).
+struct ForwardStart {
+  std::shared_ptr<const void> key;  // the ForwardHook's identity
+  void operator()(py::handle module, py::handle args) const {
+    auto& s = starts();
+    if (s.size() > 4096) s.clear();  // only forwards that raised leave entries behind
+    s.emplace_back(key.get(), at::sequence_number::peek());
+  }
+};
+
+// forward hook (module, args, output): records output (fwd >= 0) and hooks grad_output (grad >= 0);
+// returns hook_outputs' aliases (the Python hook puts them in place of the outputs) or None.
 struct ForwardHook {
   std::shared_ptr<Recorder> rec;
   int32_t fwd, grad;
-  void operator()(py::handle module, py::handle args, py::handle output) const {
-    if (!rec->active()) return;
+  std::shared_ptr<const void> key;  // shared with its ForwardStart (null: none)
+  py::object operator()(py::handle module, py::handle args, py::handle output) const {
+    const uint64_t start = key ? take_start(key.get()) : 0;
+    if (!rec->active()) return py::none();
     Tensors ts = flat(output);
-    if (ts.empty()) return;
-    if (grad >= 0) hook_outputs(rec, grad, ts);
+    if (ts.empty()) return py::none();
+    py::object aliases = grad >= 0 ? hook_outputs(rec, grad, ts, start) : py::none();
     if (fwd >= 0) {
       const int32_t call = rec->next_call(fwd);
       py::gil_scoped_release nogil;
       rec->record_many(fwd, call, ts);
     }
+    return aliases;
   }
 };
 
@@ -193,8 +299,15 @@ PyObject* call_hook(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   const H& h = *static_cast<H*>(PyCapsule_GetPointer(self, typeid(H).name()));
-  if constexpr (N == 3) h(args[0], args[1], args[2]);
-  else h(args[0], args[1]);
+  if constexpr (N == 3) {
+    if constexpr (std::is_same_v<decltype(h(args[0], args[1], args[2])), py::object>) {
+      return h(args[0], args[1], args[2]).release().ptr();
+    } else {
+      h(args[0], args[1], args[2]);
+    }
+  } else {
+    h(args[0], args[1]);
+  }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -320,9 +433,17 @@ PYBIND11_MODULE(_C, m) {
         return out;
       });
 
-  m.def("forward_hook", [](std::shared_ptr<Recorder> r, int32_t fwd, int32_t grad) {
-    return make_hook<ForwardHook, 3>(ForwardHook{std::move(r), fwd, grad}, "forward_hook");
-  }, "a forward hook (module, args, output): records output (hook id fwd >= 0), hooks grad_output (grad >= 0)");
+  m.def("forward_hook", [](std::shared_ptr<Recorder> r, int32_t fwd, int32_t grad) -> py::object {
+    if (grad < 0) return py::make_tuple(make_hook<ForwardHook, 3>(ForwardHook{r, fwd, -1, nullptr}, "forward_hook"),
+                                        py::none(), py::none());
+    std::shared_ptr<const void> key = std::make_shared<char>();
+    return py::make_tuple(make_hook<ForwardHook, 3>(ForwardHook{r, fwd, grad, key}, "forward_hook"),
+                          make_hook<ForwardStart, 2>(ForwardStart{key}, "forward_start"),
+                          make_hook<ForwardHook, 3>(ForwardHook{r, fwd, -1, key}, "forward_hook"));
+  }, "(forward hook, forward pre-hook, forward hook without grad_output): the forward hook (module, args, output) "
+     "records output (hook id fwd >= 0) and hooks grad_output (grad >= 0, Note [grad_output per output slot]), "
+     "returning None or the (index, alias) pairs to put in place of outputs; the pre-hook (module, args) takes the "
+     "call's start, which the third (output only) also takes back; with grad < 0: (forward hook, None, None)");
   m.def("forward_pre_hook", [](std::shared_ptr<Recorder> r, int32_t hook) {
     return make_hook<PreHook, 2>(PreHook{ArgsHook{std::move(r), hook}}, "forward_pre_hook");
   }, "a forward pre-hook (module, args): records the positional inputs");

@@ -8,24 +8,46 @@ cannot see a cycle, so a hook that reached the Monitor would keep the model aliv
 
 Note [grad_output by tensor hooks]
 "backward_pre" (grad_output) is not recorded with register_full_backward_pre_hook, whose BackwardHookFunction wraps
-every module's inputs and outputs in autograd nodes (that alone doubles the step of a 1,000-module MLP). The forward
-hook registers a C++ tensor hook on each output that requires grad; the autograd engine runs it, without Python or
-the GIL, with the gradient of the loss w.r.t. that output. Where this equals the full backward pre-hook, and where
-not:
-- The values are the same: both see the gradient w.r.t. the module's output tensor (its total gradient, summed over
-  every consumer). An output modified in place after the module (`y = m(x); y.mul_(2)`): a tensor hook registered
-  before the in-place op keeps the gradient w.r.t. the value the module returned, as the full pre-hook does.
-- Outputs that need no grad: no record, and none from the pre-hook either (it never fires then). An output that
-  the loss does not use: no record (PyTorch passes None; the pre-hook records nothing for None either).
-- A container whose output is its last child's output (nn.Sequential): the same tensor gets both modules' hooks, so
-  both record it, with the same values. Tensor hooks run in registration order, so the child's record comes first;
-  PyTorch's pre-hooks run the container's first (records come in the order the hooks ran).
-- A module called several times in a step, gradient accumulation (several backward calls per step) and
-  retain_graph (backward twice over one graph): one record per backward call, each its own site (the call number
-  counts hook runs per step), as the pre-hook is called once per backward call.
+every module's inputs and outputs in autograd nodes (that alone doubles the step of a 1,000-module MLP). It records
+what that hook receives: per output slot of the call, the gradient that flows through that slot (not the tensor's
+total gradient). The forward hook puts a C++ tensor hook on an output where the autograd sequence numbers prove
+that the two are the same, and returns an alias with a recording node of its own in place of any other output
+(Note [grad_output per output slot] in csrc/monitor/monitor_py.cpp; a forward pre-hook per module notes the
+call's start). When a record equals PyTorch's grad_output (tests/test_grad_output_slots.py and
+tests/test_real_models.py against the pre-hook on twins; docs/guide/hooks-semantics.md has the table):
+- Equal, to rounding, for every Tensor or tuple output: a computed output; an output that is an input (nn.Identity,
+  Dropout in eval or p=0); the same tensor in several slots; an output the module also consumed (router logits,
+  T5's position_bias, attention weights); a leaf output (a Parameter, an input reused across steps: one record a
+  step, and no hook is ever put on the leaf); a view. "To rounding": PyTorch's node, like an alias, collects its
+  slot's gradients before they join the tensor's other contributions, so a twin with pre-hooks can sum in another
+  order.
+- No record, as the pre-hook gives none: outputs that need no grad; an output the loss does not use (None).
+- An output modified in place after the module (ReLU(inplace=True), `x += shortcut`): PyTorch's hook raises; the
+  record is the gradient w.r.t. the value the module returned (a tensor hook stays on the node it was registered
+  on; an alias is a detach() sharing the version counter, whose node stays on the path of the in-place op).
+- Where PyTorch gives nothing, the same definition: a dict / ModelOutput output (the pre-hook never fires), tensors
+  nested in a tuple element (PyTorch wraps top-level tensors only). So an HF model called with labels= records its
+  loss (and any output used outside the model), not its logits, which only the model's own loss consumed.
+- Index: the flat position, None counted, other objects not; PyTorch's grad_output counts every tuple element.
+- Not proven by sequence numbers: a computed output that the module also keeps elsewhere (an attribute) and that is
+  used through that reference after the call; its record then includes that use (PyTorch's would not).
+- A tuple subclass that cannot be rebuilt with an alias in it (type(t)(items) fails), or a tensor that refuses
+  detach(): no record for those slots, counted in Monitor.unrecorded_grad_outputs and summary().
+- A container whose output is its last child's (nn.Sequential): both record it, with the same values; the child's
+  record first (PyTorch's pre-hooks run the container's first), or the container's where the child's output needed
+  an alias (the container's tensor hook then runs before the alias's node). When one output of a call needs an
+  alias, all get one: a call's records then come in one order for every Monitor on the model.
+- A module called several times in a step, gradient accumulation and retain_graph: one record per backward call,
+  each its own site (the call number counts hook runs per step), as the pre-hook is called once per backward call.
+- Gradients: a tensor hook reads, an alias's node passes the gradient on unchanged; no bit changed on the tested
+  models (tests/test_real_models.py). An alias can change rounding only for a tensor whose gradient has three or
+  more contributions, some through the alias and some not (they are then summed in another grouping).
 - Registration happens in the forward: a graph built before the Monitor was attached has no hooks (the pre-hook
-  needs the forward too). Under torch.compile the tensor hooks are traced with compiled autograd; without it the
-  forward hook's registration is a graph break, as module backward hooks are.
+  needs the forward too). Traced hooks (torch.compile, and an eager forward whose backward compiled autograd
+  traces) cannot read sequence numbers: every output that requires grad gets a view_as alias with a traced hook.
+  Its records equal eager ones (tests/test_real_models.py) except that an output modified in place after the
+  module loses its record (the in-place op rebases the view), and AOTAutograd can record a zero gradient for a
+  returned slot that nothing uses.
 "backward" (grad_input) keeps register_full_backward_hook, with the C++ callable as its body: a tensor hook on a
 module's input would see the input's total gradient, which differs from grad_input whenever another module also
 reads that input (every residual connection), so only PyTorch's wrapping gives grad_input.
@@ -36,33 +58,50 @@ import functools
 
 import torch
 
+from ..hooks import _flatten
 from .compile import inlined_only, is_compiling, record_traced, record_traced_tensor
 
 
-def forward_hook(rec, mid: int, fwd: int, grad: int):
-    """A forward hook recording the output (hook id fwd >= 0) and registering grad_output hooks (grad >= 0)."""
+def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = None):
+    """(forward hook, forward pre-hook or None): the forward hook records the output (hook id fwd >= 0) and hooks
+    grad_output (grad >= 0: per output slot, Note [grad_output per output slot] in csrc/monitor/monitor_py.cpp),
+    putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0)
+    takes the call's start. An alias that cannot be put in place (a tuple subclass that cannot be rebuilt) records
+    nothing, and is counted in unplaced[0]."""
     from .. import _C
 
-    call = _C.forward_hook(rec, fwd, grad)
-    call_no_grad = _C.forward_hook(rec, fwd, -1) if grad >= 0 else call
+    unplaced = [0] if unplaced is None else unplaced
+
+    call, start, call_no_grad = _C.forward_hook(rec, fwd, grad)
 
     def hook(module, args, output):
         if is_compiling():
             if fwd >= 0:
                 record_traced(mid, fwd, output)
             if grad >= 0:
-                _traced_grad_hooks(mid, grad, output)
+                return _traced_grad_hooks(mid, grad, output, unplaced)
             return None
         if grad >= 0 and _compiled_autograd_on():
-            # An eager forward whose backward compiled autograd will trace: it cannot run C++ tensor hooks, so the
+            # An eager forward whose backward compiled autograd will trace: it cannot run C++ hooks or nodes, so the
             # grad_output hooks are Python ones it can trace (they record through the ordered op).
             call_no_grad(module, args, output)
-            _traced_grad_hooks(mid, grad, output)
+            return _traced_grad_hooks(mid, grad, output, unplaced)
+        aliases = call(module, args, output)
+        if aliases is None:
             return None
-        call(module, args, output)
+        made = {i: a for i, a in aliases if a is not None}
+        unplaced[0] += len(aliases) - len(made)
+        return replace_outputs(output, made, unplaced)
+
+    if start is None:
+        return inlined_only(hook), None
+
+    def pre_hook(module, args):
+        if not is_compiling():
+            start(module, args)
         return None
 
-    return inlined_only(hook)
+    return inlined_only(hook), inlined_only(pre_hook)
 
 
 _CA = None
@@ -80,14 +119,64 @@ def _compiled_autograd_on() -> bool:
     return bool(getattr(_CA, "compiled_autograd_enabled", False))
 
 
-def _traced_grad_hooks(mid: int, hid: int, output) -> None:
-    from ..hooks import _flatten
-
+def _traced_grad_hooks(mid: int, hid: int, output, unplaced: list | None = None):
+    """The traced (and compiled-autograd) form of the grad_output hooks: every output that requires grad gets a
+    view_as alias of its own, as its slot's edge (Note [grad_output per output slot]: the sequence numbers that
+    prove a tensor hook exact are not there to read while tracing); returns the output with the aliases in place."""
     tensors: list = []
     _flatten(output, tensors, keep_none=True)
+    aliases = {}
     for i, t in enumerate(tensors):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(functools.partial(record_traced_tensor, mid, hid, i))
+            a = t.view_as(t)
+            a.register_hook(functools.partial(record_traced_tensor, mid, hid, i))
+            aliases[i] = a
+    return replace_outputs(output, aliases, unplaced) if aliases else None
+
+
+def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
+    """obj with the tensor at each flat index of `aliases` (hookstats.hooks._flatten's, None counted) replaced by
+    its alias. Tuples are rebuilt (as torch.nn.modules' BackwardHook does: type(obj)(*items) for a namedtuple),
+    lists and dicts (OrderedDict, ModelOutput) changed in place, so that a ModelOutput's attributes follow. A tuple
+    that cannot be rebuilt keeps its tensors, and the aliases not placed are counted in unplaced[0]."""
+    pos = [0]
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            i = pos[0]
+            pos[0] += 1
+            return aliases.get(i, o)
+        if o is None:
+            pos[0] += 1
+            return o
+        if isinstance(o, tuple):
+            first = pos[0]
+            items = [walk(v) for v in o]
+            if type(o) is tuple:
+                return tuple(items)
+            try:
+                return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+            except Exception:  # its aliases get no gradient, so record nothing: counted, never a wrong number
+                if unplaced is not None:
+                    unplaced[0] += sum(first <= i < pos[0] for i in aliases)
+                return o
+        if isinstance(o, list):
+            for k, v in enumerate(o):
+                n = walk(v)
+                if n is not v:
+                    o[k] = n
+            return o
+        if isinstance(o, dict):
+            items = {k: walk(v) for k, v in o.items()}
+            if is_compiling():  # dynamo does not carry a ModelOutput's __setitem__ into the traced output
+                return type(o)(**items) if type(o) is not dict else items
+            for k, n in items.items():
+                if n is not o[k]:
+                    o[k] = n
+            return o
+        return o
+
+    return walk(obj)
 
 
 def forward_pre_hook(rec, mid: int, hid: int):
