@@ -104,11 +104,11 @@ __device__ __forceinline__ Piece locate(const ListArgs& a, int64_t chunk) {
 // Calls f for each element of this thread's share of the piece, in a fixed order. Reading
 // (kWrite false): f(value). Writing: f(value&) returns whether it changed the value, and a
 // 16-byte pack is stored back only when one of its values changed.
-template <bool kWrite, typename scalar_t, typename F>
+template <bool kWrite, typename scalar_t, int UNROLL = 4, typename F>
 __device__ __forceinline__ void for_share(const Piece& p, F&& f) {
   scalar_t* x = static_cast<scalar_t*>(p.d.data);
   if (p.layout != nullptr) {
-    for (int64_t i = threadIdx.x; i < p.len; i += kThreads) f(x[element_offset(*p.layout, p.begin + i)]);
+    for (int64_t i = threadIdx.x; i < p.len; i += kThreads) f(x[strided_offset(p.layout, p.begin + i)]);
     return;
   }
   x += p.begin;
@@ -117,7 +117,7 @@ __device__ __forceinline__ void for_share(const Piece& p, F&& f) {
   if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     const int64_t npacks = p.len / kVec;
     uint4* packs = reinterpret_cast<uint4*>(x);
-#pragma unroll 4
+#pragma unroll UNROLL
     for (int64_t k = threadIdx.x; k < npacks; k += kThreads) {
       uint4 r = kWrite ? packs[k] : __ldg(packs + k);
       scalar_t* v = reinterpret_cast<scalar_t*>(&r);
@@ -169,8 +169,23 @@ struct ShareNormReader {
   }
 };
 
+// General p: the careful path, in double (it needs pow() per element anyway).
+template <typename scalar_t, typename Visit>
+__device__ __forceinline__ NormPartial careful_norm(const Visit& visit, const NormSpec& ns) {
+  using acc_t = typename AccOf<scalar_t>::type;
+  CarefulNorm c = careful_norm_init();
+  visit([&](scalar_t r) { careful_norm_scan(c, static_cast<double>(static_cast<acc_t>(r))); });
+  const int32_t ce = careful_norm_exponent(c, ns);
+  double s = 0.0;
+  if (!(c.flags & kNormHasNan)) {
+    visit([&](scalar_t r) { s += careful_norm_term(static_cast<double>(static_cast<acc_t>(r)), ce, ns); });
+  }
+  return careful_norm_partial(c, s, ce, ns);
+}
+
 // The norm partial of the values a thread visits. first_amax: the largest finite |x| of the
 // share's first values, for the first pass's scale (so vanishing or huge shares are read once).
+// Every pass inline: the fused kernel, which reads its shared-memory tile (Note [fused clip_norm_]).
 template <typename scalar_t, typename Visit>
 __device__ NormPartial thread_norm(Visit&& visit, const NormSpec& ns, double first_amax) {
   using acc_t = typename AccOf<scalar_t>::type;
@@ -182,16 +197,48 @@ __device__ NormPartial thread_norm(Visit&& visit, const NormSpec& ns, double fir
     case kNormInf: return fast_norm_piece<acc_t>(ShareNormReader<kNormInf, scalar_t, V>{visit}, kNormInf, e);
     default: break;
   }
-  // General p: the careful path, in double (it needs pow() per element anyway).
-  CarefulNorm c = careful_norm_init();
-  visit([&](scalar_t r) { careful_norm_scan(c, static_cast<double>(static_cast<acc_t>(r))); });
-  const int32_t ce = careful_norm_exponent(c, ns);
-  double s = 0.0;
-  if (!(c.flags & kNormHasNan)) {
-    visit([&](scalar_t r) { s += careful_norm_term(static_cast<double>(static_cast<acc_t>(r)), ce, ns); });
-  }
-  return careful_norm_partial(c, s, ce, ns);
+  return careful_norm<scalar_t>(visit, ns);
 }
+
+// Note [cuda norm cold paths]
+// The norms kernel switches on each chunk's dtype, so it holds every dtype's passes: only its first,
+// unscaled pass per norm kind is unrolled (piece_fast); the passes that unusual data needs (a scaled
+// re-read, the NaN / Inf flags, general p) run out of line and without unrolling, as Note [cuda cold
+// paths] (kernels/stats_kernel.cuh) does for the stats kernels. Each is a __noinline__ function of the
+// chunk (Piece, by value).
+template <int KIND, typename scalar_t>
+__device__ __noinline__ FastNorm<typename AccOf<scalar_t>::type> piece_fast(const Piece p) {
+  const auto visit = [&](auto&& f) { for_share<false, scalar_t, 4>(p, f); };
+  return ShareNormReader<KIND, scalar_t, decltype(visit)>{visit}.fast(0);
+}
+
+template <int KIND, typename scalar_t>
+__device__ __noinline__ FastNorm<typename AccOf<scalar_t>::type> piece_fast_scaled(const Piece p, int32_t e) {
+  const auto visit = [&](auto&& f) { for_share<false, scalar_t, 1>(p, f); };
+  return ShareNormReader<KIND, scalar_t, decltype(visit)>{visit}.fast(e);
+}
+
+template <typename scalar_t>
+__device__ __noinline__ int32_t piece_flags(const Piece p) {
+  const auto visit = [&](auto&& f) { for_share<false, scalar_t, 1>(p, f); };
+  return ShareNormReader<kNorm2, scalar_t, decltype(visit)>{visit}.flags();
+}
+
+template <typename scalar_t>
+__device__ __noinline__ NormPartial piece_careful(const Piece p, const NormSpec ns) {
+  const auto visit = [&](auto&& f) { for_share<false, scalar_t, 1>(p, f); };
+  return careful_norm<scalar_t>(visit, ns);
+}
+
+// The R of fast_norm_piece (Note [norm piece]) over one chunk, through the functions above.
+template <int KIND, typename scalar_t>
+struct PieceNormReader {
+  Piece p;
+  __device__ __forceinline__ FastNorm<typename AccOf<scalar_t>::type> fast(int32_t e) const {
+    return KIND == kNormInf || e == 0 ? piece_fast<KIND, scalar_t>(p) : piece_fast_scaled<KIND, scalar_t>(p, e);
+  }
+  __device__ __forceinline__ int32_t flags() const { return piece_flags<scalar_t>(p); }
+};
 
 // The largest finite |x| of the first values this thread visits in p (its first 16-byte pack,
 // or its first element).
@@ -207,7 +254,7 @@ __device__ __forceinline__ double first_amax(const Piece& p) {
   }
   acc_t amax = acc_t(0);
   for (int64_t i = first; i < first + count && i < p.len; ++i) {
-    const acc_t v = static_cast<acc_t>(p.layout != nullptr ? x[element_offset(*p.layout, p.begin + i)] : x[p.begin + i]);
+    const acc_t v = static_cast<acc_t>(p.layout != nullptr ? x[strided_offset(p.layout, p.begin + i)] : x[p.begin + i]);
     const acc_t a = v < acc_t(0) ? -v : v;
     if (a - a == acc_t(0) && a > amax) amax = a;
   }
@@ -216,7 +263,14 @@ __device__ __forceinline__ double first_amax(const Piece& p) {
 
 template <typename scalar_t>
 __device__ NormPartial piece_norm(const Piece& p, const NormSpec& ns) {
-  return thread_norm<scalar_t>([&](auto&& f) { visit<scalar_t>(p, f); }, ns, first_amax<scalar_t>(p));
+  using acc_t = typename AccOf<scalar_t>::type;
+  int32_t e = norm_scale_exponent<acc_t>(first_amax<scalar_t>(p));
+  switch (ns.kind) {
+    case kNorm2: return fast_norm_piece<acc_t>(PieceNormReader<kNorm2, scalar_t>{p}, kNorm2, e);
+    case kNorm1: return fast_norm_piece<acc_t>(PieceNormReader<kNorm1, scalar_t>{p}, kNorm1, e);
+    case kNormInf: return fast_norm_piece<acc_t>(PieceNormReader<kNormInf, scalar_t>{p}, kNormInf, e);
+    default: return piece_careful<scalar_t>(p, ns);
+  }
 }
 
 // Warp-wide merge in a fixed order; the result is valid in lane 0.
