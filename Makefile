@@ -8,7 +8,7 @@
 #
 # The CUDA kernels (docs/development.md has the table): built where a GPU is visible, or asked for with
 # HOOKSTATS_CUDA=1 (CI: .ci/run) or TORCH_CUDA_ARCH_LIST=...; never with HOOKSTATS_CUDA=0 or a CPU-only torch
-# (TORCH_SPEC=torch==2.13.0+cpu). Changing a knob rebuilds (the stamp's name holds them).
+# (TORCH_SPEC=torch==2.13.0). Changing a knob rebuilds (the stamp's name holds them).
 
 SHELL := /bin/bash
 space := $(subst ,, )

@@ -106,7 +106,7 @@ fi
 say ""
 say "## 2. Smoke (scripts/gpu_smoke.py: CUDA against the CPU kernels)"
 t=$(date +%s)
-c=$(cap 90)
+c=$(cap 50)
 timeout "$c" "$PY" scripts/gpu_smoke.py --report "$REPORT" > "$OUT/smoke.log" 2>&1
 rc=$?
 say "- smoke: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log: smoke.log)"

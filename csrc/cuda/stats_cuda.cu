@@ -1,4 +1,4 @@
-// The ATen side of hookstats::stats, stats_into and stats_multi_into on CUDA: outputs, workspaces and
+// The ATen side of hookstats::stats, stats_into, stats_hist, stats_loc and stats_multi_into on CUDA: outputs, workspaces and
 // threshold tables, on the current stream under a device guard, no host sync. The kernels are in
 // kernels/stats_kernel.cuh (what they compute: Notes [cuda block histograms], [single-block rows],
 // [cuda shift guess], [cuda cold paths], [thresholds in shared memory]), compiled per dtype and variant
@@ -217,7 +217,7 @@ void launch_pack(const std::vector<MultiItem>& items, const std::vector<size_t>&
 
 }  // namespace
 
-// hookstats::stats_multi_into's CUDA backend (cuda/multi_stats_cuda.cu): Note [multi-tensor stats launches].
+// hookstats::stats_multi_into's CUDA backend (core/multi_bindings.h): Note [multi-tensor stats launches].
 void stats_multi_cuda(const std::vector<MultiItem>& items, const HistSpec& hs, int64_t hist_len, bool accumulate) {
   if (items.empty()) return;
   const c10::Device device = items[0].x->device();
@@ -242,8 +242,19 @@ void stats_multi_cuda(const std::vector<MultiItem>& items, const HistSpec& hs, i
   }
 }
 
+namespace {
+
+void stats_multi_into_cuda(at::TensorList xs, const at::Tensor& out, at::IntArrayRef rows,
+                           const std::optional<at::Tensor>& hist, at::IntArrayRef hist_rows, int64_t mode,
+                           int64_t bins, double lo, double hi, bool accumulate, const std::optional<at::Tensor>& ring) {
+  stats_multi_into_op_impl(xs, out, rows, hist, hist_rows, mode, bins, lo, hi, accumulate, ring, &stats_multi_cuda);
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(hookstats, CUDA, m) {
   m.impl("stats", &stats_op<run_cuda>);
+  m.impl("stats_multi_into", &stats_multi_into_cuda);
   m.impl("stats_into", &stats_into_op<run_cuda>);
   m.impl("stats_hist", &stats_hist_op<run_cuda>);
   m.impl("stats_loc", &stats_loc_op<run_cuda>);
