@@ -302,6 +302,17 @@ HS_HD double clip_coef(double norm, double max_norm, double eps, int policy) {
 // can skip writing.
 HS_HD bool coef_is_identity(double coef) { return coef == 1.0; }
 
+// Note [coefficient one]
+// The scale pass multiplies in acc_t (float for fp16/bf16/fp32 tensors, double for fp64), so a
+// float64 coefficient such as 1 - 1e-9 is exactly 1 once rounded to float, and multiplying by it
+// would rewrite every element with the bits it already has. Every scale kernel (CPU, CUDA
+// two-launch, CUDA fused) asks this, per tensor dtype, after reading the coefficient (on the
+// device, so no host sync), and writes nothing when it says so; the README promises it.
+template <typename acc_t>
+HS_HD bool scale_is_identity(double coef, bool zero) {
+  return !zero && static_cast<acc_t>(coef) == acc_t(1);
+}
+
 template <typename acc_t>
 HS_HD acc_t scale_value(acc_t v, acc_t coef, bool zero) { return zero ? acc_t(0) : v * coef; }
 

@@ -69,8 +69,9 @@ void check_backend(const at::Tensor& x) {
                                    .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
   TORCH_CHECK(has_cuda,
               "hookstats.Monitor recorded a CUDA tensor, but this build of hookstats has no CUDA kernels. Rebuild "
-              "with a CUDA build of torch and a CUDA toolkit: `CUDA_HOME=/usr/local/cuda pip install "
-              "--no-build-isolation -e .` (HOOKSTATS_FORCE_CPU must be unset).");
+              "with a CUDA build of torch and a CUDA toolkit: `HOOKSTATS_CUDA=1 CUDA_HOME=/usr/local/cuda pip install "
+              "--no-build-isolation -e .` (a build where no GPU is visible skips them unless asked; "
+              "docs/development.md).");
 }
 
 int64_t hist_len_of(at::ScalarType t, const HistConfig& h) {
