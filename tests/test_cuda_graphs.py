@@ -196,7 +196,7 @@ def test_captured_training_step_with_optimizer_grads():
     mon.detach()
 
 
-# One block (writes its row itself, Note [single-block rows] in csrc/cuda/stats_cuda.cu) and several (zeroed row,
+# One block (writes its row itself, Note [single-block rows] in csrc/cuda/kernels/stats_launch.h) and several (zeroed row,
 # atomics)
 SIZES = [1000, 3 * 4096 + 5]
 
