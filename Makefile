@@ -1,6 +1,6 @@
 # hookstats: `make test` and `make demo` set up everything they need on a fresh machine.
 #
-#   make test            venv + torch + test deps, build (CUDA kernels too where a toolkit is found), run all tests,
+#   make test            venv + torch + test deps, build (CUDA kernels only where a GPU is visible or asked for, below), run all tests,
 #                        then every benchmark once, untimed, at small sizes (a smoke run: a broken benchmark fails CI)
 #   make demo            the same set-up, then `python -m hookstats demo`
 #   make bench           pytest --benchmark-only (the whole benchmark suite, timed), then the summary tables, also
@@ -8,10 +8,12 @@
 #   make docs            regenerate docs/api.md and the Note index of docs/design.md (scripts/gen_api_docs.py)
 #   PYTHON=python3 make test   use that interpreter as is (e.g. on a GPU machine that has torch), no venv
 #
-# TORCH_SPEC picks torch: the default CUDA build compiles the CUDA kernels here even without a GPU;
-# TORCH_SPEC=torch==2.13.0 (a CPU-only build) skips them.
+# The CUDA kernels (docs/development.md has the table): built where a GPU is visible, or asked for with
+# HOOKSTATS_CUDA=1 (CI: .ci/run) or TORCH_CUDA_ARCH_LIST=...; never with HOOKSTATS_CUDA=0 or a CPU-only torch
+# (TORCH_SPEC=torch==2.13.0). Changing a knob rebuilds (the stamp's name holds them).
 
 SHELL := /bin/bash
+space := $(subst ,, )
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
 TEST_DEPS ?= ninja pytest pytest-benchmark numpy expecttest setuptools wheel tensorboard matplotlib tqdm pyarrow pandas wandb
@@ -32,7 +34,7 @@ PY := $(PYTHON)
 DEPS :=
 endif
 
-BUILD_STAMP := hookstats/.build-stamp
+BUILD_STAMP := hookstats/.build-stamp-cuda$(HOOKSTATS_CUDA)-arch$(subst ;,_,$(subst +,p,$(subst $(space),,$(TORCH_CUDA_ARCH_LIST))))
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
 .PHONY: all build test test-fast bench-smoke demo bench docs clean
@@ -46,6 +48,7 @@ $(VENV)/.deps-installed:
 	touch $@
 
 $(BUILD_STAMP): $(DEPS) $(SOURCES)
+	rm -f hookstats/.build-stamp*
 	$(PY) -m pip install --no-build-isolation --no-deps -e .
 	$(PY) -c "import hookstats, torch; print('hookstats built; CUDA kernels:', hookstats.cuda_kernels_built(), '| torch', torch.__version__)"
 	touch $@
@@ -73,4 +76,4 @@ docs: build
 	$(PY) scripts/gen_api_docs.py
 
 clean:
-	rm -rf build *.egg-info hookstats/_C*.so $(BUILD_STAMP) bench.json
+	rm -rf build *.egg-info hookstats/_C*.so hookstats/.build-stamp* bench.json

@@ -59,7 +59,7 @@ def device(request, hookstats) -> str:
     if dev == "cuda" and not hookstats.cuda_kernels_built():
         pytest.skip(
             "CUDA is available but this build of hookstats has no CUDA kernels; rebuild with a CUDA toolkit "
-            "(`CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .`, HOOKSTATS_FORCE_CPU unset)"
+            "(`HOOKSTATS_CUDA=1 CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .`)"
         )
     return dev
 

@@ -58,7 +58,7 @@ TORCH_LIBRARY(hookstats, m) {
   m.def("clamp_count_(Tensor(a!)[] xs, float lo, float hi) -> Tensor");
   // norms([x], p) then scale_by_norm_([x], ...) in one call; returns the norm before clipping
   // (float64, 0-d). On CUDA a flat tensor in the fused size window is clipped by one cooperative
-  // launch that reads and writes it once (cuda/clip_cuda.cu, Note [fused clip_norm_]); path 1
+  // launch that reads and writes it once (cuda/kernels/clip_fused.cu, Note [fused clip_norm_]); path 1
   // forces the two-launch path, 2 requires the fused one, 3 prefers it (core/tensor_list.h,
   // Note [clip_norm_ paths]).
   m.def("clip_norm_(Tensor(a!) x, float p, float max_norm, float eps, int policy, int path=0) -> Tensor");

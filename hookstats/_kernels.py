@@ -52,8 +52,9 @@ def check_device(x: torch.Tensor, op: str) -> None:
         if not cuda_kernels_built():
             raise RuntimeError(
                 f"hookstats.{op} got a CUDA tensor, but this build of hookstats has no CUDA kernels. Rebuild with a "
-                "CUDA build of torch and a CUDA toolkit: `CUDA_HOME=/usr/local/cuda pip install "
-                "--no-build-isolation -e .` (HOOKSTATS_FORCE_CPU must be unset)."
+                "CUDA build of torch and a CUDA toolkit: `HOOKSTATS_CUDA=1 CUDA_HOME=/usr/local/cuda pip install "
+                "--no-build-isolation -e .` (a build where no GPU is visible skips them unless HOOKSTATS_CUDA=1 or "
+                "TORCH_CUDA_ARCH_LIST asks; docs/development.md)."
             )
     elif not (x.is_cpu or x.is_meta):
         raise RuntimeError(f"hookstats.{op} runs on CPU and CUDA tensors, got a tensor on {x.device}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 
@@ -136,7 +137,44 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_bench.md")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    lines = [f"# hookstats GPU benchmark: {torch.cuda.get_device_name(dev)}", "",
+    lines = [f"# hookstats GPU benchmark: {torch.cuda.get_device_name(dev)}"]
+    failed = 0
+    # Most telling first; each section saved as it finishes (a run cut short keeps what it measured), and each in
+    # run_section: a failed assertion is reported and the other sections still run.
+    for title, section in (("Bandwidth", bandwidth_section), ("Clipping", clip_section), ("Monitor", monitor_section),
+                           ("Where in the tensor", where_section), ("By distribution", distribution_section)):
+        out, ok = run_section(title, section, dev)
+        lines += out
+        failed += not ok
+        save(args.out, lines)
+    print("\n".join(lines))
+    if failed:
+        raise SystemExit(f"{failed} gpu_bench section(s) failed (see their FAILED lines)")
+
+
+def run_section(title: str, section, dev) -> tuple[list[str], bool]:
+    """section(dev)'s lines and True, or its failure as a report line (the exception's type, message and where it
+    was raised) and False. Frees what the section left on the device either way."""
+    t = time.perf_counter()
+    try:
+        out, ok = section(dev), True
+    except Exception as e:  # report it, keep the other sections
+        import traceback
+
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        at = f"{os.path.basename(where.filename)}:{where.lineno}, {where.name}"
+        out, ok = ["", f"## {title}: FAILED: {type(e).__name__}: {e} ({at})"], False
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    print(f"gpu_bench: {title}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t:.1f} s", flush=True)
+    return out, ok
+
+
+def bandwidth_section(dev) -> list[str]:
+    """stats_into with and without histograms beside a copy per dtype and size (each result checked), then the
+    no-sync and memory checks of the stats ops."""
+    lines = ["", "## Bandwidth (stats_into, beside a device copy)", "",
              "| op | dtype | MB | op ms | op GB/s (bytes read) | copy GB/s (read+write) | op / copy bandwidth |",
              "|---|---|---|---|---|---|---|"]
     for dtype in (torch.float32, torch.bfloat16):
@@ -196,19 +234,7 @@ def main() -> None:
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     lines.append(f"Peak extra memory of stats_into on a 256 MB tensor: {extra} bytes (baseline {base}).")
-    save(args.out, lines)  # each section is saved as it finishes: a run cut short keeps what it measured
-    try:
-        lines += where_section(dev)
-    except Exception as e:  # report it, keep the other sections
-        lines += ["", f"## Where in the tensor: FAILED: {type(e).__name__}: {e}"]
-    save(args.out, lines)
-    lines += distribution_section(dev)
-    save(args.out, lines)
-    lines += clip_section(dev)
-    save(args.out, lines)
-    lines += monitor_section(dev)
-    save(args.out, lines)
-    print("\n".join(lines))
+    return lines
 
 
 def where_section(dev) -> list[str]:

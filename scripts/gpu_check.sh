@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# The one command a GPU machine runs: a ladder of stages, each appending its part to $OUT/report.md the moment it
-# finishes, so that a run cut short (a crash, a hang, the lease running out) still reports what it got to.
-#   1. build     pip install -e . against that machine's torch, one arch (TORCH_CUDA_ARCH_LIST=9.0), MAX_JOBS=16;
-#                timed                                                              -> build.log   (~1-2 min)
+# The one command a GPU machine runs: a ladder of stages, most telling first, each appending its part to
+# $OUT/report.md the moment it finishes, so that a run cut short (a crash, a hang, the lease running out) still
+# reports what it got to. docs/development.md ("The GPU check") says how to read the report.
+#   1. build     `setup.py build_ext --inplace` (no wheel, no pip) against that machine's torch, one arch
+#                (TORCH_CUDA_ARCH_LIST=9.0), HOOKSTATS_CUDA=1, MAX_JOBS=16; timed            -> build.log  (~1 min)
 #   2. smoke     scripts/gpu_smoke.py: every op on a few shapes and dtypes against the CPU kernels, the Monitor on
-#                a tiny model, a captured clip_grad_norm_, a no-sync check          -> smoke.log   (< 1 min)
-#   3. tests     pytest -m "cuda and not slow": CUDA graphs and clipping first, then the rest; each outcome is
-#                logged as it happens (scripts/pytest_live.py)        -> tests.log, tests_live.log (capped)
-#   4. bench     scripts/gpu_bench.py: bandwidth against a device copy, fused vs two-launch clip_norm_ per size,
-#                clip_grad_norm_ vs foreach, Monitor step overhead, no-sync and memory checks
-#                                                                            -> bench.log, bench.md (capped)
-#   5. large     scripts/gpu_large_models.py: issue #13's Monitor targets (a GPT step >= 50 ms, a 1,001-module
-#                MLP, no host sync between flushes), when >= 20 s of the budget are left  -> report.md (capped)
-# The stages share a budget of BUDGET_S seconds (default 320: well under 6 minutes, so that a second run fits in
-# a 15-minute lease); each gets at most its cap and what is left. $OUT receives at most 7 files, all at its top.
-# Without a GPU (or on a CPU-only torch) it builds in place (installing nothing), says why the GPU stages are
+#                a tiny model, a captured clip_grad_norm_, a no-sync check                  -> smoke.log
+#   3. graphs    pytest -m "cuda and not slow" tests/test_cuda_graphs.py tests/test_clip.py: CUDA graph replays
+#                (rings, Note [ring memory]) and clipping; each outcome logged as it happens
+#                (scripts/pytest_live.py)                                          -> tests.log, tests_live.log
+#   4. bench     scripts/gpu_bench.py: stats bandwidth against a device copy, clipping, Monitor step overhead,
+#                locations, distributions; every section guarded (a failed one is reported, the others run)
+#                                                                                 -> bench.log, bench.md
+#   5. tests     the rest of the CUDA tests, same markers                         -> tests.log, tests_live.log
+#   6. large     scripts/gpu_large_models.py: issue #13's Monitor targets, when >= 20 s of the budget are left
+# The stages share a budget of BUDGET_S seconds counted from the script's start (default 200: with the machine's
+# start-up, well inside a 5-minute run); each gets at most its cap and what is left. $OUT receives at most 7
+# files, all at its top. Without a GPU (or on a CPU-only torch) it builds in place, says why the GPU stages are
 # skipped, and exits 0.
 #   OUT=/some/dir bash scripts/gpu_check.sh        (the device tool sets OUT)
 #   PYTHON=...                the interpreter (default python3; it must have torch)
-#   GPU_CHECK_BUILD=inplace   build with `setup.py build_ext --inplace` instead of pip (the default without a GPU)
-#   BUDGET_S, BUILD_CAP_S     the whole budget (320 s) and the build's cap (240 s)
+#   BUDGET_S, BUILD_CAP_S     the whole budget (200 s) and the build's cap (90 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -28,12 +29,13 @@ mkdir -p "$OUT"
 REPORT=$OUT/report.md
 : > "$REPORT"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export HOOKSTATS_CUDA=1
 export MAX_JOBS=${MAX_JOBS:-16}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$ROOT:$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-320}
-BUILD_CAP_S=${BUILD_CAP_S:-240}
+BUDGET_S=${BUDGET_S:-200}
+BUILD_CAP_S=${BUILD_CAP_S:-90}
 T0=$(date +%s)
 STATUS=()
 
@@ -68,16 +70,17 @@ gpu=$($PY -c "import torch; print(torch.cuda.is_available())" 2>&1 | tail -1)
 # 1. build ---------------------------------------------------------------------------------------------------------
 say ""
 say "## 1. Build"
-if [[ ${GPU_CHECK_BUILD:-$([[ $gpu == True ]] && echo pip || echo inplace)} == inplace ]]; then
-  build=("$PY" setup.py build_ext --inplace)
-else
-  build=("$PY" -m pip install --no-build-isolation --no-deps -e .)
-fi
+build=("$PY" setup.py build_ext --inplace)
 t=$(date +%s)
 c=$(cap "$BUILD_CAP_S")
 timeout "$c" "${build[@]}" > "$OUT/build.log" 2>&1
 rc=$?
 say "- \`${build[*]}\`: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log: build.log)"
+# ninja's log: each compile step's wall time (the slowest are the build's critical path)
+nlog=$(ls -t build/temp.*/.ninja_log 2>/dev/null | head -1)
+if [[ -n $nlog ]]; then
+  say "- slowest compile steps (wall s, from $nlog): $(awk -F'\t' 'NR > 1 {n = split($4, p, "/"); print ($2 - $1) / 1000, p[n]}' "$nlog" | sort -rn | head -6 | awk '{printf "%s%s %.0f", (NR > 1 ? ", " : ""), $2, $1}')"
+fi
 if (( rc != 0 )); then
   { echo '```'; grep -iE "error|fatal" "$OUT/build.log" | head -20; tail -25 "$OUT/build.log"; echo '```'; } >> "$REPORT"
   STATUS+=("build $(outcome $rc "$c")")
@@ -103,24 +106,21 @@ fi
 say ""
 say "## 2. Smoke (scripts/gpu_smoke.py: CUDA against the CPU kernels)"
 t=$(date +%s)
-c=$(cap 90)
+c=$(cap 50)
 timeout "$c" "$PY" scripts/gpu_smoke.py --report "$REPORT" > "$OUT/smoke.log" 2>&1
 rc=$?
 say "- smoke: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log: smoke.log)"
 STATUS+=("smoke $(outcome $rc "$c")")
 
-# 3. CUDA tests ----------------------------------------------------------------------------------------------------
-say ""
-say "## 3. CUDA tests (pytest -m \"cuda and not slow\")"
+# 3.-6.: CUDA tests, the benchmarks, the rest of the tests, large models ---------------------------------------------
 export HOOKSTATS_LIVE_LOG=$OUT/tests_live.log
 : > "$HOOKSTATS_LIVE_LOG"
 : > "$OUT/tests.log"
 xdist=()
 if $PY -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
-BENCH_RESERVE=75
-run_tests() {  # NAME CAP ARGS...: one pytest run, its counts into the report
-  local name=$1 want=$2; shift 2
-  local l=$(( BUDGET_S - $(now) - BENCH_RESERVE ))
+run_tests() {  # NAME CAP RESERVE ARGS...: one pytest run (leaving RESERVE s of the budget), its counts into the report
+  local name=$1 want=$2 reserve=$3; shift 3
+  local l=$(( BUDGET_S - $(now) - reserve ))
   (( l < want )) && want=$l
   if (( want < 10 )); then
     say "- $name: not run (budget spent)"
@@ -144,15 +144,15 @@ run_tests() {  # NAME CAP ARGS...: one pytest run, its counts into the report
   fi
   STATUS+=("tests $name $rc_text")
 }
-run_tests "graphs+clip" 90 tests/test_cuda_graphs.py tests/test_clip.py
-run_tests "the rest" 150 tests --ignore=tests/test_cuda_graphs.py --ignore=tests/test_clip.py
-say "- per-test outcomes: tests_live.log; pytest output: tests.log"
 
-# 4. benchmarks ----------------------------------------------------------------------------------------------------
+say ""
+say "## 3. CUDA graph and clipping tests (pytest -m \"cuda and not slow\")"
+run_tests "graphs+clip" 45 60 tests/test_cuda_graphs.py tests/test_clip.py
+
 say ""
 say "## 4. Benchmarks (scripts/gpu_bench.py)"
 t=$(date +%s)
-c=$(cap 120)
+c=$(cap 60)
 if (( c < 15 )); then
   say "- not run (budget spent)"
   STATUS+=("bench not run")
@@ -161,13 +161,19 @@ else
   timeout "$c" "$PY" scripts/gpu_bench.py --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1
   rc=$?
   say "- gpu_bench: $(outcome $rc "$c") in $(( $(date +%s) - t )) s (log: bench.log; tables: bench.md)"
+  grep '^gpu_bench: ' "$OUT/bench.log" | sed 's/^/  - /' >> "$REPORT"
   if (( rc != 0 )); then { echo '```'; tail -15 "$OUT/bench.log"; echo '```'; } >> "$REPORT"; fi
   [[ -s $OUT/bench.md ]] && { echo; cat "$OUT/bench.md"; } >> "$REPORT"
   STATUS+=("bench $(outcome $rc "$c")")
 fi
-# 5. large models (issue #13) -------------------------------------------------------------------------------------
+
 say ""
-say "## 5. Monitor on large models (scripts/gpu_large_models.py)"
+say "## 5. The other CUDA tests"
+run_tests "the rest" 120 20 tests --ignore=tests/test_cuda_graphs.py --ignore=tests/test_clip.py
+say "- per-test outcomes: tests_live.log; pytest output: tests.log"
+
+say ""
+say "## 6. Monitor on large models (scripts/gpu_large_models.py)"
 t=$(date +%s)
 c=$(cap 60)
 if (( c >= 20 )); then

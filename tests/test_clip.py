@@ -1544,7 +1544,7 @@ def test_opcheck_clip_norm(device, inp, policy):
                                   test_utils=OPCHECK_UTILS)
 
 
-# The CUDA clip_norm_ op has two paths (csrc/cuda/clip_cuda.cu, Note [fused clip_norm_]): one cooperative launch for
+# The CUDA clip_norm_ op has two paths (csrc/cuda/kernels/clip_fused.cu, Note [fused clip_norm_]): one cooperative launch for
 # tensors that fit in shared memory (path 2), and norms + scale launches (path 1). Both must give the rule's result.
 FUSED_CASES = [(n, dt) for n in (1, 7, 4096, 2**20 + 3, 2**22) for dt in (torch.float32, torch.bfloat16)] + \
               [(65537, torch.float64), (65537, torch.float16)]

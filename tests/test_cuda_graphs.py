@@ -87,6 +87,63 @@ def test_each_replay_of_a_captured_step_records_its_own_step(histogram):
     mon.detach()
 
 
+@pytest.mark.parametrize("histogram", [None, (16, (-2.0, 2.0))])
+def test_ring_rows_survive_temporaries_the_capture_freed_before_its_first_hook(histogram):
+    """Note [ring memory] (csrc/cuda/ring_cuda.cu): the ring is allocated at the capture's first record. Temporaries
+    freed earlier in the same capture (one in each of the allocator's pools) are rewritten by every replay; a ring
+    on their memory would lose the rows of earlier replays. Four replays with new data, one flush: every replay's
+    rows equal the statistics of an eager twin (same weights, no hooks) on that replay's input."""
+    m = _model()
+    twin = copy.deepcopy(m)
+    mon = hookstats.Monitor(m, kinds=("forward",), histogram=histogram, slots=8)
+    static_x = torch.randn(16, 32, device="cuda")
+
+    def step():
+        small = torch.full((64 * 1024,), 7.0, device="cuda")  # 256 KB: the small-block pool, like a ring
+        large = torch.full((16 * 1024 * 1024,), 7.0, device="cuda")  # 64 MB: the large-block pool
+        zero = (small.sum() + large.sum()) * 0.0
+        del small, large  # freed inside the capture, before the first hook
+        m(static_x + zero)
+
+    def eager_step():
+        step()
+        mon.step()
+
+    _warm_up(eager_step)
+    mon.flush()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        step()
+    mon.step()
+    datas = {}
+    for i in range(4):
+        x = torch.randn(16, 32, device="cuda") * (i + 1) + i
+        static_x.copy_(x)
+        graph.replay()
+        datas[mon.current_step] = x
+        mon.step()
+    recs = mon.flush()
+    assert sorted({r["step"] for r in recs}) == sorted(datas)
+    for st, x in datas.items():
+        fwd = {r["module"]: r for r in recs if r["step"] == st and r["kind"] == "forward"}
+        with torch.no_grad():
+            h0 = twin[0](x)
+            h1 = twin[1](h0)
+            expect = {"0": h0, "1": h1, "2": twin[2](h1)}
+        for name, t in expect.items():
+            ref = reference.stats(t).to_dict()
+            got = fwd[name]["stats"]
+            assert got["numel"] == ref["numel"] and got["nan_count"] == 0
+            for key in ("sum", "l2", "min", "max"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6 * (1 + ref["l1"])), (st, name, key)
+            if histogram is not None:
+                want = reference.histogram_of(t, hookstats._ops.as_histogram(histogram)).tolist()
+                assert sum(fwd[name]["histogram"]) == ref["numel"]
+                assert sum(abs(a - b) for a, b in zip(fwd[name]["histogram"], want)) <= 2  # GEMM rounding at edges
+    mon.detach()
+
+
 def test_replays_beyond_the_ring_are_counted():
     m = _model()
     mon = hookstats.Monitor(m, kinds=("forward",), slots=4)
@@ -139,7 +196,7 @@ def test_captured_training_step_with_optimizer_grads():
     mon.detach()
 
 
-# One block (writes its row itself, Note [single-block rows] in csrc/cuda/stats_cuda.cu) and several (zeroed row,
+# One block (writes its row itself, Note [single-block rows] in csrc/cuda/kernels/stats_launch.h) and several (zeroed row,
 # atomics)
 SIZES = [1000, 3 * 4096 + 5]
 

@@ -48,3 +48,36 @@ def test_gpu_bench_distribution_section_runs_on_small_cpu_tensors(monkeypatch):
     for dtype in ("float32", "bfloat16", "float64"):
         assert f"### {dtype}" in text
     assert text.count("(target >= 75%)") == 3 and text.count("(target <= 1.3x)") == 3
+
+
+def test_gpu_bench_reports_a_failed_section_and_keeps_the_others(tmp_path, monkeypatch):
+    """Every section runs in run_section: one failed assertion becomes a FAILED line, and main() still runs and saves
+    the sections after it (the clip and Monitor results survive a failed bandwidth check), then exits non-zero."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import gpu_bench
+    finally:
+        sys.path.remove(SCRIPTS)
+
+    def broken(dev):
+        assert 1 + 1 == 3, "a stale check"
+
+    out, ok = gpu_bench.run_section("Bandwidth", broken, "cpu")
+    assert not ok and len(out) == 2
+    assert "## Bandwidth: FAILED: AssertionError: a stale check" in out[1] and "broken" in out[1]
+    assert gpu_bench.run_section("Fine", lambda dev: ["", "fine"], "cpu") == (["", "fine"], True)
+    ran = []
+    for name in ("bandwidth_section", "clip_section", "monitor_section", "where_section", "distribution_section"):
+        monkeypatch.setattr(gpu_bench, name, broken if name == "bandwidth_section" else
+                            (lambda n: lambda dev: ran.append(n) or ["", f"## {n} ok"])(name))
+    monkeypatch.setattr(gpu_bench.torch.cuda, "get_device_name", lambda dev=None: "test device")
+    out_md = tmp_path / "bench.md"
+    monkeypatch.setattr(sys, "argv", ["gpu_bench.py", "--out", str(out_md)])
+    try:
+        gpu_bench.main()
+        raise AssertionError("main() should exit non-zero after a failed section")
+    except SystemExit as e:
+        assert "1 gpu_bench section(s) failed" in str(e)
+    assert ran == ["clip_section", "monitor_section", "where_section", "distribution_section"]
+    text = out_md.read_text()
+    assert "## Bandwidth: FAILED" in text and "## monitor_section ok" in text and "## distribution_section ok" in text

@@ -116,9 +116,10 @@ HS_HD int32_t fixed_slot(acc_t x, const HistSpec& h) {
 // The table is built on the host by bisection on fixed_slot_exact (the float64 rule itself) and
 // cached per range (cached_thresholds). Float64 inputs get a table of doubles, transformed in double.
 // The CPU reads them in place. The CUDA kernel gets the float ones by value in its arguments
-// (capture-safe: a replayed graph carries them) for up to kMaxArgThresholds - 1 bins, and reads a
+// (capture-safe: a replayed graph carries them) for up to kMaxArgThresholds - 1 bins, and a
 // device copy for float64 inputs and for more bins (Note [capture-safe tables] in
-// cuda/device_tables.cuh); it keeps fixed_slot only where no thresholds apply.
+// cuda/device_tables.cuh); each block stages them in shared memory (Note [thresholds in shared
+// memory] in cuda/kernels/stats_launch.h); it keeps fixed_slot only where no thresholds apply.
 constexpr int32_t kMaxArgThresholds = 513;  // 2 KB of kernel arguments: up to 512 bins
 
 HS_HD int32_t ordinal_of_slot(int32_t slot, int32_t bins) {
@@ -256,7 +257,7 @@ constexpr int kRangeCacheEntries = 4;
 
 // The thresholds (in F) of a range spec (Note [exact bin thresholds]), cached per calling thread;
 // nullptr when they do not apply. The CPU kernel reads them in place; the CUDA kernel receives a copy
-// of the float ones in its arguments (stats_cuda.cu) or in a device table (cuda/device_tables.cu).
+// of the float ones in its arguments (cuda/stats_cuda.cu, Note [thresholds in shared memory]) or in a device table (cuda/device_tables.cu).
 template <typename F>
 inline const F* cached_thresholds(const HistSpec& h) {
   static thread_local RangeCache<F, kRangeCacheEntries> cache;

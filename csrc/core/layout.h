@@ -60,4 +60,13 @@ HS_HD int64_t element_offset(const StridedLayout& l, int64_t i) {
   return off + i * l.strides[0];
 }
 
+#if defined(__CUDACC__)
+// element_offset out of line for CUDA kernels: its 64-bit divisions would otherwise be inlined into every
+// traversal of every kernel (Note [cuda cold paths] in cuda/kernels/stats_kernel.cuh); a strided read goes
+// element by element anyway.
+static __device__ __noinline__ int64_t strided_offset(const StridedLayout* l, int64_t i) {
+  return element_offset(*l, i);
+}
+#endif
+
 }  // namespace hookstats

@@ -4,7 +4,7 @@
 // one spreads small tensors over threads (each tensor reduced by one thread, big tensors by all of
 // them, so every row equals what stats_into gives, bit for bit, whatever the thread count); the
 // CUDA one packs the flat tensors of a dtype into launches of up to kPackTensors tensors each
-// (Note [multi-tensor stats launches] in cuda/stats_cuda.cu), the others launched one by one.
+// (Note [multi-tensor stats launches] in cuda/kernels/stats_launch.h), the others launched one by one.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,5 +1,5 @@
 // Torch-free norm and clipping math shared by the CPU and the CUDA kernels (clip_cpu.cpp,
-// clip_cuda.cu).
+// cuda/kernels/clip_device.cuh).
 //
 // Note [norm partials]
 // A p-norm is reduced as NormPartial {s, e, flags}: for finite p the pieces' values were
@@ -154,7 +154,7 @@ HS_HD NormPartial fast_norm_partial(const FastNorm<acc_t>& f, int kind) {
 // e. A piece whose sum is not finite is checked by a vector compare pass (NaN, Inf flags); one
 // with neither overflowed and is scaled (Note [norm piece]). Once a piece has a NaN the norm is
 // NaN: the CPU kernel stops reading that tensor; after an Inf it only looks for NaN. The CUDA
-// kernels (clip_cuda.cu) take the same decisions per thread share. The careful path below stays
+// kernels (cuda/kernels/clip_device.cuh) take the same decisions per thread share. The careful path below stays
 // for general p only, which needs pow() per element anyway.
 template <typename acc_t>
 HS_HD int32_t norm_scale_exponent(double amax) {
@@ -209,7 +209,7 @@ HS_HD int32_t nonfinite_norm_flag(acc_t v) {
 //   p = inf: the fast max, or only the flags when a NaN or an Inf was seen.
 // Every pass is in acc_t: no value is read in double.
 #if defined(__CUDACC__)
-#pragma nv_exec_check_disable  // R's passes are __device__ in clip_cuda.cu, host code in clip_cpu.cpp
+#pragma nv_exec_check_disable  // R's passes are __device__ in cuda/kernels/clip_device.cuh, host code in clip_cpu.cpp
 #endif
 template <typename acc_t, typename R>
 HS_HD NormPartial fast_norm_piece(const R& r, int kind, int32_t& e) {
@@ -301,6 +301,17 @@ HS_HD double clip_coef(double norm, double max_norm, double eps, int policy) {
 // Whether clip_coef() leaves x as it is: multiplying by 1 changes no bit, so the scale pass
 // can skip writing.
 HS_HD bool coef_is_identity(double coef) { return coef == 1.0; }
+
+// Note [coefficient one]
+// The scale pass multiplies in acc_t (float for fp16/bf16/fp32 tensors, double for fp64), so a
+// float64 coefficient such as 1 - 1e-9 is exactly 1 once rounded to float, and multiplying by it
+// would rewrite every element with the bits it already has. Every scale kernel (CPU, CUDA
+// two-launch, CUDA fused) asks this, per tensor dtype, after reading the coefficient (on the
+// device, so no host sync), and writes nothing when it says so; the README promises it.
+template <typename acc_t>
+HS_HD bool scale_is_identity(double coef, bool zero) {
+  return !zero && static_cast<acc_t>(coef) == acc_t(1);
+}
 
 template <typename acc_t>
 HS_HD acc_t scale_value(acc_t v, acc_t coef, bool zero) { return zero ? acc_t(0) : v * coef; }

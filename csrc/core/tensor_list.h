@@ -14,10 +14,9 @@
 
 #include "checks.h"
 #include "layout.h"
+#include "tensor_desc.h"
 
 namespace hookstats {
-
-enum DtypeCode : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
 
 inline int32_t dtype_code(at::ScalarType t) {
   switch (t) {
@@ -28,14 +27,6 @@ inline int32_t dtype_code(at::ScalarType t) {
   }
 }
 
-// One tensor of a list. layout < 0: the elements fill a dense block read flat from data
-// (Note [layouts]); otherwise the index of its StridedLayout in the list's layout array.
-struct TensorDesc {
-  void* data;
-  int64_t numel;
-  int32_t dtype;
-  int32_t layout;
-};
 
 // Whether no two elements of x share memory, provably: dense tensors, and layouts whose dims,
 // sorted by stride, each step over everything the smaller dims span. (ATen's
@@ -112,17 +103,6 @@ inline void check_clip_args(double max_norm, double eps, int64_t policy) {
   TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "hookstats: eps must be finite and >= 0, got ", eps);
   TORCH_CHECK_VALUE(policy == 0 || policy == 1, "hookstats: nonfinite policy must be 0 (propagate) or 1 (zero), got ",
                     policy);
-}
-
-// Note [coefficient one]
-// The scale pass multiplies in acc_t (float for fp16/bf16/fp32 tensors, double for fp64), so a
-// float64 coefficient such as 1 - 1e-9 is exactly 1 once rounded to float, and multiplying by it
-// would rewrite every element with the bits it already has. Every scale kernel (CPU, CUDA
-// two-launch, CUDA fused) asks this, per tensor dtype, after reading the coefficient (on the
-// device, so no host sync), and writes nothing when it says so; the README promises it.
-template <typename acc_t>
-HS_HD bool scale_is_identity(double coef, bool zero) {
-  return !zero && static_cast<acc_t>(coef) == acc_t(1);
 }
 
 // Note [clip_norm_ paths]

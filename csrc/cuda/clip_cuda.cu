@@ -1,5 +1,6 @@
 // CUDA implementation of the multi-tensor norm and clipping ops: hookstats::norms,
-// hookstats::scale_by_norm_ and hookstats::clamp_count_.
+// hookstats::scale_by_norm_, hookstats::clamp_count_ and hookstats::clip_norm_: the ATen side (checks, the list
+// tables, the fused path's plan) here, the kernels in kernels/clip_{norms,scale,fused}.cu (kernels/clip_launch.h).
 //
 // Note [cuda tensor lists]
 // Every tensor of the list is cut into chunks of chunk_len elements (>= 64K, and large enough
@@ -23,6 +24,7 @@
 // capture (Note [clip_norm_ paths]).
 // Flat 16-byte-aligned chunks use 16-byte loads and stores; other layouts go element by element
 // (Note [layouts]).
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -31,7 +33,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -40,452 +41,22 @@
 #include <cstring>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "../core/checks.h"
-#include "../core/dispatch.h"
 #include "../core/layout.h"
 #include "../core/norm_ops.h"
 #include "../core/tensor_list.h"
 #include "cuda_util.cuh"
 #include "device_tables.cuh"
+#include "kernels/clip_launch.h"
 
 namespace hookstats {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int64_t kMinChunk = 65536;
-constexpr int64_t kMaxChunk = int64_t(kThreads) * kMaxFastPiece;  // a thread's share stays a fast piece
-constexpr int64_t kThreadMerge = 16;  // Note [last-block merge]
+using namespace clip_cuda;
 
-template <typename scalar_t> struct AccOf { using type = float; };
-template <> struct AccOf<double> { using type = double; };
-
-struct ListArgs {
-  const TensorDesc* descs;       // device memory, unless single
-  const StridedLayout* layouts;  // device memory
-  const int64_t* chunk_start;    // device memory: n + 1 entries, tensor t's first chunk
-  int64_t ntensors;
-  int64_t chunk_len;
-  bool single;  // one flat tensor, described by `one`: no device metadata
-  TensorDesc one;
-};
-
-// The chunk a block handles.
-struct Piece {
-  TensorDesc d;
-  const StridedLayout* layout;  // nullptr when flat
-  int64_t begin, len;
-};
-
-__device__ __forceinline__ Piece locate(const ListArgs& a, int64_t chunk) {
-  Piece p;
-  int64_t first = 0;
-  if (a.single) {
-    p.d = a.one;
-    p.layout = nullptr;
-  } else {
-    int64_t lo = 0, hi = a.ntensors - 1;  // the last tensor whose first chunk is <= chunk
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (a.chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
-    }
-    p.d = a.descs[lo];
-    p.layout = p.d.layout >= 0 ? a.layouts + p.d.layout : nullptr;
-    first = a.chunk_start[lo];
-  }
-  p.begin = (chunk - first) * a.chunk_len;
-  p.len = min(a.chunk_len, p.d.numel - p.begin);
-  return p;
-}
-
-// Calls f for each element of this thread's share of the piece, in a fixed order. Reading
-// (kWrite false): f(value). Writing: f(value&) returns whether it changed the value, and a
-// 16-byte pack is stored back only when one of its values changed.
-template <bool kWrite, typename scalar_t, typename F>
-__device__ __forceinline__ void for_share(const Piece& p, F&& f) {
-  scalar_t* x = static_cast<scalar_t*>(p.d.data);
-  if (p.layout != nullptr) {
-    for (int64_t i = threadIdx.x; i < p.len; i += kThreads) f(x[element_offset(*p.layout, p.begin + i)]);
-    return;
-  }
-  x += p.begin;
-  constexpr int kVec = 16 / sizeof(scalar_t);
-  int64_t done = 0;
-  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
-    const int64_t npacks = p.len / kVec;
-    uint4* packs = reinterpret_cast<uint4*>(x);
-#pragma unroll 4
-    for (int64_t k = threadIdx.x; k < npacks; k += kThreads) {
-      uint4 r = kWrite ? packs[k] : __ldg(packs + k);
-      scalar_t* v = reinterpret_cast<scalar_t*>(&r);
-      if constexpr (kWrite) {
-        bool changed = false;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) changed |= f(v[j]);
-        if (changed) packs[k] = r;
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) f(v[j]);
-      }
-    }
-    done = npacks * kVec;
-  }
-  for (int64_t i = done + threadIdx.x; i < p.len; i += kThreads) f(x[i]);
-}
-
-template <typename scalar_t, typename F>
-__device__ __forceinline__ void visit(const Piece& p, F&& f) { for_share<false, scalar_t>(p, f); }
-
-template <typename scalar_t, typename F>
-__device__ __forceinline__ void update(const Piece& p, F&& f) { for_share<true, scalar_t>(p, f); }
-
-// ---------------------------------------------------------------------------------------
-// Norms.
-// A thread's share as Note [norm piece] (core/norm_ops.h) reads it: visit(f) calls f(value) on
-// each of its values in a fixed order, once per pass. Every pass is in acc_t: the fast sum
-// (scaled by 2^-e when e != 0), or the NaN / Inf flags by compares alone.
-template <int KIND, typename scalar_t, typename Visit>
-struct ShareNormReader {
-  using acc_t = typename AccOf<scalar_t>::type;
-  const Visit& visit;
-  __device__ __forceinline__ FastNorm<acc_t> fast(int32_t e) const {
-    FastNorm<acc_t> f;
-    fast_norm_init(f);
-    if (KIND == kNormInf || e == 0) {
-      visit([&](scalar_t r) { fast_norm_add<KIND, acc_t>(f, static_cast<acc_t>(r)); });
-    } else {
-      const acc_t sc = static_cast<acc_t>(ldexp(1.0, -e));  // exact: a normal power of two
-      visit([&](scalar_t r) { fast_norm_add_scaled<KIND, acc_t>(f, static_cast<acc_t>(r), sc); });
-    }
-    return f;
-  }
-  __device__ __forceinline__ int32_t flags() const {
-    int32_t fl = 0;
-    visit([&](scalar_t r) { fl |= nonfinite_norm_flag<acc_t>(static_cast<acc_t>(r)); });
-    return fl;
-  }
-};
-
-// The norm partial of the values a thread visits. first_amax: the largest finite |x| of the
-// share's first values, for the first pass's scale (so vanishing or huge shares are read once).
-template <typename scalar_t, typename Visit>
-__device__ NormPartial thread_norm(Visit&& visit, const NormSpec& ns, double first_amax) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  using V = typename std::remove_reference<Visit>::type;
-  int32_t e = norm_scale_exponent<acc_t>(first_amax);
-  switch (ns.kind) {
-    case kNorm2: return fast_norm_piece<acc_t>(ShareNormReader<kNorm2, scalar_t, V>{visit}, kNorm2, e);
-    case kNorm1: return fast_norm_piece<acc_t>(ShareNormReader<kNorm1, scalar_t, V>{visit}, kNorm1, e);
-    case kNormInf: return fast_norm_piece<acc_t>(ShareNormReader<kNormInf, scalar_t, V>{visit}, kNormInf, e);
-    default: break;
-  }
-  // General p: the careful path, in double (it needs pow() per element anyway).
-  CarefulNorm c = careful_norm_init();
-  visit([&](scalar_t r) { careful_norm_scan(c, static_cast<double>(static_cast<acc_t>(r))); });
-  const int32_t ce = careful_norm_exponent(c, ns);
-  double s = 0.0;
-  if (!(c.flags & kNormHasNan)) {
-    visit([&](scalar_t r) { s += careful_norm_term(static_cast<double>(static_cast<acc_t>(r)), ce, ns); });
-  }
-  return careful_norm_partial(c, s, ce, ns);
-}
-
-// The largest finite |x| of the first values this thread visits in p (its first 16-byte pack,
-// or its first element).
-template <typename scalar_t>
-__device__ __forceinline__ double first_amax(const Piece& p) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  const scalar_t* x = static_cast<const scalar_t*>(p.d.data);
-  constexpr int kVec = 16 / sizeof(scalar_t);
-  int64_t first = threadIdx.x, count = 1;
-  if (p.layout == nullptr && reinterpret_cast<uintptr_t>(x + p.begin) % 16 == 0 && threadIdx.x < p.len / kVec) {
-    first = static_cast<int64_t>(threadIdx.x) * kVec;
-    count = kVec;
-  }
-  acc_t amax = acc_t(0);
-  for (int64_t i = first; i < first + count && i < p.len; ++i) {
-    const acc_t v = static_cast<acc_t>(p.layout != nullptr ? x[element_offset(*p.layout, p.begin + i)] : x[p.begin + i]);
-    const acc_t a = v < acc_t(0) ? -v : v;
-    if (a - a == acc_t(0) && a > amax) amax = a;
-  }
-  return static_cast<double>(amax);
-}
-
-template <typename scalar_t>
-__device__ NormPartial piece_norm(const Piece& p, const NormSpec& ns) {
-  return thread_norm<scalar_t>([&](auto&& f) { visit<scalar_t>(p, f); }, ns, first_amax<scalar_t>(p));
-}
-
-// Warp-wide merge in a fixed order; the result is valid in lane 0.
-__device__ __forceinline__ NormPartial warp_merge(NormPartial p, const NormSpec& ns) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    NormPartial q;
-    q.s = __shfl_down_sync(0xffffffffu, p.s, offset);
-    q.e = __shfl_down_sync(0xffffffffu, p.e, offset);
-    q.flags = __shfl_down_sync(0xffffffffu, p.flags, offset);
-    norm_merge(p, q, ns);
-  }
-  return p;
-}
-
-// Block-wide merge in a fixed order; the result is valid in thread 0.
-__device__ NormPartial block_merge(NormPartial p, const NormSpec& ns, NormPartial* smem) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  p = warp_merge(p, ns);
-  if (lane == 0) smem[warp] = p;
-  __syncthreads();
-  if (warp == 0) p = warp_merge(lane < kWarps ? smem[lane] : empty_norm(), ns);
-  __syncthreads();
-  return p;
-}
-
-__device__ __forceinline__ NormPartial load_partial(const NormPartial* src) {
-  const volatile NormPartial* v = src;
-  NormPartial r;
-  r.s = v->s; r.e = v->e; r.flags = v->flags;
-  return r;
-}
-
-__global__ void __launch_bounds__(kThreads)
-norms_kernel(ListArgs a, NormSpec ns, NormPartial* __restrict__ partials, unsigned int* __restrict__ ticket,
-             double* __restrict__ per, double* __restrict__ total) {
-  __shared__ NormPartial smem[kWarps];
-  __shared__ bool is_last;
-  const Piece piece = locate(a, blockIdx.x);
-  NormPartial p = empty_norm();
-  switch (piece.d.dtype) {
-    case kF64: p = piece_norm<double>(piece, ns); break;
-    case kF16: p = piece_norm<c10::Half>(piece, ns); break;
-    case kBF16: p = piece_norm<c10::BFloat16>(piece, ns); break;
-    default: p = piece_norm<float>(piece, ns); break;
-  }
-  p = block_merge(p, ns, smem);
-  if (threadIdx.x == 0) {
-    partials[blockIdx.x] = p;
-    __threadfence();
-    is_last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  // Note [last-block merge]
-  // The last block merges every tensor's chunk partials, tile by tile of kThreads tensors. A
-  // tensor of at most kThreadMerge chunks is merged by its own thread, in chunk order; the
-  // larger ones (one big tensor has up to ~4 chunks per SM: 528 on an H200) are listed in tensor
-  // order and shared out to the warps (the k-th to warp k % kWarps), whose lane l merges chunks
-  // l, l + 32, ... in order before warp_merge's fixed shuffle tree. Each thread's tensors then
-  // merge into its total, and block_merge merges the threads. Which thread or warp merges what
-  // depends only on the chunk counts, never on timing: results are bitwise reproducible, and no
-  // thread merges more than ~kThreadMerge + a few partials serially.
-  __shared__ int64_t big[kThreads];
-  __shared__ int warp_big[kWarps];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  NormPartial acc = empty_norm();
-  for (int64_t base = 0; base < a.ntensors; base += kThreads) {
-    const int64_t t = base + threadIdx.x;
-    int64_t c0 = 0, c1 = 0;
-    if (t < a.ntensors) {
-      c0 = a.single ? 0 : a.chunk_start[t];
-      c1 = a.single ? gridDim.x : a.chunk_start[t + 1];
-    }
-    const bool is_big = c1 - c0 > kThreadMerge;
-    if (t < a.ntensors && !is_big) {
-      NormPartial q = empty_norm();
-      for (int64_t c = c0; c < c1; ++c) norm_merge(q, load_partial(partials + c), ns);
-      per[t] = norm_finalize(q, ns);
-      norm_merge(acc, q, ns);
-    }
-    const unsigned int mask = __ballot_sync(0xffffffffu, is_big);
-    if (lane == 0) warp_big[warp] = __popc(mask);
-    __syncthreads();
-    int first = 0, nbig = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      if (w < warp) first += warp_big[w];
-      nbig += warp_big[w];
-    }
-    if (is_big) big[first + __popc(mask & ((1u << lane) - 1u))] = t;
-    __syncthreads();
-    for (int k = warp; k < nbig; k += kWarps) {
-      const int64_t tb = big[k];
-      const int64_t b0 = a.single ? 0 : a.chunk_start[tb];
-      const int64_t b1 = a.single ? gridDim.x : a.chunk_start[tb + 1];
-      NormPartial q = empty_norm();
-      for (int64_t c = b0 + lane; c < b1; c += 32) norm_merge(q, load_partial(partials + c), ns);
-      q = warp_merge(q, ns);
-      if (lane == 0) {
-        per[tb] = norm_finalize(q, ns);
-        norm_merge(acc, q, ns);
-      }
-    }
-    __syncthreads();  // big and warp_big are rewritten by the next tile
-  }
-  acc = block_merge(acc, ns, smem);
-  if (threadIdx.x == 0) {
-    *total = norm_finalize(acc, ns);
-    *ticket = 0u;
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// Scaling and clamping.
-template <typename scalar_t>
-__device__ __forceinline__ void scale_piece(const Piece& p, double coef, bool zero) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  if (scale_is_identity<acc_t>(coef, zero)) return;  // Note [coefficient one]
-  const acc_t c = static_cast<acc_t>(coef);
-  update<scalar_t>(p, [&](scalar_t& v) {
-    v = static_cast<scalar_t>(scale_value<acc_t>(static_cast<acc_t>(v), c, zero));
-    return true;
-  });
-}
-
-__global__ void __launch_bounds__(kThreads)
-scale_kernel(ListArgs a, const double* __restrict__ total, double max_norm, double eps, int policy) {
-  const double norm = *total;
-  const double coef = clip_coef(norm, max_norm, eps, policy);
-  if (coef_is_identity(coef)) return;
-  const bool zero = policy == kZero && !(norm - norm == 0.0);
-  const Piece piece = locate(a, blockIdx.x);
-  switch (piece.d.dtype) {
-    case kF64: scale_piece<double>(piece, coef, zero); break;
-    case kF16: scale_piece<c10::Half>(piece, coef, zero); break;
-    case kBF16: scale_piece<c10::BFloat16>(piece, coef, zero); break;
-    default: scale_piece<float>(piece, coef, zero); break;
-  }
-}
-
-// The bounds of clamp_count_ rounded to each dtype (by the host, as torch.clamp rounds them),
-// indexed by DtypeCode.
-struct Bounds {
-  double lo[4], hi[4];
-};
-
-template <typename scalar_t>
-__device__ __forceinline__ unsigned long long clamp_piece(const Piece& p, const Bounds& b) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  const int code = p.d.dtype;
-  const acc_t lo = static_cast<acc_t>(b.lo[code]), hi = static_cast<acc_t>(b.hi[code]);
-  const scalar_t lo_t = static_cast<scalar_t>(lo), hi_t = static_cast<scalar_t>(hi);
-  unsigned long long n = 0;
-  update<scalar_t>(p, [&](scalar_t& v) {
-    const acc_t x = static_cast<acc_t>(v);
-    if (!is_clipped(x, lo, hi)) return false;
-    v = x < lo ? lo_t : hi_t;
-    ++n;
-    return true;
-  });
-  return n;
-}
-
-__global__ void __launch_bounds__(kThreads)
-clamp_kernel(ListArgs a, const __grid_constant__ Bounds b, unsigned long long* __restrict__ count) {
-  __shared__ unsigned long long smem[kWarps];
-  const Piece piece = locate(a, blockIdx.x);
-  unsigned long long n = 0;
-  switch (piece.d.dtype) {
-    case kF64: n = clamp_piece<double>(piece, b); break;
-    case kF16: n = clamp_piece<c10::Half>(piece, b); break;
-    case kBF16: n = clamp_piece<c10::BFloat16>(piece, b); break;
-    default: n = clamp_piece<float>(piece, b); break;
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) n += __shfl_down_sync(0xffffffffu, n, offset);
-  if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = n;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned long long s = 0;
-    for (int w = 0; w < kWarps; ++w) s += smem[w];
-    if (s != 0) atomicAdd(count, s);  // integer atomics: exact, order-free
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// Note [fused clip_norm_]
-// A flat, 16-byte-aligned tensor that fits in the shared memory of one co-resident grid (one
-// block per SM, ~227 KB each on an H100/H200: ~29 MB) is clipped by one cooperative launch
-// that reads and writes it once: each block copies its slice of x into shared memory and
-// reduces it there (a flag or scaled pass re-reads shared memory, not x); the blocks' partials meet
-// at a grid-wide barrier; every block merges them in block order (the same order in every
-// block, so all compute the same coefficient, bit for bit); each block scales its slice from
-// shared memory into x. Other tensors take the two-launch path (norms_kernel, scale_kernel);
-// which tensors take which path, and the fall-back when the driver refuses the cooperative
-// launch, are Note [clip_norm_ paths] (core/tensor_list.h).
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-fused_clip_kernel(scalar_t* __restrict__ x, int64_t n, int64_t per_block, NormSpec ns, double max_norm, double eps,
-                  int policy, NormPartial* __restrict__ partials, double* __restrict__ total_out) {
-  extern __shared__ uint4 tile[];
-  __shared__ NormPartial smem[kWarps];
-  __shared__ double coef_s;
-  __shared__ bool zero_s;
-  using acc_t = typename AccOf<scalar_t>::type;
-  constexpr int kVec = 16 / sizeof(scalar_t);
-  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * per_block;
-  const int64_t len = b0 < n ? min(per_block, n - b0) : 0;
-  const int64_t full = len / kVec;  // whole 16-byte packs; only the last block can have a tail
-  uint4* src = reinterpret_cast<uint4*>(x + b0);
-  scalar_t* el = reinterpret_cast<scalar_t*>(tile);
-#pragma unroll 4
-  for (int64_t k = threadIdx.x; k < full; k += kThreads) tile[k] = src[k];  // several loads in flight
-  for (int64_t i = full * kVec + threadIdx.x; i < len; i += kThreads) el[i] = x[b0 + i];
-  __syncthreads();
-  auto visit_tile = [&](auto&& f) {
-    for (int64_t k = threadIdx.x; k < full; k += kThreads) {
-      const uint4 r = tile[k];
-      const scalar_t* v = reinterpret_cast<const scalar_t*>(&r);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) f(v[j]);
-    }
-    for (int64_t i = full * kVec + threadIdx.x; i < len; i += kThreads) f(el[i]);
-  };
-  acc_t amax0 = acc_t(0);  // the largest finite |x| of this thread's first pack: the first pass's scale
-  if (threadIdx.x < full) {
-    const uint4 r = tile[threadIdx.x];
-    const scalar_t* v = reinterpret_cast<const scalar_t*>(&r);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const acc_t y = static_cast<acc_t>(v[j]);
-      const acc_t a = y < acc_t(0) ? -y : y;
-      if (a - a == acc_t(0) && a > amax0) amax0 = a;
-    }
-  }
-  NormPartial p = block_merge(thread_norm<scalar_t>(visit_tile, ns, static_cast<double>(amax0)), ns, smem);
-  if (threadIdx.x == 0) partials[blockIdx.x] = p;
-  cooperative_groups::this_grid().sync();
-  if (threadIdx.x < 32) {  // warp 0 of every block: lane l merges partials l, l + 32, ..., then a fixed tree
-    NormPartial acc = empty_norm();
-    for (unsigned int b = threadIdx.x; b < gridDim.x; b += 32) norm_merge(acc, load_partial(partials + b), ns);
-    acc = warp_merge(acc, ns);
-    if (threadIdx.x == 0) {
-      const double total = norm_finalize(acc, ns);
-      coef_s = clip_coef(total, max_norm, eps, policy);
-      zero_s = policy == kZero && !(total - total == 0.0);
-      if (blockIdx.x == 0) *total_out = total;
-    }
-  }
-  __syncthreads();
-  const double coef = coef_s;
-  const bool zero = zero_s;
-  if (scale_is_identity<acc_t>(coef, zero)) return;  // Note [coefficient one]
-  const acc_t c = static_cast<acc_t>(coef);
-  for (int64_t k = threadIdx.x; k < full; k += kThreads) {
-    uint4 r = tile[k];
-    scalar_t* v = reinterpret_cast<scalar_t*>(&r);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) v[j] = static_cast<scalar_t>(scale_value<acc_t>(static_cast<acc_t>(v[j]), c, zero));
-    src[k] = r;
-  }
-  for (int64_t i = full * kVec + threadIdx.x; i < len; i += kThreads) {
-    x[b0 + i] = static_cast<scalar_t>(scale_value<acc_t>(static_cast<acc_t>(el[i]), c, zero));
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// Host side: the chunks of a list (Note [cuda tensor lists]).
+// The chunks of a list (Note [cuda tensor lists]).
 struct DeviceList {
   ListArgs args;
   int64_t nchunks;
@@ -567,9 +138,8 @@ std::tuple<at::Tensor, at::Tensor> norms_cuda(at::TensorList xs, double p) {
   auto* partials = reinterpret_cast<NormPartial*>(ws.data_ptr());
   auto* ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes - 16);
   C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
-  norms_kernel<<<static_cast<unsigned int>(dl.nchunks), kThreads, 0, stream>>>(
-      dl.args, make_norm_spec(p), partials, ticket, per.data_ptr<double>(), total.data_ptr<double>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(launch_norms(dl.args, make_norm_spec(p), partials, ticket, per.data_ptr<double>(),
+                              total.data_ptr<double>(), dl.nchunks, stream));
   return {per, total};
 }
 
@@ -582,9 +152,8 @@ void scale_by_norm_cuda(at::TensorList xs, const at::Tensor& total, double max_n
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xs[0].device().index());
   DeviceList dl = prepare(xs);
   if (dl.nchunks == 0) return;
-  scale_kernel<<<static_cast<unsigned int>(dl.nchunks), kThreads, 0, stream>>>(
-      dl.args, total.data_ptr<double>(), max_norm, eps, static_cast<int>(policy));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(launch_scale(dl.args, total.data_ptr<double>(), max_norm, eps, static_cast<int>(policy), dl.nchunks,
+                              stream));
 }
 
 at::Tensor clamp_count_cuda(at::TensorList xs, double lo, double hi) {
@@ -602,9 +171,8 @@ at::Tensor clamp_count_cuda(at::TensorList xs, double lo, double hi) {
   b.lo[kF16] = static_cast<float>(static_cast<c10::Half>(lo)); b.hi[kF16] = static_cast<float>(static_cast<c10::Half>(hi));
   b.lo[kBF16] = static_cast<float>(static_cast<c10::BFloat16>(lo));
   b.hi[kBF16] = static_cast<float>(static_cast<c10::BFloat16>(hi));
-  clamp_kernel<<<static_cast<unsigned int>(dl.nchunks), kThreads, 0, stream>>>(
-      dl.args, b, reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(launch_clamp(dl.args, b, reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()),
+                              dl.nchunks, stream));
   return count;
 }
 
@@ -642,8 +210,7 @@ bool plan_fused(const at::Tensor& x, FusedPlan& plan, std::string& why) {
   }
   static bool attr_set[64] = {false};
   if (dev >= 0 && dev < 64 && !attr_set[dev]) {
-    const cudaError_t err = cudaFuncSetAttribute(fused_clip_kernel<scalar_t>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_tile));
+    const cudaError_t err = fused_clip_allow_smem<scalar_t>(static_cast<int>(max_tile));
     if (err != cudaSuccess) {
       (void)cudaGetLastError();  // clear it: the two-launch path must not see it
       why = std::string("cudaFuncSetAttribute failed (") + cudaGetErrorString(err) + ")";
@@ -658,8 +225,7 @@ bool plan_fused(const at::Tensor& x, FusedPlan& plan, std::string& why) {
   per_block = (per_block + vec - 1) / vec * vec;
   const size_t smem = static_cast<size_t>(per_block * elem);
   int resident = 0;
-  const cudaError_t err =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, fused_clip_kernel<scalar_t>, kThreads, smem);
+  const cudaError_t err = fused_clip_occupancy<scalar_t>(&resident, smem);
   if (err != cudaSuccess) (void)cudaGetLastError();
   if (static_cast<int64_t>(smem) > max_tile || err != cudaSuccess || resident < 1 || grid > resident * sms) {
     why = "one block per multiprocessor does not fit its slice in shared memory";
@@ -689,9 +255,8 @@ bool try_fused(const at::Tensor& x, double p, double max_norm, double eps, int64
   int pol = static_cast<int>(policy);
   NormPartial* partials = reinterpret_cast<NormPartial*>(ws.data_ptr());
   double* out = total.data_ptr<double>();
-  void* args[] = {&xp, &n, &per_block, &ns, &max_norm, &eps, &pol, &partials, &out};
-  const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&fused_clip_kernel<scalar_t>),
-                                                      dim3(plan.grid), dim3(kThreads), args, plan.smem, stream);
+  const cudaError_t err =
+      launch_fused_clip<scalar_t>(xp, n, per_block, ns, max_norm, eps, pol, partials, out, plan.grid, plan.smem, stream);
   if (err != cudaSuccess) {
     // Refused (cudaErrorCooperativeLaunchTooLarge under MPS or on a partitioned device, ...):
     // nothing ran. Clear the error state so the two-launch path starts clean.

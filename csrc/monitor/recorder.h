@@ -45,8 +45,9 @@
 // once (warm-up), so that its device's buffers exist and no buffer grows inside the capture
 // (growing would copy rows inside the graph); one capture holds one monitored step (a site
 // twice is an error: call mon.step() outside the graph); `every`/histogram_every are decided at
-// capture. Ring memory and graph_state are kept for the life of the process once captured: a
-// graph may replay after the Monitor is gone.
+// capture. Ring memory comes from outside the capture's pool (Note [ring memory] in
+// cuda/ring_cuda.cu). Ring memory and graph_state are kept for the life of the process once
+// captured: a graph may replay after the Monitor is gone. The ring code is in rings.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -118,6 +119,8 @@ struct HistBuffer {
 class Recorder {
  public:
   Recorder(int64_t slots, HistConfig hist, int64_t init_rows, bool locations = false);
+  // Keeps captured rings alive, as close() does (a graph may replay after the Monitor is gone).
+  ~Recorder();
   bool locations() const { return locations_; }
 
   // A new hook id (hooks are numbered from 0; Python keeps their names and kinds).
@@ -180,6 +183,7 @@ class Recorder {
   const at::Tensor& ring_hist(Ring& r, int32_t hgroup);
   at::Tensor ring_pos(const Ring& r) const;
   void append_rings(Taken& out);
+  void keep_rings();  // rings_ (and their devices' graph_state) kept for the life of the process, then cleared
   int32_t device_index(const c10::Device& d);
   int32_t hist_group(int32_t dev, int64_t len);
   int64_t ensure_slot();

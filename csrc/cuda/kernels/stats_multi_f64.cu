@@ -1,0 +1,4 @@
+// The multi-tensor stats kernel over double inputs (Note [multi-tensor stats launches]).
+#include "stats_kernel.cuh"
+
+HOOKSTATS_STATS_MULTI_KERNELS(double)
