@@ -243,8 +243,8 @@ def stats_multi_into(xs, out: torch.Tensor, rows, hist: Optional[torch.Tensor] =
                      histogram=None, *, accumulate: bool = False, ring: Optional[torch.Tensor] = None) -> None:
     """`stats_into(xs[i], out, rows[i])` for every tensor of `xs` (one device), in one call: on the CPU the small
     tensors are spread over the threads (each reduced by one thread, big ones by all), on CUDA the flat tensors of
-    a dtype go 24 at a time into one launch (Note [multi-tensor stats launches] in csrc/cuda/kernels/stats_launch.h). With `hist` and `histogram`, each
-    histogram is written into (with
+    a dtype go 24 at a time into one launch (Note [multi-tensor stats launches] in
+    csrc/cuda/kernels/stats_launch.h). With `hist` and `histogram`, each histogram is written into (with
     accumulate=True: added to) row `hist_rows[i]` (default: `rows`) of `hist`; exponent histograms need tensors of
     one dtype group (one length). `ring` as in `stats_into`.
     Every row equals what `stats_into` writes."""

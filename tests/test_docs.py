@@ -21,10 +21,6 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 FENCE = re.compile(r"^```(\w*)\s*$")
 SKIP = re.compile(r"^<!-- doctest: skip \((.+)\) -->\s*$")
 # Pages written on other branches at the same time as this test; a link to one is checked once the page exists.
-PENDING = {"docs/guide/hooks-semantics.md", "docs/guide/per-sample.md", "docs/distributed.md", "docs/development.md",
-           "docs/guide/integrations.md", "docs/guide/run-log.md"}
-
-
 def rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
@@ -127,8 +123,7 @@ def test_links_resolve(page):
         dest = (page.parent / path).resolve() if path else page
         where = rel(dest) if dest.is_relative_to(ROOT) else str(dest)
         if not dest.exists():
-            if where not in PENDING:
-                bad.append(f"{rel(page)}:{line}: {target} (no such file)")
+            bad.append(f"{rel(page)}:{line}: {target} (no such file)")
             continue
         if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             bad.append(f"{rel(page)}:{line}: {target} (no heading #{anchor} in {where})")
