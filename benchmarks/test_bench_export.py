@@ -109,10 +109,10 @@ def _run(name: str, run_dir: str, modules: int, steps: int) -> dict:
     buf_flush = mon._buf.flush
     in_flush = [0.0]
 
-    def timed_flush():
+    def timed_flush(*args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return buf_flush()
+            return buf_flush(*args, **kwargs)
         finally:
             in_flush[0] += time.perf_counter() - t0
 

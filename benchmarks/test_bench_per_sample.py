@@ -248,7 +248,7 @@ def test_per_sample_vs_opacus(benchmark, hookstats, device, name):
     import copy
     import warnings
 
-    from conftest import interleaved_timer
+    from _benching import interleaved_timer
 
     opacus = pytest.importorskip("opacus")
     from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
