@@ -15,13 +15,19 @@ def tokens(x, g):
     return x.reshape(b, -1, x.shape[-1]).to(dt), g.reshape(b, -1, g.shape[-1]).to(dt)
 
 
+def affine_terms(x, g, attrs, transposed: bool = False) -> dict:
+    """The terms of y = x W^T + b (transposed: y = x W + b, W [in, out]): weight sum_t g_bt x_bt^T (or its
+    transpose), bias sum_t g_bt."""
+    a, g = tokens(x, g)
+    out = {}
+    if "weight" in attrs:
+        out["weight"] = Outer(a, g) if transposed else Outer(g, a)
+    if "bias" in attrs:
+        out["bias"] = Dense(g.sum(1))
+    return out
+
+
 @register_rule([nn.Linear, "timm.layers.linear.Linear"])  # timm's casts the weight to the input dtype
 class LinearRule(Rule):
     def terms(self, mod, x, g, attrs):
-        a, g = tokens(x, g)
-        out = {}
-        if "weight" in attrs:
-            out["weight"] = Outer(g, a)
-        if "bias" in attrs:
-            out["bias"] = Dense(g.sum(1))
-        return out
+        return affine_terms(x, g, attrs)
