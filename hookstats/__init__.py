@@ -36,6 +36,7 @@ from .channel import CHANNEL_FIELDS, ChannelCalibrator, ChannelStats, channel_st
 from .per_sample import PerSampleGradNorms
 from .hooks import clip_value, fused_clip
 from .monitor import MONITOR_KINDS, Monitor, record
+from . import runlog  # hookstats.runlog.read_log, read_run, JSONLWriter, ...: the run log on disk
 from . import export  # hookstats.export.JSONLWriter, TensorBoardWriter, ...: optional packages load on first use
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "MONITOR_KINDS",
     "Monitor",
     "export",
+    "runlog",
     "clip_value",
     "fused_clip",
     "record",

@@ -205,7 +205,7 @@ def demo(args) -> int:
         paths = {}
     print(f"\nRun directory {out}/:")
     print(f"  {r['log']}  " + ("(JSONL, one record per line)" if r["log_format"] == "jsonl" else
-                               "(Parquet: a file per flush, compacted at the end; hookstats.export.read_log reads it)"))
+                               "(Parquet: a file per flush, compacted at the end; hookstats.runlog.read_log reads it)"))
     if r["tensorboard"]:
         print(f"  {r['tensorboard']}/  (tensorboard --logdir {r['tensorboard']})")
     for name, p in paths.items():

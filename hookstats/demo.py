@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import hookstats
-from .export import LOG_NAME, PARQUET_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter
+from .export import LOG_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter
+from .runlog import PARQUET_NAME
 
 MODELS = ("transformer", "mlp", "cnn", "deep")
 DEEP_BLOCKS = 500  # the "deep" model: 500 x (Linear, ReLU), 1,001 modules with the model itself

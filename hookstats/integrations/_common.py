@@ -88,10 +88,10 @@ def make_writer(run_dir: str, log_format: str = "auto"):
     if rank() != 0:
         return _NotThisRank(), path
     if log_format == "parquet":
-        from ..export.parquet import ParquetWriter
+        from ..runlog import ParquetWriter
 
         return ParquetWriter(path), path
-    from ..export.jsonl import JSONLWriter
+    from ..runlog import JSONLWriter
 
     return JSONLWriter(path), path
 

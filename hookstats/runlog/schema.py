@@ -258,4 +258,4 @@ def table_scalars(table) -> list:
 
 __all__ = ["block_table", "concat", "table_records", "records_table", "scalars_table", "table_scalars", "run_info",
            "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS", "SITE_COLUMNS", "RUN_KEY",
-           "LOCATION_COLUMNS"]
+           "LOCATION_COLUMNS", "HIST_PREFIX"]

@@ -7,7 +7,7 @@ file loses everything when the process is killed. So each flush is its own small
 name, fsynced, and renamed into place (a rename is atomic: a reader sees a whole file or none).
 ParquetWriter("RUN_DIR/log.parquet") writes:
   RUN_DIR/log.parquet/                      the records: Parquet files and nothing else (table schema:
-      records-000007.parquet                hookstats.monitor.table), one per flush
+      records-000007.parquet                hookstats.runlog.schema), one per flush
   RUN_DIR/log.scalars.parquet/              the logged scalars (seq, step, tag, value): a dataset of its own, so no
       scalars-000007.parquet                reader merges the two schemas
   RUN_DIR/log.run.json                      the run header (Monitor.run_info()), written at begin()
@@ -37,7 +37,10 @@ import re
 import time
 from typing import NamedTuple, Optional, Sequence
 
-from ..monitor import table as _t
+import torch
+
+from .._ops import exp_layout
+from . import schema as _t
 
 _PART = re.compile(r"^(records|scalars)-(\d{6,})(?:-(\d{6,}))?\.parquet$")
 OLD_RUN_FILE = "run.json"  # the run header inside the records directory (logs written before the sidecar files)
@@ -133,10 +136,6 @@ def _last_flush(path: str) -> int:
 
 
 def _exp_lengths() -> list:
-    import torch
-
-    from .._ops import exp_layout
-
     return sorted({exp_layout(d).length for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)})
 
 

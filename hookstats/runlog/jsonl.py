@@ -21,6 +21,10 @@ import os
 import time
 from typing import Any, Iterable, NamedTuple, Optional
 
+import numpy as np
+
+from .._ops import COUNT_FIELDS, STATS_FIELDS
+
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -85,16 +89,12 @@ def decode_record(d: dict) -> dict:
 
 
 def _row_template() -> str:
-    from .._ops import COUNT_FIELDS, STATS_FIELDS
-
     return ",".join(f'"{f}":%d' if f in COUNT_FIELDS else f'"{f}":%r' for f in STATS_FIELDS)
 
 
 def encode_block(block) -> str:
     """The record lines of a Block, exactly as json.dumps(encode_record(record)) writes them (tested): finite rows
     through one %-template, rows holding NaN/Inf through encode_record."""
-    import numpy as np
-
     n = len(block)
     if not n:
         return ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._ops import COUNT_FIELDS, STATS_FIELDS
+from .schema import HIST_PREFIX, hist_column, hist_columns
 
 
 def _is_table(x) -> bool:
@@ -134,8 +135,6 @@ class Columns:
     # -- histograms -----------------------------------------------------------------------------------------------
     def hist_lengths(self) -> list:
         if self._table is not None:
-            from ..monitor.table import HIST_PREFIX, hist_columns
-
             return [int(c[len(HIST_PREFIX):]) for c in hist_columns(self._table.column_names)
                     if self._table.column(c).null_count < self.n]
         return sorted({len(r["histogram"]) for r in self._records if r.get("histogram") is not None})
@@ -143,8 +142,6 @@ class Columns:
     def hist_chunks(self, length: int):
         """(rows, counts [k, length] int64) pieces of the rows that have a histogram of that length."""
         if self._table is not None:
-            from ..monitor.table import hist_column
-
             start = 0
             for ch in self._table.column(hist_column(length)).chunks:
                 m = len(ch)
