@@ -231,3 +231,6 @@ def read_jsonl(path: str | os.PathLike) -> RunLog:
             elif t == "run" and not info:
                 info = {k: v for k, v in d.items() if k != "type"}
     return RunLog(info, records, scalars, bad)
+
+
+__all__ = ["JSONLWriter", "RunLog", "read_jsonl", "encode_record", "decode_record", "encode_block"]
