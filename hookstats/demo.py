@@ -15,7 +15,7 @@ from torch import nn
 
 import hookstats
 from .export import LOG_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter
-from .runlog import PARQUET_NAME
+from .runlog import PARQUET_NAME, ParquetWriter
 
 MODELS = ("transformer", "mlp", "cnn", "deep")
 DEEP_BLOCKS = 500  # the "deep" model: 500 x (Linear, ReLU), 1,001 modules with the model itself
@@ -185,8 +185,6 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
     if out is not None:
         prepare_out(out)
         if log_format == "parquet":
-            from .export import ParquetWriter
-
             log_path = os.path.join(out, PARQUET_NAME)
             exporters.append(ParquetWriter(log_path))
         else:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .._ops import STATS_FIELDS
+from ..runlog import JSONLWriter, ParquetWriter
 
 DEFAULT_KINDS = ("forward", "backward_pre", "grad")
 PREFIX = "hookstats/"
@@ -88,11 +89,7 @@ def make_writer(run_dir: str, log_format: str = "auto"):
     if rank() != 0:
         return _NotThisRank(), path
     if log_format == "parquet":
-        from ..runlog import ParquetWriter
-
         return ParquetWriter(path), path
-    from ..runlog import JSONLWriter
-
     return JSONLWriter(path), path
 
 
