@@ -244,6 +244,7 @@ class Monitor(FeatureAccess):
 
     @property
     def current_step(self) -> int:
+        """The step the hooks record under now (start_step + the step() calls so far)."""
         return self._step
 
     @property

@@ -40,15 +40,21 @@ class FeatureContext:
 
 @runtime_checkable
 class Feature(Protocol):
+    """What a Monitor feature implements (Note [monitor features]); configure, run_info and summary are optional."""
+
     name: str
 
-    def attach(self, ctx: FeatureContext) -> None: ...
+    def attach(self, ctx: FeatureContext) -> None:
+        """Registers the feature's hooks, once, after the Monitor's own."""
 
-    def on_step(self, step: int, recorded: bool) -> None: ...
+    def on_step(self, step: int, recorded: bool) -> None:
+        """At Monitor.step(), before the step number moves on; recorded: this step was recorded."""
 
-    def results(self) -> Any: ...
+    def results(self) -> Any:
+        """What the feature measured (Monitor.feature_results())."""
 
-    def detach(self) -> None: ...
+    def detach(self) -> None:
+        """Removes its hooks (also after a partial attach)."""
 
 
 # option name -> (factory(value) -> Feature or None when the option is off, the option's "on" example for errors)
