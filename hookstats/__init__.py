@@ -35,11 +35,11 @@ from ._select import Selection, Site
 from .channel import CHANNEL_FIELDS, ChannelCalibrator, ChannelStats, channel_stats, channel_stats_buffer, channel_stats_into
 from .per_sample import PerSampleGradNorms
 from .hooks import clip_value, fused_clip
-from .monitor import MONITOR_KINDS, Monitor, record
+from .monitor import MONITOR_KINDS, Monitor, MonitorConfig, record
 from . import runlog  # hookstats.runlog.read_log, read_run, JSONLWriter, ...: the run log on disk
 from . import export  # hookstats.export.JSONLWriter, TensorBoardWriter, ...: optional packages load on first use
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "FORMATS",
@@ -48,6 +48,7 @@ __all__ = [
     "MAX_HIST_BINS",
     "MONITOR_KINDS",
     "Monitor",
+    "MonitorConfig",
     "export",
     "runlog",
     "clip_value",

@@ -11,6 +11,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 import hookstats
+from .demo import MODELS, train
 
 _SHOWN = ("numel", "mean", "std", "l2", "min", "max", "nan_count", "inf_count", "zero_count")
 
@@ -145,14 +146,12 @@ def _tensor_examples(device: torch.device) -> None:
 
 
 def _write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
-    from .export import make_report
+    from .export import make_report  # matplotlib
 
     return make_report(run_dir, out_dir)
 
 
 def demo(args) -> int:
-    from .demo import train
-
     device = torch.device(args.device)
     err = _check_device(device, "hookstats demo")
     if err:
@@ -248,8 +247,6 @@ def bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    from .demo import MODELS
-
     parser = argparse.ArgumentParser(prog="hookstats", description="Fused tensor statistics for PyTorch hooks")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train a small model with a Monitor on every layer; write logs, plots, report")

@@ -21,11 +21,12 @@ from . import reference
 from ._types import check_tensor, hist_length, result_dtype
 
 try:
-    from . import _C  # noqa: F401  (loading the library registers torch.ops.hookstats)
+    from . import _C  # loading the library registers torch.ops.hookstats
 
     HAVE_EXTENSION = True
     _EXTENSION_ERROR: Optional[BaseException] = None
 except ImportError as e:  # pragma: no cover - exercised only on a broken install
+    _C = None
     HAVE_EXTENSION = False
     _EXTENSION_ERROR = e
     warnings.warn(
@@ -37,6 +38,15 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
     )
 
 _CUDA_BUILT: Optional[bool] = None
+
+
+def extension(what: str = "hookstats.Monitor and hookstats.record"):
+    """The compiled module hookstats._C (its pybind11 objects: the Monitor's recorder and hooks), or a RuntimeError
+    saying why it could not be loaded: those have no reference fallback."""
+    if _C is None:
+        raise RuntimeError(f"{what} need the compiled extension hookstats._C, which could not be loaded "
+                           f"({_EXTENSION_ERROR}). Rebuild with `pip install --no-build-isolation -e .`")
+    return _C
 
 
 def cuda_kernels_built() -> bool:

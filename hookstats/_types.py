@@ -169,6 +169,8 @@ class ExpLayout(NamedTuple):
 
 
 def exp_layout(dtype: torch.dtype) -> ExpLayout:
+    """Where each exponent of `dtype` lands in an exponent histogram ("exp"): the slots of zero, subnormals, each
+    normal binade, Inf and NaN (hookstats.ExpLayout)."""
     if dtype not in _EXP_BITS:
         raise TypeError(f"hookstats.exp_layout: no exponent histogram for {dtype}; supported: float32, float64, "
                         "float16, bfloat16")
@@ -216,6 +218,7 @@ class Histogram(NamedTuple):
 
     @property
     def kind(self) -> str:
+        """"range" (fixed bins over [lo, hi]) or "exp" (one slot per binade)."""
         return "range" if self.mode == _MODE_RANGE else "exp"
 
     def length(self, dtype: torch.dtype) -> int:
@@ -277,6 +280,7 @@ class ChannelStats(NamedTuple):
         return cls(*buf.unbind(0))
 
     def finite_count(self) -> torch.Tensor:
+        """Per channel: how many finite values were seen."""
         return self.count - self.nonfinite
 
     def mean_abs(self) -> torch.Tensor:

@@ -174,10 +174,12 @@ class ChannelCalibrator:
         return out
 
     def reset(self) -> None:
+        """Forgets what was accumulated; the hooks stay (a new calibration pass starts)."""
         self.buffers.clear()
         self.calls.clear()
 
     def remove(self) -> None:
+        """Removes the hooks; results() still reads what was accumulated."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

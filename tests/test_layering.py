@@ -188,3 +188,115 @@ def test_other_devices_take_the_reference(monkeypatch):
     assert buf[0, 0].item() == 4
     assert {"stats", "channel_stats", "stats_multi_into"} <= set(calls)
     assert real(torch.ones(1), "stats") is _kernels.HAVE_EXTENSION
+
+
+OPTIONAL = {"pyarrow", "pandas", "tensorboard", "wandb", "matplotlib", "transformers", "lightning",
+            "pytorch_lightning", "polars", "duckdb"}
+FEATURE_MODULES = ("hookstats.channel", "hookstats.per_sample", "hookstats.monitor.features")
+
+
+def _import_nodes(tree, in_functions: bool):
+    """The import statements that run when the module is imported (in_functions=False: not inside a def), or those
+    inside a def (True)."""
+    out = []
+
+    def visit(node, inside):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, True)
+            else:
+                if isinstance(child, (ast.Import, ast.ImportFrom)) and inside == in_functions:
+                    out.append(child)
+                visit(child, inside)
+
+    visit(tree, False)
+    return out
+
+
+def _targets(node, m: str, path: pathlib.Path, paths: dict) -> list:
+    """The hookstats modules an import statement of module m loads; `from pkg import Name` where pkg's __getattr__
+    loads Name from a submodule counts as that submodule."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "hookstats"]
+    package = m if path.name == "__init__.py" else m.rpartition(".")[0]
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        mod = ".".join(base + ([node.module] if node.module else []))
+    else:
+        mod = node.module or ""
+    if mod.split(".")[0] != "hookstats":
+        return []
+    out = []
+    for a in node.names:
+        sub = f"{mod}.{a.name}"
+        if sub in paths:
+            out.append(sub)
+            continue
+        lazy = mod
+        if mod in paths and paths[mod].name == "__init__.py":
+            for fn in ast.parse(paths[mod].read_text()).body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__getattr__":
+                    for n in _import_nodes(fn, True) + _import_nodes(fn, False):
+                        if isinstance(n, ast.ImportFrom) and any(x.name == a.name for x in n.names):
+                            lazy = ".".join([mod] + ([n.module] if n.module else [])) if n.level == 1 else n.module
+        out.append(lazy)
+    return out
+
+
+def _top_level_imports(path: pathlib.Path) -> set:
+    """Top-level package names `path` imports when it is imported (not inside a function)."""
+    out = set()
+    for node in _import_nodes(ast.parse(path.read_text()), False):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif not node.level:
+            out.add((node.module or "").split(".")[0])
+    return out
+
+
+def _closure(graph: dict, start: str) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        for n in graph.get(m, ()):
+            if n in graph and n not in seen and n not in _parents(m):  # a/__init__ runs first anyway
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def test_monitor_core_imports_no_feature_module():
+    """Note [monitor features]: the core knows features only through the protocol and the registry."""
+    graph = _graph()
+    reached = _closure(graph, "hookstats.monitor.core") | {"hookstats.monitor.core"}
+    bad = sorted(m for m in reached if m.startswith(FEATURE_MODULES))
+    assert not bad, f"hookstats.monitor.core reaches feature modules {bad}"
+    names = set()
+    for node in ast.walk(ast.parse((PKG / "monitor" / "core.py").read_text())):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+    assert not names & {"per_sample", "channel_stats", "locations", "ChannelCalibrator", "PerSampleGradNorms"}
+
+
+def test_no_python_file_over_500_lines():
+    long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"split these along the data path: {long}"
+
+
+def test_function_level_imports_only_for_optional_dependencies():
+    """A hookstats module is imported inside a function only when importing it (or what it imports when imported)
+    needs an optional package; every other import sits at the top, where the import graph shows it."""
+    paths = {_module_name(p): p for p in PKG.rglob("*.py")}
+    top = {m: {t for n in _import_nodes(ast.parse(p.read_text()), False) for t in _targets(n, m, p, paths)}
+           for m, p in paths.items()}
+    needs = {m for m, p in paths.items() if _top_level_imports(p) & OPTIONAL}
+    needs |= {m for m in paths if _closure(top, m) & needs}
+    bad = []
+    for m, path in paths.items():
+        for node in _import_nodes(ast.parse(path.read_text()), True):
+            bad += [f"{m}:{node.lineno} -> {t}" for t in _targets(node, m, path, paths) if t not in needs]
+    assert not bad, "function-level imports of modules with no optional dependency: " + ", ".join(sorted(set(bad)))

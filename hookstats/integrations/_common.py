@@ -18,12 +18,34 @@ import numpy as np
 import torch
 
 from .._ops import STATS_FIELDS
+from ..monitor import Monitor, MonitorConfig
 from ..runlog import JSONLWriter, ParquetWriter
 
 DEFAULT_KINDS = ("forward", "backward_pre", "grad")
 PREFIX = "hookstats/"
 _L2, _LINF = STATS_FIELDS.index("l2"), STATS_FIELDS.index("linf")
 _NAN, _INF = STATS_FIELDS.index("nan_count"), STATS_FIELDS.index("inf_count")
+_SET_BY_CALLBACK = ("process_group", "optimizer", "start_step")  # the framework decides these
+
+
+def callback_config(monitor_kwargs: dict, **options) -> MonitorConfig:
+    """A callback's Monitor options (its own keywords, then monitor_kwargs), checked when the callback is made, so
+    that a misspelt option fails there and not at the start of training. keep_records defaults to False (the run
+    log holds them); exporters given here are added beside the callback's run-log writer."""
+    for k in _SET_BY_CALLBACK:
+        if k in monitor_kwargs:
+            raise TypeError(f"hookstats callback: {k}= is set by the callback from the training framework")
+    cfg = MonitorConfig.from_options(**{**options, "keep_records": False, **monitor_kwargs})
+    MonitorConfig.from_options(cfg, keep_records=True).checked()  # raises what Monitor(...) would
+    return cfg
+
+
+def callback_monitor(model: torch.nn.Module, config: MonitorConfig, writer, start_step: int) -> Monitor:
+    """The callback's Monitor on the model under the framework's wrappers, writing the run log; the grad kind is
+    recorded when the callback calls record_grads() (after the framework clipped them)."""
+    grads = "grad" in config.kinds if not isinstance(config.kinds, str) else config.kinds == "grad"
+    return Monitor(unwrap_model(model), config, exporters=[writer, *config.exporters], process_group=process_group(),
+                   optimizer="manual" if grads else None, start_step=start_step)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -33,7 +33,7 @@ except ImportError:  # the older package name only
     from pytorch_lightning import Callback
 
 from ..monitor import Monitor
-from ._common import DEFAULT_KINDS, StepKeeper, make_writer, process_group, unwrap_model
+from ._common import DEFAULT_KINDS, StepKeeper, callback_config, callback_monitor, make_writer
 
 
 class HookstatsCallbackMixin:
@@ -44,18 +44,18 @@ class HookstatsCallbackMixin:
     log_format: "auto" (Parquet where pyarrow is installed, else JSONL), "parquet" or "jsonl". flush_every: copy the
     records to the host and hand them to the writer every that many optimizer steps (and at each log); log_every:
     log the summary scalars every that many optimizer steps (default: the trainer's log_every_n_steps; 0: never).
-    monitor_kwargs go to hookstats.Monitor. The Monitor is `callback.monitor` from on_fit_start on;
-    `callback.log_path` is the log."""
+    monitor_kwargs: any other hookstats.MonitorConfig option, checked here (a misspelt one fails when the callback
+    is made; exporters given there write beside the run log); `callback.config` is the MonitorConfig. The Monitor is
+    `callback.monitor` from on_fit_start on; `callback.log_path` is the log."""
 
     def __init__(self, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
                  kinds: Sequence[str] = DEFAULT_KINDS, histogram=None, every: int = 1, histogram_every: int = 1,
                  log_dir: Optional[str] = None, log_format: str = "auto", flush_every: Optional[int] = 50,
                  log_every: Optional[int] = None, **monitor_kwargs: Any):
         super().__init__()
-        self.include, self.exclude, self.kinds = include, exclude, tuple(kinds)
-        self.histogram, self.every, self.histogram_every = histogram, every, histogram_every
+        self.config = callback_config(monitor_kwargs, include=include, exclude=exclude, kinds=tuple(kinds),
+                                      histogram=histogram, every=every, histogram_every=histogram_every)
         self.log_dir, self.log_format, self.flush_every, self.log_every = log_dir, log_format, flush_every, log_every
-        self.monitor_kwargs = monitor_kwargs
         self.monitor: Optional[Monitor] = None
         self.log_path: Optional[str] = None
         self._keeper: Optional[StepKeeper] = None
@@ -80,13 +80,8 @@ class HookstatsCallbackMixin:
         run_dir = self.log_dir or (os.path.dirname(resumed["log_path"]) if resumed.get("log_path") else
                                    os.path.join(trainer.log_dir or trainer.default_root_dir, "hookstats"))
         writer, self.log_path = make_writer(run_dir, self.log_format)
-        kw = dict(self.monitor_kwargs)
         start = max(int(resumed.get("step", 0)), trainer.global_step) + 1
-        self.monitor = Monitor(unwrap_model(pl_module), include=self.include, exclude=self.exclude, kinds=self.kinds,
-                               histogram=self.histogram, every=self.every, histogram_every=self.histogram_every,
-                               exporters=[writer], keep_records=kw.pop("keep_records", False),
-                               process_group=process_group(),
-                               optimizer="manual" if "grad" in self.kinds else None, start_step=start, **kw)
+        self.monitor = callback_monitor(pl_module, self.config, writer, start)
         self._keeper = StepKeeper(self.monitor, self.flush_every)
         self._logged = start - 1
 

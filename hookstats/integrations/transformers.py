@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 from transformers import TrainerCallback
 
 from ..monitor import Monitor
-from ._common import DEFAULT_KINDS, PREFIX, StepKeeper, make_writer, process_group, unwrap_model
+from ._common import DEFAULT_KINDS, PREFIX, StepKeeper, callback_config, callback_monitor, make_writer
 
 
 class HookstatsCallback(TrainerCallback):
@@ -38,18 +38,19 @@ class HookstatsCallback(TrainerCallback):
     include / exclude / kinds / histogram / every / histogram_every: as hookstats.Monitor (kinds default to module
     outputs, grad_outputs and parameter grads). log_dir: the run directory (default args.output_dir/hookstats);
     log_format: "auto" (Parquet where pyarrow is installed, else JSONL), "parquet" or "jsonl". flush_every: copy the
-    records to the host and hand them to the writer every that many optimizer steps (and at each Trainer log);
-    logs: add the summary scalars to the Trainer's logs. monitor_kwargs go to hookstats.Monitor. The Monitor is
-    `callback.monitor` from on_train_begin on; `callback.log_path` is the log."""
+    records to the host and hand them to the writer every that many optimizer steps (and at each Trainer log); logs:
+    add the summary scalars to the Trainer's logs. monitor_kwargs: any other hookstats.MonitorConfig option, checked
+    here (a misspelt one fails when the callback is made; exporters given there write beside the run log);
+    `callback.config` is the MonitorConfig. The Monitor is `callback.monitor` from on_train_begin on;
+    `callback.log_path` is the log."""
 
     def __init__(self, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
                  kinds: Sequence[str] = DEFAULT_KINDS, histogram=None, every: int = 1, histogram_every: int = 1,
                  log_dir: Optional[str] = None, log_format: str = "auto", flush_every: Optional[int] = 50,
                  logs: bool = True, **monitor_kwargs: Any):
-        self.include, self.exclude, self.kinds = include, exclude, tuple(kinds)
-        self.histogram, self.every, self.histogram_every = histogram, every, histogram_every
+        self.config = callback_config(monitor_kwargs, include=include, exclude=exclude, kinds=tuple(kinds),
+                                      histogram=histogram, every=every, histogram_every=histogram_every)
         self.log_dir, self.log_format, self.flush_every, self.logs = log_dir, log_format, flush_every, logs
-        self.monitor_kwargs = monitor_kwargs
         self.monitor: Optional[Monitor] = None
         self.log_path: Optional[str] = None
         self._keeper: Optional[StepKeeper] = None
@@ -88,13 +89,7 @@ class HookstatsCallback(TrainerCallback):
             raise RuntimeError("hookstats HookstatsCallback: the Trainer passed no model to on_train_begin")
         run_dir = self.log_dir or os.path.join(args.output_dir, "hookstats")
         writer, self.log_path = make_writer(run_dir, self.log_format)
-        kw = dict(self.monitor_kwargs)
-        self.monitor = Monitor(unwrap_model(model), include=self.include, exclude=self.exclude, kinds=self.kinds,
-                               histogram=self.histogram, every=self.every, histogram_every=self.histogram_every,
-                               exporters=[writer], keep_records=kw.pop("keep_records", False),
-                               process_group=process_group(),
-                               optimizer="manual" if "grad" in self.kinds else None,
-                               start_step=state.global_step + 1, **kw)
+        self.monitor = callback_monitor(model, self.config, writer, state.global_step + 1)
         self._keeper = StepKeeper(self.monitor, self.flush_every)
 
     def on_step_begin(self, args, state, control, **kwargs):

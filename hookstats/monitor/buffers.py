@@ -19,7 +19,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .._kernels import extension
 from .._ops import STATS_FIELDS, Histogram, as_histogram
+from ..distributed import collective_device, local_part
+from .compile import register
 from .block import Block, HistRows, LazyRecords, Record, gather_rows, unravel_rows  # noqa: F401 (re-exported)
 from .merge import INITIAL_CAPACITY, Gather, MergeError, MergedSites, capacity_for, combine, hist_rows, pack
 from .merge import signature as merge_signature
@@ -43,15 +46,7 @@ def host_view(t: torch.Tensor) -> np.ndarray:
 
 
 def _extension():
-    from .. import _ops
-
-    if not _ops.HAVE_EXTENSION:
-        raise RuntimeError(f"hookstats.Monitor and hookstats.record need the compiled extension hookstats._C, which "
-                           f"could not be loaded ({_ops._EXTENSION_ERROR}). Rebuild with "
-                           "`pip install --no-build-isolation -e .`")
-    from .. import _C
-    from ..distributed import local_part
-
+    _C = extension()
     _C.set_local_part(local_part)  # DTensors (FSDP2, TP) are recorded by their local shard
     return _C
 
@@ -155,8 +150,6 @@ class Buffers:
         self.dropped_records = 0  # this rank's records in those flushes
         self.replica_mismatches = 0
         self._warned_replicas = False
-        from .compile import register
-
         self.id = register(self)  # what traced hooks pass to the record op (Note [monitor under torch.compile])
 
     # -- recording --------------------------------------------------------------------------------------------------
@@ -292,8 +285,6 @@ class Buffers:
         return self._sig[1]
 
     def _start_merge(self, block: Optional[Block], async_merge: bool) -> None:
-        from ..distributed import collective_device
-
         if self._coll_dev is None:
             self._coll_dev = collective_device(self.group, None)
         dev = self._coll_dev

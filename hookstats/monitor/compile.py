@@ -25,7 +25,7 @@ import itertools
 
 import torch
 
-from .._kernels import HAVE_EXTENSION  # the op's fake kernel is there too
+from .._kernels import HAVE_EXTENSION, extension  # the op's fake kernel is there too
 from ..hooks import _flatten
 
 _IDS = itertools.count()
@@ -33,10 +33,8 @@ _IDS = itertools.count()
 
 def register(buffers) -> int:
     """A constant id under which traced hooks reach the C++ recorder of `buffers` (held weakly by the registry)."""
-    from .. import _C
-
     i = next(_IDS)
-    _C.register_recorder(i, buffers.rec)
+    extension().register_recorder(i, buffers.rec)
     return i
 
 

@@ -1,161 +1,110 @@
 """hookstats.Monitor: statistics of every matching layer, every step, into device buffers, read back when you choose.
 
 The data path: hooks (hooks.py, C++ callables of csrc/monitor/) -> site rows of device buffers (buffers.py; Note
-[monitor sites] in csrc/monitor/recorder.h) -> flush: one host copy per buffer, a columnar Block (block.py) -> records(),
-summary(), first_nonfinite(), exporters.
+[monitor sites] in csrc/monitor/recorder.h) -> flush: one host copy per buffer, a columnar Block (block.py) ->
+records(), summary(), first_nonfinite(), exporters. The options are config.py's MonitorConfig; what a Monitor records
+besides its sites comes from features (feature.py, Note [monitor features]), none of which this module knows.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import weakref
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .._ops import STATS_FIELDS
-from .._select import SITE_ALIASES, Selection, Site
+from .._select import Selection
+from .._version import __version__
+from ..distributed import after_ddp_allreduce, grad_mode, resolve_group
 from ..distributed import is_dtensor as _is_dtensor
-from ..export.protocol import is_exporter
 from . import hooks as _hooks
 from .block import LazyRecords
 from .buffers import Buffers
+from .config import MONITOR_KINDS, MonitorConfig
 from .export_thread import ExportThread
+from .feature import FeatureAccess, FeatureContext, build_features
 from .summary import format_summary, summary_from_columns
 
-# Hook kinds a Monitor attaches (hookstats.Site's values), and the aliases it accepts.
-MONITOR_KINDS = tuple(s.value for s in Site)
+__all__ = ["MONITOR_KINDS", "Monitor"]
 
 
-def _kinds(kinds) -> tuple:
-    ks = []
-    for k in ([kinds] if isinstance(kinds, (str, Site)) else kinds):
-        site = Site.lookup(k)
-        if site is None:
-            raise ValueError(f"hookstats.Monitor: unknown kind {k!r}; use any of {MONITOR_KINDS} "
-                             f"(or the aliases {sorted(SITE_ALIASES)})")
-        if site.value not in ks:
-            ks.append(site.value)
-    return tuple(ks)
-
-
-def _positive(name: str, v, optional: bool = False):
-    if optional and v is None:
-        return v
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"hookstats.Monitor: {name} must be {'None or ' if optional else ''}an int >= 1, got {v!r}")
-    return v
-
-
-class Monitor:
+class Monitor(FeatureAccess):
     """Statistics of every matching layer, every step (or every `every` steps), into device buffers.
 
-    kinds (a name or a sequence of names): "forward" (module outputs), "forward_pre" (positional inputs),
-    "backward_pre" (grad_output, alias "grad_output"), "backward" (grad_input, alias "grad_input"), "grad" (each
-    parameter's .grad: after each accumulation, or, with `optimizer=`, once per step in one call per device at the
-    optimizer's step, or, with `optimizer="manual"`, only when `record_grads()` is called: a training framework's
-    callback calls it after the framework clipped the grads, hookstats.integrations).
-    start_step: the first step's number (a resumed run continues its numbering; `every` counts from step 0).
-    pause() / resume(): record nothing in between (an evaluation pass between two training steps).
-    include / exclude: globs on qualified module names or class names ("" is the model itself, "*Linear*" every
-    nn.Linear; "grad" uses parameter names).
-    channel_stats={"inputs": -1} (and/or "outputs"): per-channel absmax, sum |x|, sum x^2, min, max and non-finite
-    counts of the matching modules' inputs (outputs) along that dim, accumulated over every call (calibration: see
-    hookstats.ChannelCalibrator; the globs also match class names there, e.g. include="*Linear*");
-    `channel_results()` reads them. per_sample=True: each sample's gradient norm per layer with a per-sample rule,
-    every recorded step (hookstats.PerSampleGradNorms, docs/guide/per-sample.md); `top_samples(k)`,
-    `first_nonfinite_sample()`, `sample_norms()` read them, `coverage()` and `summary()` say what they cover.
-    locations=True: each record also gets the coordinates of its tensor's first largest |x| and first NaN/Inf
-    (`argmax_abs_index`, `first_nonfinite_index`: tuples into the record's `shape`, None where there is none), found
-    by the same kernel call (Note [element locations]); `first_nonfinite()` then names the element (`print(rec)`:
-    "step 90, module embed, kind forward, index 0, element (3, 17, 250)"). Off by default: it then costs nothing.
-    histogram: a histogram spec recorded with every tensor ((bins, (lo, hi)), Histogram.range(...), "exp");
-    histogram_every=M: statistics every recorded step, the histogram every M-th of them.
+    `Monitor(model, **options)` or `Monitor(model, config, **options)`: the options are the fields of
+    hookstats.MonitorConfig (grouped as selection, cadence, payload, output, distributed; each documented there and
+    in docs/guide/monitor.md); `Monitor.config` is the checked copy.
+
     Each hook call is one C++ call: the stats kernel runs once per tensor into the tensor's row of a device buffer
     (Note [monitor sites]); nothing is read back until `flush()` / `records()`. Steps skipped by `every` launch
-    nothing. Non-floating tensors are skipped and counted (`skipped`).
-    exporters: objects with write_block(block, scalars) (columnar: hookstats.export's JSONLWriter, ParquetWriter,
-    TensorBoardWriter, WandbWriter) or write(records, scalars) (record dicts) that receive each flush's new records,
-    on one background thread (Note [export off the training thread]): a flush hands its copied block over and
-    returns; it waits only when `export_queue` flushes are still waiting to be written (counted: export_waits).
-    An exporter's error is raised at the next flush(), drain() or detach(). `flush_every=N` flushes at every N-th
-    `step()` (one host copy per buffer then, none in between); `keep_records=False` keeps no host copy once
-    exporters have them (long runs).
-    slots: steps the buffers hold before they grow (default: flush_every, or 16).
-    `log(tag, value)` records a scalar (loss, total grad norm) beside the statistics, without a host sync.
-    process_group (a ProcessGroup, or "world"): flush() merges every rank's records in one all_gather (Note [merging
-    records across ranks] in hookstats.distributed; docs/distributed.md) and becomes a collective that every rank
-    calls at the same points (step() with flush_every, which only starts it, flush(), detach());
-    records()/summary()/first_nonfinite() then read what was flushed without starting one, so that calling them on
-    one rank cannot hang the others. A merged record combines the ranks that wrote it (`ranks`), names the ranks
-    whose tensor held a NaN/Inf (`nonfinite_ranks`) and, with locations, the element's rank (`location_rank`); what
-    cannot be merged raises MergeError on every rank and is dropped (merge_failures). The grad kind under DDP
-    records the optimizer's (averaged) grads once (Note [grad records across ranks]). Exporters write on
-    `export_rank` only. DTensor tensors (FSDP2's sharded parameters and grads) are recorded by their local shard.
+    nothing; `pause()` / `resume()` record nothing in between (an evaluation pass). Non-floating tensors are skipped
+    and counted (`skipped`). The "grad" kind records each parameter's .grad after each accumulation, or, with
+    `optimizer=`, once per step at the optimizer's step, or, with `optimizer="manual"`, when `record_grads()` is
+    called (a framework's callback, after it clipped the grads: hookstats.integrations).
+
+    Exporters receive each flush's new records on one background thread (Note [export off the training thread]): a
+    flush hands its copied block over and returns, waiting only when `export_queue` flushes are still unwritten
+    (export_waits); an exporter's error is raised at the next flush(), drain() or detach(). `log(tag, value)`
+    records a scalar beside the statistics, without a host sync.
+
+    Features (Note [monitor features]) add their own results: channel_stats= (`channel_results()`), per_sample=True
+    (`top_samples(k)`, `first_nonfinite_sample()`, `sample_norms()`, `coverage()`), locations=True (each record
+    names its largest |x| and first NaN/Inf element; `first_nonfinite()` then reads "step 90, module embed, kind
+    forward, index 0, element (3, 17, 250)"), and `features=[...]` your own; `feature(name)` and `feature_results()`
+    read any of them.
+
+    With process_group= flush() merges every rank's records in one all_gather (Note [merging records across ranks];
+    docs/distributed.md) and becomes a collective every rank calls at the same points (step() with flush_every,
+    which only starts it, flush(), detach()); records()/summary()/first_nonfinite() then read what was flushed
+    without starting one. A merged record names the ranks that wrote it (`ranks`), those whose tensor held a NaN/Inf
+    (`nonfinite_ranks`) and, with locations, the element's rank (`location_rank`); what cannot be merged raises
+    MergeError on every rank and is dropped (merge_failures). The grad kind under DDP records the optimizer's
+    (averaged) grads once (Note [grad records across ranks]). Exporters write on `export_rank` only. DTensor tensors
+    (FSDP2's sharded parameters and grads) are recorded by their local shard.
     """
 
-    def __init__(self, model: torch.nn.Module, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
-                 kinds: Sequence[str] = ("forward", "backward_pre"), histogram=None, every: int = 1,
-                 slots: Optional[int] = None, exporters: Sequence[Any] = (), flush_every: Optional[int] = None,
-                 keep_records: bool = True, process_group=None, export_rank: int = 0,
-                 histogram_every: int = 1, optimizer: Optional[torch.optim.Optimizer] = None,
-                 channel_stats: Optional[dict] = None, per_sample: bool = False,
-                 export_queue: int = 8, locations: bool = False, start_step: int = 0):
+    def __init__(self, model: torch.nn.Module, config: Optional[MonitorConfig] = None, **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"hookstats.Monitor needs a torch.nn.Module, got {type(model).__name__}")
-        self.every = _positive("every", every)
-        self.flush_every = _positive("flush_every", flush_every, optional=True)
-        self.histogram_every = _positive("histogram_every", histogram_every)
-        slots = _positive("slots", slots if slots is not None else (self.flush_every or 16))
-        include = [include] if isinstance(include, str) else list(include)
-        exclude = [exclude] if isinstance(exclude, str) else list(exclude)
-        self.kinds = _kinds(kinds)
-        exporters = list(exporters)
-        for e in exporters:
-            if not is_exporter(e):
-                raise TypeError(f"hookstats.Monitor: an exporter needs a write(records, scalars) or "
-                                f"write_block(block, scalars) method; {type(e).__name__} has neither")
-        self.export_queue = _positive("export_queue", export_queue)
-        if not keep_records and not exporters:
-            raise ValueError("hookstats.Monitor: keep_records=False without exporters would throw every record away")
-        if optimizer is not None and optimizer != "manual" and \
-                not callable(getattr(optimizer, "register_step_pre_hook", None)):
-            raise TypeError(f"hookstats.Monitor: optimizer= needs a torch.optim.Optimizer (or \"manual\"), got "
-                            f"{type(optimizer).__name__}")
-        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
-            raise ValueError(f"hookstats.Monitor: start_step must be an int >= 0, got {start_step!r}")
-        if not isinstance(locations, bool):
-            raise TypeError(f"hookstats.Monitor: locations must be True or False, got {locations!r}")
-        self.exporters = exporters
-        self._buf = Buffers(histogram, slots, locations=locations)
-        self._buf.keep = keep_records
+        self.config = cfg = MonitorConfig.from_options(config, **options).checked()
+        self.every, self.flush_every, self.histogram_every = cfg.every, cfg.flush_every, cfg.histogram_every
+        self.kinds, self.exporters, self.export_queue = cfg.kinds, cfg.exporters, cfg.export_queue
+        self._features = build_features(cfg)
+        buffer_options: dict = {}  # set by features (configure)
+        for f in self._features:
+            configure = getattr(f, "configure", None)
+            if configure is not None:
+                configure(buffer_options)
+        self._buf = Buffers(cfg.histogram, cfg.slots, **buffer_options)
+        self._buf.keep = cfg.keep_records
         self.rank = 0
         self._exporting = True
-        if process_group is not None:
-            import torch.distributed as dist
-
-            from ..distributed import resolve_group
-
-            self._buf.group = resolve_group(process_group)
+        if cfg.process_group is not None:
+            self._buf.group = resolve_group(cfg.process_group)
             self.rank = dist.get_rank(self._buf.group)
-            self._exporting = self.rank == export_rank
-        self._step = start_step
-        self._recorded_steps = -(-start_step // self.every)  # steps recorded so far (histogram_every counts these)
+            self._exporting = self.rank == cfg.export_rank
+        self._step = cfg.start_step
+        self._recorded_steps = -(-cfg.start_step // self.every)  # steps recorded so far (histogram_every counts these)
         self._step_flags = (False, False)
         self._handles: list = []
         self._model = model
-        self._optimizer = optimizer
+        self._optimizer = cfg.optimizer
         self._export: Optional[ExportThread] = None
         self._tables: list = []  # table() cache: the Arrow table of each kept block
 
-        self.selection = Selection(include, exclude)
+        self.selection = Selection(cfg.include, cfg.exclude)
         self._wanted = self.selection.matches
         self.modules = [name for name, _ in self.selection.modules(model)]
-        self._calibrators: dict = {}
-        self._per_sample = None
-        self._sample_rows: list = []  # (step, layer names, [layers, samples], [samples] total: device tensors) a step
-        self._attach(model)
-        self._attach_where(model, include, exclude, channel_stats, per_sample)
-        self._begin_step()
-        info = self.run_info()
+        self._attached: list = []  # features whose attach ran (each detached once, even if construction fails)
         try:
+            self._attach(model)
+            ctx = FeatureContext(model, self.selection, cfg.include, cfg.exclude, weakref.proxy(self))
+            for f in self._features:
+                self._attached.append(f)  # detached again if its own attach fails halfway
+                f.attach(ctx)
+            self._begin_step()
+            info = self.run_info()
             for e in self._active_exporters():
                 begin = getattr(e, "begin", None)
                 if begin is not None:
@@ -188,8 +137,6 @@ class Monitor:
                     _hooks.backward_hook(rec, mid, b.hook(name, "backward"))))
         self._params: list = []
         if "grad" in kinds:
-            from ..distributed import grad_mode
-
             ddp = grad_mode(model, b.group, self._optimizer)  # Note [grad records across ranks]
             for pname, p in model.named_parameters():
                 if p.requires_grad and self._wanted(pname):
@@ -200,85 +147,13 @@ class Monitor:
             if self._optimizer is not None and self._optimizer != "manual":
                 self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_hook()))
             elif ddp == "end_of_backward":
-                from ..distributed import after_ddp_allreduce
-
                 self._handles.append(after_ddp_allreduce(model, self._weak_record_grads()))
 
-    def _attach_where(self, model, include, exclude, channel_stats, per_sample) -> None:
-        """The "where in the tensor" options: per-channel statistics and per-sample gradient norms."""
-        if channel_stats is not None:
-            if not isinstance(channel_stats, dict) or not channel_stats:
-                raise TypeError("hookstats.Monitor: channel_stats must be a dict such as {'inputs': -1} (on: dim), got "
-                                f"{channel_stats!r}")
-            from ..channel import ChannelCalibrator
-
-            for on, dim in channel_stats.items():
-                on = {"forward_pre": "inputs", "forward": "outputs"}.get(on, on)
-                self._calibrators[on] = ChannelCalibrator(model, include=include, exclude=exclude, dim=dim, on=on)
-        if per_sample:
-            from ..per_sample import PerSampleGradNorms
-
-            self._per_sample = PerSampleGradNorms(model, include=include, exclude=exclude)
-
-    def channel_results(self) -> dict:
-        """{"inputs" / "outputs": {module: ChannelStats}}: the per-channel statistics accumulated since the Monitor
-        was attached (Monitor(channel_stats={"inputs": -1})), one host copy per device."""
-        return {on: cal.results() for on, cal in self._calibrators.items()}
-
-    def _keep_sample_norms(self) -> None:
-        psn = self._per_sample
-        if psn is None:
-            return
-        layers = psn.per_layer()
-        if layers and self._buf.rec.active:
-            names = list(layers)
-            # the total is kept apart: a tied parameter counts in each layer holding it, once in the total
-            self._sample_rows.append((self._step, names, torch.stack([layers[n] for n in names]), psn.total()))
-        psn.step()
-
-    def coverage(self):
-        """Which trainable parameters the per-sample norms cover and why the others are not
-        (hookstats.per_sample.Coverage; per_sample=True)."""
-        if self._per_sample is None:
-            raise RuntimeError("hookstats.Monitor.coverage() needs Monitor(..., per_sample=True)")
-        return self._per_sample.coverage()
-
-    def sample_norms(self) -> list[tuple]:
-        """(step, layer names, [layers, samples] float64 host tensor) of every recorded step with per_sample=True:
-        each sample's gradient norm per layer (hookstats.PerSampleGradNorms), one host copy per step when read."""
-        return [(s, names, t.cpu()) for s, names, t, _ in self._sample_rows]
-
-    def top_samples(self, k: int = 1) -> list[dict]:
-        """The k (step, sample) pairs with the largest total gradient norm over the recorded steps (per_sample=True),
-        largest first, non-finite first: dicts with step, sample, norm."""
-        out = []
-        for s, _, _, total in self._sample_rows:
-            out += [{"step": s, "sample": i, "norm": v} for i, v in enumerate(total.cpu().tolist())]
-        nan_first = lambda r: (r["norm"] != r["norm"], 0.0 if r["norm"] != r["norm"] else r["norm"])  # noqa: E731
-        return sorted(out, key=nan_first, reverse=True)[:k]
-
-    def first_nonfinite_sample(self) -> Optional[dict]:
-        """The first (step, sample) whose gradient norm is NaN or Inf, with the layers where it is: {"step",
-        "sample", "norm", "layers"}, or None."""
-        for s, names, t, total in self._sample_rows:
-            t = t.cpu()
-            bad = ~torch.isfinite(t)
-            hit = bad.any(0).nonzero()
-            if hit.numel():
-                i = int(hit[0, 0])
-                return {"step": s, "sample": i, "norm": float(total[i]),
-                        "layers": [names[j] for j in bad[:, i].nonzero()[:, 0].tolist()]}
-        return None
-
     def _weak_record_grads(self):
-        import weakref
-
         me = weakref.ref(self)  # DDP must not keep a dropped Monitor (and its buffers) alive
         return lambda: me() is not None and me().record_grads()
 
     def _optimizer_hook(self):
-        import weakref
-
         me = weakref.ref(self)  # the optimizer must not keep a dropped Monitor (and its model) alive
 
         def hook(optimizer, args, kwargs):
@@ -311,16 +186,16 @@ class Monitor:
 
     def run_info(self) -> dict:
         """What exporters need to read the records: histogram spec, statistics fields, kinds, modules, versions."""
-        from .. import __version__
-
         h = self._buf.histogram
         hist = None if h is None else ({"kind": "exp"} if h.kind == "exp" else
                                        {"kind": "range", "bins": h.bins, "lo": h.lo, "hi": h.hi})
         info = {"hookstats": __version__, "torch": torch.__version__, "histogram": hist,
                 "stats_fields": list(STATS_FIELDS), "kinds": list(self.kinds), "modules": list(self.modules),
                 "every": self.every, "histogram_every": self.histogram_every}
-        if self._buf.locations:
-            info["locations"] = True
+        for f in self._features:
+            extra = getattr(f, "run_info", None)
+            if extra is not None:
+                info.update(extra())
         return info
 
     # -- control --------------------------------------------------------------------------------------------------
@@ -344,7 +219,9 @@ class Monitor:
     def step(self) -> None:
         """Ends a step: the next hooks record under step + 1 (and only every `every` steps). With flush_every=N,
         every N-th call flushes."""
-        self._keep_sample_norms()
+        recorded = self._buf.rec.active
+        for f in self._features:
+            f.on_step(self._step, recorded)
         self._step += 1
         self._begin_step()
         if self.flush_every is not None and self._step % self.flush_every == 0:
@@ -367,6 +244,7 @@ class Monitor:
 
     @property
     def current_step(self) -> int:
+        """The step the hooks record under now (start_step + the step() calls so far)."""
         return self._step
 
     @property
@@ -505,13 +383,15 @@ class Monitor:
 
     def summary(self) -> str:
         """The per-layer table of summary_rows(), as text; then the backward_pre slots left unrecorded, if any, and
-        with per_sample=True the per-sample coverage."""
+        each feature's summary (per_sample=True: the per-sample coverage)."""
         text = format_summary(self.summary_rows())
         if self._unplaced[0]:
             text += (f"\n{self._unplaced[0]} backward_pre slot(s) not recorded: an output container that could not be "
                      "rebuilt with the slot's own edge (Monitor.unrecorded_grad_outputs)")
-        if self._per_sample is not None:
-            text += "\n" + str(self._per_sample.coverage())
+        for f in self._features:
+            extra = getattr(f, "summary", None)
+            if extra is not None:
+                text += "\n" + extra()
         return text
 
     def detach(self) -> None:
@@ -540,10 +420,9 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for cal in self._calibrators.values():
-            cal.remove()
-        if self._per_sample is not None:
-            self._per_sample.remove()
+        attached, self._attached = self._attached, []
+        for f in attached:
+            f.detach()
         # A graph built before detach() still calls the hooks it captured (PyTorch snapshots a module's backward
         # hooks at forward time, and tensor hooks live in the graph): they must record nothing from now on.
         self._buf.release()

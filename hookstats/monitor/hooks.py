@@ -58,6 +58,7 @@ import functools
 
 import torch
 
+from .._kernels import extension
 from ..hooks import _flatten
 from .compile import inlined_only, is_compiling, record_traced, record_traced_tensor
 
@@ -68,8 +69,7 @@ def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = Non
     putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0)
     takes the call's start. An alias that cannot be put in place (a tuple subclass that cannot be rebuilt) records
     nothing, and is counted in unplaced[0]."""
-    from .. import _C
-
+    _C = extension()
     unplaced = [0] if unplaced is None else unplaced
 
     call, start, call_no_grad = _C.forward_hook(rec, fwd, grad)
@@ -180,8 +180,7 @@ def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
 
 
 def forward_pre_hook(rec, mid: int, hid: int):
-    from .. import _C
-
+    _C = extension()
     call = _C.forward_pre_hook(rec, hid)
 
     def hook(module, args):
@@ -196,8 +195,7 @@ def forward_pre_hook(rec, mid: int, hid: int):
 def backward_hook(rec, mid: int, hid: int):
     """register_full_backward_hook: records grad_input (Note [grad_output by tensor hooks] says why not a tensor
     hook)."""
-    from .. import _C
-
+    _C = extension()
     call = _C.backward_hook(rec, hid)
 
     def hook(module, grad_input, grad_output):

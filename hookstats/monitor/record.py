@@ -31,6 +31,7 @@ class record(_Forms):
 
     @property
     def step(self) -> int:
+        """The step the next records carry; set it to number them yourself (e.g. `rec.step = global_step`)."""
         return self._step
 
     @step.setter
@@ -39,6 +40,7 @@ class record(_Forms):
         self._buf.rec.begin_step(self._step, True, True)
 
     def next_step(self) -> None:
+        """Moves on to step + 1."""
         self.step = self._step + 1
 
     def _add(self, label: str, obj) -> None:
@@ -57,17 +59,22 @@ class record(_Forms):
         return None
 
     def flush(self) -> None:
+        """Copies the recorded rows to the host (one copy per buffer); records() and first_nonfinite() flush too."""
         self._buf.flush()
         self._buf.ready.clear()  # no exporters here
 
     def records(self) -> list[dict]:
+        """Every record so far, as the Monitor's records() are: seq, step, module (this hook's name), kind (the
+        label of what it saw), index, dtype, stats, histogram."""
         self.flush()
         return self._buf.records()
 
     def first_nonfinite(self) -> Optional[dict]:
+        """The first record whose tensor held a NaN or Inf, or None."""
         self.flush()
         return self._buf.first_nonfinite()
 
     @property
     def skipped(self) -> int:
+        """Non-floating tensors this hook saw and did not record."""
         return self._buf.skipped

@@ -374,6 +374,7 @@ class PerSampleGradNorms:
     reset = step
 
     def remove(self) -> None:
+        """Removes every hook and clears the vectors."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
