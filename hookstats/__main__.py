@@ -12,6 +12,7 @@ import torch
 
 import hookstats
 from .demo import MODELS, train
+from .export import make_report
 
 _SHOWN = ("numel", "mean", "std", "l2", "min", "max", "nan_count", "inf_count", "zero_count")
 
@@ -146,8 +147,6 @@ def _tensor_examples(device: torch.device) -> None:
 
 
 def _write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
-    from .export import make_report  # matplotlib
-
     return make_report(run_dir, out_dir)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import hookstats
-from .export import LOG_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter
+from .export import LOG_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter, TensorBoardWriter
 from .runlog import PARQUET_NAME, ParquetWriter
 
 MODELS = ("transformer", "mlp", "cnn", "deep")
@@ -192,8 +192,6 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
             exporters.append(JSONLWriter(log_path))
         if tensorboard:
             try:
-                from .export import TensorBoardWriter
-
                 tb_dir = os.path.join(out, TENSORBOARD_DIR)
                 exporters.append(TensorBoardWriter(tb_dir))
             except ImportError as e:

@@ -16,8 +16,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from ..monitor import SUMMARY_HEADER, summary_cells
-from ..monitor.summary import summary_from_groups
+from ..monitor.summary import SUMMARY_HEADER, summary_cells, summary_from_groups
 from ..runlog import JSONL_NAME as LOG_NAME
 from ..runlog import find_log, read_run
 from ..runlog.columns import Columns, first_seen
