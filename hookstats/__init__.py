@@ -36,6 +36,7 @@ from .channel import CHANNEL_FIELDS, ChannelCalibrator, ChannelStats, channel_st
 from .per_sample import PerSampleGradNorms
 from .hooks import clip_value, fused_clip
 from .monitor import MONITOR_KINDS, Monitor, MonitorConfig, record
+from . import runlog  # hookstats.runlog.read_log, read_run, JSONLWriter, ...: the run log on disk
 from . import export  # hookstats.export.JSONLWriter, TensorBoardWriter, ...: optional packages load on first use
 
 from ._version import __version__
@@ -49,6 +50,7 @@ __all__ = [
     "Monitor",
     "MonitorConfig",
     "export",
+    "runlog",
     "clip_value",
     "fused_clip",
     "record",

@@ -12,6 +12,7 @@ import torch
 
 import hookstats
 from .demo import MODELS, train
+from .export import make_report
 
 _SHOWN = ("numel", "mean", "std", "l2", "min", "max", "nan_count", "inf_count", "zero_count")
 
@@ -146,8 +147,6 @@ def _tensor_examples(device: torch.device) -> None:
 
 
 def _write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
-    from .export import make_report  # matplotlib
-
     return make_report(run_dir, out_dir)
 
 
@@ -204,7 +203,7 @@ def demo(args) -> int:
         paths = {}
     print(f"\nRun directory {out}/:")
     print(f"  {r['log']}  " + ("(JSONL, one record per line)" if r["log_format"] == "jsonl" else
-                               "(Parquet: a file per flush, compacted at the end; hookstats.export.read_log reads it)"))
+                               "(Parquet: a file per flush, compacted at the end; hookstats.runlog.read_log reads it)"))
     if r["tensorboard"]:
         print(f"  {r['tensorboard']}/  (tensorboard --logdir {r['tensorboard']})")
     for name, p in paths.items():

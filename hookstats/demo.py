@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import hookstats
-from .export import LOG_NAME, PARQUET_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter
+from .export import LOG_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter, TensorBoardWriter
+from .runlog import PARQUET_NAME, ParquetWriter
 
 MODELS = ("transformer", "mlp", "cnn", "deep")
 DEEP_BLOCKS = 500  # the "deep" model: 500 x (Linear, ReLU), 1,001 modules with the model itself
@@ -184,8 +185,6 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
     if out is not None:
         prepare_out(out)
         if log_format == "parquet":
-            from .export import ParquetWriter
-
             log_path = os.path.join(out, PARQUET_NAME)
             exporters.append(ParquetWriter(log_path))
         else:
@@ -193,8 +192,6 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
             exporters.append(JSONLWriter(log_path))
         if tensorboard:
             try:
-                from .export import TensorBoardWriter
-
                 tb_dir = os.path.join(out, TENSORBOARD_DIR)
                 exporters.append(TensorBoardWriter(tb_dir))
             except ImportError as e:

@@ -22,13 +22,15 @@ OUT = os.path.join(ROOT, "docs", "api.md")
 DESIGN = os.path.join(ROOT, "docs", "design.md")
 NOTE_DIRS = ("csrc", "hookstats", "benchmarks", "tests", "scripts")
 NOTE_DEF = re.compile(r"^\s*(?://|#|\*)?\s*Note \[([^\]]+)\](:.*)?\s*$")
-MODULES = ("hookstats", "hookstats.export", "hookstats.monitor", "hookstats.monitor.table", "hookstats.reference")
+MODULES = ("hookstats", "hookstats.export", "hookstats.monitor", "hookstats.runlog", "hookstats.runlog.schema",
+           "hookstats.reference")
 PAGES = {  # where each module's guide is, for the reader who wants more than one line
     "hookstats": "[statistics](guide/statistics.md), [clipping](guide/clipping.md), [hooks](guide/hooks.md), "
                  "[the Monitor](guide/monitor.md), [channel statistics](guide/channel-stats.md)",
     "hookstats.export": "[the report and the CLI](guide/report-cli.md), [the run log](guide/run-log.md)",
     "hookstats.monitor": "[the Monitor](guide/monitor.md)",
-    "hookstats.monitor.table": "[the run log](guide/run-log.md)",
+    "hookstats.runlog": "[the run log](guide/run-log.md)",
+    "hookstats.runlog.schema": "[the run log](guide/run-log.md)",
     "hookstats.reference": "[statistics](guide/statistics.md) (the float64 oracle)",
 }
 

@@ -308,7 +308,7 @@ def sec_special(rank: int, world: int, out: Path) -> dict:
 
 def sec_flush_every(rank: int, world: int, out: Path) -> dict:
     import hookstats
-    from hookstats.export.jsonl import JSONLWriter
+    from hookstats.runlog import JSONLWriter
 
     torch.manual_seed(3)
     m = nn.Sequential(nn.Linear(3, 3)).double()
@@ -370,7 +370,7 @@ def sec_uneven(rank: int, world: int, out: Path) -> dict:
     """Sites that record on some ranks only: the issue's ModuleDict case (with a JSONL log on rank 0), and MoE routing
     (experts called a different number of times per rank), with flush_every (asynchronous merges) and histograms."""
     import hookstats
-    from hookstats.export.jsonl import JSONLWriter
+    from hookstats.runlog import JSONLWriter
 
     torch.manual_seed(4)
     m = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)}).double()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hookstats
-from hookstats.export import read_jsonl
+from hookstats.runlog import read_jsonl
 from hookstats.monitor import SUMMARY_HEADER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -274,8 +274,8 @@ def test_demo_deep_writes_a_parquet_run_of_a_thousand_modules(tmp_path, capsys):
     pytest.importorskip("pyarrow")
     pytest.importorskip("matplotlib")
     from hookstats.__main__ import main
-    from hookstats.export import read_run
-    from hookstats.monitor.table import run_info
+    from hookstats.runlog import read_run
+    from hookstats.runlog.schema import run_info
 
     out = tmp_path / "deep"
     assert main(["demo", "--model", "deep", "--steps", "2", "--no-bench", "--no-examples", "--no-progress",
@@ -299,7 +299,7 @@ def test_demo_log_parquet_and_report_of_it(tmp_path, capsys):
     pytest.importorskip("pyarrow")
     pytest.importorskip("matplotlib")
     from hookstats.__main__ import main
-    from hookstats.export import read_jsonl, read_log
+    from hookstats.runlog import read_jsonl, read_log
 
     out = tmp_path / "mlp"
     assert main(["demo", "--model", "mlp", "--steps", "3", "--log", "parquet", "--no-bench", "--no-examples",

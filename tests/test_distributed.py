@@ -255,7 +255,7 @@ def test_flush_every_merges_across_ranks(monitor_run):
 
 
 def test_exporters_write_on_rank0_only(monitor_run):
-    from hookstats.export.jsonl import read_jsonl
+    from hookstats.runlog import read_jsonl
 
     ranks = monitor_run.section("flush_every")
     log0 = read_jsonl(ranks[0]["path"])
@@ -288,7 +288,7 @@ def check_calls(records: list, seen: dict, world_seen: list, hist=None) -> None:
 def test_site_recorded_on_one_rank_merges(monitor_run):
     """The issue's ModuleDict case: step 1 runs "a" on rank 0 and "b" on rank 1; each merged record holds the ranks
     that wrote it (ranks = 1), records() and summary_rows() work on both ranks, rank 0's log holds every site."""
-    from hookstats.export.jsonl import read_jsonl
+    from hookstats.runlog import read_jsonl
 
     ranks = monitor_run.section("uneven")
     recs = [r["records"] for r in ranks]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import hookstats
-from hookstats.export import JSONLWriter, read_jsonl
+from hookstats.runlog import JSONLWriter, read_jsonl
 
 NAN = float("nan")
 INF = float("inf")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hookstats
-from hookstats.export import read_run
+from hookstats.runlog import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_NORM = 0.5  # below the tiny GPT-2's gradient norm (~1), so the Trainer's clipping changes every step
@@ -440,7 +440,7 @@ def test_accelerate_example_two_ranks_merge(tmp_path):
 
 
 def T_records(run):
-    from hookstats.monitor.table import table_records
+    from hookstats.runlog.schema import table_records
 
     return table_records(run.records)
 

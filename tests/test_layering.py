@@ -1,5 +1,6 @@
 """The package's layering: no import circle (function-level imports included), the op layer's leaf imports only
-torch, and every wrapper takes the kernels-or-reference decision from one place (Note [kernels or reference])."""
+torch, every wrapper takes the kernels-or-reference decision from one place (Note [kernels or reference]), the run
+log package imports neither its writers' nor its readers' side, and no hookstats module uses a deprecated path."""
 import ast
 import pathlib
 
@@ -79,6 +80,58 @@ def test_no_import_circle():
     for m in sorted(graph):
         if not state.get(m):
             visit(m)
+
+
+# The old paths of the run log (hookstats.runlog), kept for one release as warning shims.
+DEPRECATED_MODULES = ("hookstats.monitor.table", "hookstats.export.jsonl", "hookstats.export.parquet",
+                      "hookstats.export.log", "hookstats.export._columns")
+DEPRECATED_EXPORT_NAMES = ("read_log", "read_run", "find_log", "RunTable", "RunLog", "read_jsonl", "PARQUET_NAME")
+
+
+def _reach(graph: dict, start: str) -> set:
+    """The modules start imports, directly or through others (a package's own parents not followed: see _parents)."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        for n in graph.get(m, ()):
+            if n not in seen and n not in _parents(m):
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def test_runlog_imports_no_exporter_and_no_monitor():
+    """Both the writers (Monitor exporters) and the readers (report, analysis) import the run log: it imports
+    neither hookstats.export nor the Monitor, directly or through another module."""
+    graph = _graph()
+    runlog = [m for m in graph if m == "hookstats.runlog" or m.startswith("hookstats.runlog.")]
+    assert {"hookstats.runlog", "hookstats.runlog.schema", "hookstats.runlog.read"} <= set(runlog)
+    for m in runlog:
+        bad = sorted(n for n in _reach(graph, m) if n in ("hookstats.monitor.core", "hookstats.export")
+                     or n.startswith("hookstats.export."))
+        assert not bad, f"{m} imports {bad}"
+
+
+def test_no_module_imports_a_deprecated_path():
+    graph = _graph()
+    for m, deps in sorted(graph.items()):
+        if m in DEPRECATED_MODULES:
+            continue
+        assert not deps & set(DEPRECATED_MODULES), f"{m} imports {sorted(deps & set(DEPRECATED_MODULES))}"
+    for path in PKG.rglob("*.py"):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                mod = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod == "hookstats.export":
+                moved = sorted({a.name for a in node.names} & set(DEPRECATED_EXPORT_NAMES))
+                assert not moved, f"{name} imports {moved} from hookstats.export; they are in hookstats.runlog"
 
 
 def test_op_layer_leaf_imports_only_torch():

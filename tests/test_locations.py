@@ -419,8 +419,8 @@ def test_record_hook_locations():
 
 def test_table_jsonl_and_report(tmp_path):
     pytest.importorskip("pyarrow")
-    from hookstats.export import JSONLWriter, read_jsonl
-    from hookstats.monitor.table import table_records
+    from hookstats.runlog import JSONLWriter, read_jsonl
+    from hookstats.runlog.schema import table_records
 
     model = TinyLM()
     path = tmp_path / "log.jsonl"
@@ -450,7 +450,7 @@ def test_table_jsonl_and_report(tmp_path):
 
 def test_parquet_log_and_report(tmp_path):
     pytest.importorskip("pyarrow")
-    from hookstats.export import ParquetWriter, read_log
+    from hookstats.runlog import ParquetWriter, read_log
 
     model = TinyLM()
     mon = hookstats.Monitor(model, include=["embed"], kinds=("forward",), locations=True, flush_every=2,

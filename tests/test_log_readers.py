@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 import hookstats
-from hookstats.export import read_log, read_run
-from hookstats.monitor import table as T
+from hookstats.runlog import read_log, read_run
+from hookstats.runlog import schema as T
 
 pa = pytest.importorskip("pyarrow")
 pd = pytest.importorskip("pandas")
 ds = pytest.importorskip("pyarrow.dataset")
 
-from hookstats.export.parquet import ParquetWriter, log_paths  # noqa: E402
+from hookstats.runlog.parquet import ParquetWriter, log_paths  # noqa: E402
 
 OLD = Path(__file__).resolve().parent / "data" / "old_parquet_log"
 

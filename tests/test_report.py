@@ -15,7 +15,7 @@ Image = pytest.importorskip("PIL.Image")
 from PIL import ImageStat  # noqa: E402
 
 import hookstats  # noqa: E402
-from hookstats.export import JSONLWriter, read_jsonl  # noqa: E402
+from hookstats.runlog import JSONLWriter, read_jsonl  # noqa: E402
 from hookstats.export import plots  # noqa: E402
 from hookstats.export.report import make_report  # noqa: E402
 from hookstats.monitor import summary_cells, summary_rows  # noqa: E402

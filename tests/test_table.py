@@ -1,4 +1,4 @@
-"""Records as tables (Monitor.table / to_pandas, hookstats.monitor.table), the Parquet log (ParquetWriter, read_log,
+"""Records as tables (Monitor.table / to_pandas, hookstats.runlog.schema), the Parquet log (ParquetWriter, read_log,
 read_run: round trips in float32 / float64, a resumed run, compaction, a kill), the export thread (order, errors at
 the next flush / drain / detach, queue-full waits, drain at detach and at interpreter exit), and the report from a
 Parquet log."""
@@ -19,9 +19,9 @@ from torch import nn
 pa = pytest.importorskip("pyarrow")
 
 import hookstats  # noqa: E402
-from hookstats.export import JSONLWriter, ParquetWriter, read_jsonl, read_log, read_run  # noqa: E402
-from hookstats.monitor import table as T  # noqa: E402
 from hookstats.monitor.export_thread import ExportError  # noqa: E402
+from hookstats.runlog import JSONLWriter, ParquetWriter, read_jsonl, read_log, read_run  # noqa: E402
+from hookstats.runlog import schema as T  # noqa: E402
 
 NAN = float("nan")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,7 +368,7 @@ def test_plots_pick_layers_of_a_deep_model(tmp_path):
 def test_jsonl_columnar_lines_equal_the_record_encoding(histogram):
     import json
 
-    from hookstats.export.jsonl import encode_block, encode_record
+    from hookstats.runlog.jsonl import encode_block, encode_record
 
     m = net()
     mon = hookstats.Monitor(m, kinds=("forward", "backward_pre", "grad"), histogram=histogram)

@@ -6,44 +6,36 @@ An exporter implements `hookstats.export.Exporter` (protocol.py): `begin(info)` 
 `write_block(block, scalars)` per flush (its columns: hookstats.monitor.block.Block), `close()` at Monitor.detach;
 a user's own exporter may be a `RecordWriter` instead (`write(records, scalars)` with record dicts; begin and close
 optional). Exporters run on the Monitor's export thread (Note [export off the training thread]).
-The optional packages are imported when an exporter is made, so `import hookstats` never needs them.
+The optional packages (tensorboard, wandb, matplotlib, pyarrow) are imported when an exporter is made or the report
+drawn, never at module import, so `import hookstats` never needs them.
 
-Run directory layout (what `python -m hookstats demo` writes and `python -m hookstats report` reads):
-  RUN_DIR/log.jsonl       JSONLWriter
-  RUN_DIR/log.parquet/    ParquetWriter: the records, Parquet files only (pandas, pyarrow, DuckDB, Polars read it as is);
-  RUN_DIR/log.scalars.parquet/, RUN_DIR/log.run.json   its logged scalars and run header (read_log reads either log)
-  RUN_DIR/tensorboard/    TensorBoardWriter (tensorboard --logdir RUN_DIR/tensorboard)
-  RUN_DIR/report/         make_report: PNG plots, report.md, report.html
+The run log's writers (JSONLWriter, ParquetWriter) live in hookstats.runlog with its schema, the run directory
+layout and the readers (read_log, read_run, read_jsonl); they are re-exported here as exporters.
 """
-from .jsonl import JSONLWriter, RunLog, read_jsonl
-from .log import PARQUET_NAME, RunTable, find_log, read_log, read_run
+import warnings
+
+from .. import runlog as _runlog
+from ..runlog import JSONLWriter, ParquetWriter
+from ..runlog import JSONL_NAME as LOG_NAME
 from .protocol import Exporter, RecordWriter
+from .report import REPORT_DIR, make_report
+from .tensorboard import TensorBoardWriter
+from .wandb import WandbWriter
 
-LOG_NAME = "log.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-REPORT_DIR = "report"
+
+# The readers lived here in 0.1.0; through hookstats.export they still work, with a DeprecationWarning, for one
+# release.
+_MOVED_TO_RUNLOG = ("read_log", "read_run", "find_log", "RunTable", "RunLog", "read_jsonl", "PARQUET_NAME")
 
 
-def __getattr__(name):  # the exporters that need optional packages load on first use
-    if name == "TensorBoardWriter":
-        from .tensorboard import TensorBoardWriter
-
-        return TensorBoardWriter
-    if name == "WandbWriter":
-        from .wandb import WandbWriter
-
-        return WandbWriter
-    if name == "ParquetWriter":
-        from .parquet import ParquetWriter
-
-        return ParquetWriter
-    if name == "make_report":
-        from .report import make_report
-
-        return make_report
+def __getattr__(name):
+    if name in _MOVED_TO_RUNLOG:
+        warnings.warn(f"hookstats.export.{name} is deprecated and will be removed in the next release: use "
+                      f"hookstats.runlog.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(_runlog, name)
     raise AttributeError(f"module 'hookstats.export' has no attribute {name!r}")
 
 
-__all__ = ["Exporter", "RecordWriter", "JSONLWriter", "RunLog", "read_jsonl", "ParquetWriter", "read_log", "read_run", "find_log", "RunTable",
-           "PARQUET_NAME", "TensorBoardWriter", "WandbWriter", "make_report", "LOG_NAME",
-           "TENSORBOARD_DIR", "REPORT_DIR"]
+__all__ = ["Exporter", "RecordWriter", "JSONLWriter", "ParquetWriter", "TensorBoardWriter", "WandbWriter",
+           "make_report", "LOG_NAME", "TENSORBOARD_DIR", "REPORT_DIR"]

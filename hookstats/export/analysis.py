@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .._types import exp_layout
-from ._columns import Columns, first_seen
+from ..runlog.columns import Columns, first_seen
 # Kinds in the order they are looked for when a plot wants gradients, and in which they are listed otherwise.
 GRAD_KINDS = ("grad", "backward_pre", "backward")
 KIND_ORDER = ("forward_pre", "forward", "backward_pre", "backward", "grad")

@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from ._columns import Columns
+from ..runlog.columns import Columns
 from .analysis import (  # noqa: F401  (the data functions, re-exported: plots.norm_matrix etc. keep working)
     _KIND_TITLES,
     GRAD_KINDS,

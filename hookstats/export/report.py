@@ -1,5 +1,5 @@
 """A one-page report of a run directory: `make_report(RUN_DIR)` reads RUN_DIR/log.parquet (ParquetWriter) or
-RUN_DIR/log.jsonl (JSONLWriter) into columns (hookstats.export.log.read_run) and writes RUN_DIR/report/
+RUN_DIR/log.jsonl (JSONLWriter) into columns (hookstats.runlog.read_run) and writes RUN_DIR/report/
 (PNG plots from hookstats.export.plots, report.md and report.html). `python -m hookstats report RUN_DIR` calls it.
 
 The report: the run (versions, steps, records, histogram, modules), the first NaN/Inf and a table of the first
@@ -16,13 +16,12 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from ..monitor import SUMMARY_HEADER, summary_cells
-from ..monitor.summary import summary_from_groups
+from ..monitor.summary import SUMMARY_HEADER, summary_cells, summary_from_groups
+from ..runlog import JSONL_NAME as LOG_NAME
+from ..runlog import find_log, read_run
+from ..runlog.columns import Columns, first_seen
 from . import analysis, plots
-from ._columns import Columns, first_seen
-from .log import read_run
 
-LOG_NAME = "log.jsonl"
 REPORT_DIR = "report"
 MAX_EVENTS = 20
 MAX_MODULES = 60
@@ -39,8 +38,6 @@ IMAGES = {
 
 
 def _log_path(run_dir: str) -> str:
-    from .log import find_log
-
     if not os.path.exists(run_dir):
         raise FileNotFoundError(f"hookstats report: run directory {run_dir!r} does not exist; make one with "
                                 f"Monitor(..., exporters=[ParquetWriter(RUN_DIR/log.parquet)]) (or JSONLWriter(RUN_DIR/"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
+from .._ops import STATS_FIELDS
 from ._common import DEFAULT_STATS, by_step
 
 
@@ -20,8 +21,6 @@ class TensorBoardWriter:
 
     def __init__(self, log_dir: Optional[str | os.PathLike] = None, *, writer=None,
                  stats: Sequence[str] = DEFAULT_STATS, histograms: bool = True):
-        from .._ops import STATS_FIELDS
-
         bad = [s for s in stats if s not in STATS_FIELDS]
         if bad:
             raise ValueError(f"hookstats.TensorBoardWriter: unknown statistics {bad}; choose from {STATS_FIELDS}")

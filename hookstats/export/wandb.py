@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
+
 from ._common import DEFAULT_STATS, bucket_edges, by_step
 
 
@@ -40,8 +42,6 @@ class WandbWriter:
         self.write(list(block.iter_records()), scalars)
 
     def write(self, records: list, scalars: list = ()) -> None:
-        import numpy as np
-
         for step, items in by_step(records, scalars, self.stats, self.histograms, self.info):
             self.run.log({tag: v if isinstance(v, float) else
                           self._wandb.Histogram(np_histogram=(np.asarray(v.counts), np.asarray(bucket_edges(v))))

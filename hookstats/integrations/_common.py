@@ -19,6 +19,7 @@ import torch
 
 from .._ops import STATS_FIELDS
 from ..monitor import Monitor, MonitorConfig
+from ..runlog import JSONLWriter, ParquetWriter
 
 DEFAULT_KINDS = ("forward", "backward_pre", "grad")
 PREFIX = "hookstats/"
@@ -110,11 +111,7 @@ def make_writer(run_dir: str, log_format: str = "auto"):
     if rank() != 0:
         return _NotThisRank(), path
     if log_format == "parquet":
-        from ..export.parquet import ParquetWriter
-
         return ParquetWriter(path), path
-    from ..export.jsonl import JSONLWriter
-
     return JSONLWriter(path), path
 
 

@@ -16,7 +16,7 @@ What it does at each Trainer event (Note [one Monitor step per optimizer step] i
                         (and state.log_history)
   on_train_end          detaches: the rest is flushed and the log closed
 The log is written under args.output_dir/hookstats (log.parquet/ where pyarrow is installed, else log.jsonl): read it
-with hookstats.export.read_log, pandas, DuckDB or Polars, or `python -m hookstats report OUTPUT_DIR/hookstats`.
+with hookstats.runlog.read_log, pandas, DuckDB or Polars, or `python -m hookstats report OUTPUT_DIR/hookstats`.
 """
 from __future__ import annotations
 

@@ -327,7 +327,7 @@ class Monitor(FeatureAccess):
         module / kind / index / dtype dictionary-encoded, one column per statistic, histogram_{L} fixed-size list
         columns), built from the flushed columns (no dict per record). Flushes first (without a process group).
         With keep_records=False only what is kept (nothing). Needs pyarrow."""
-        from . import table as _table
+        from ..runlog import schema as _table
 
         self._read()
         blocks = self._buf.blocks

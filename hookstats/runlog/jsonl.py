@@ -1,0 +1,236 @@
+"""JSONL run log: one JSON object per line, appended and flushed (and fsynced) at each Monitor flush, so a run killed
+at any moment leaves every completed line readable.
+
+Lines (strict JSON: a non-finite float is written as the string "NaN", "Infinity" or "-Infinity"):
+  {"type": "run", "hookstats": ..., "torch": ..., "histogram": null | {"kind": "exp"} |
+   {"kind": "range", "bins": B, "lo": L, "hi": H}, "stats_fields": [...], "kinds": [...], "modules": [...],
+   "time": unix seconds}                                             -- once per writer opened (a resumed run appends
+                                                                        a second one)
+  {"type": "record", "seq", "step", "module", "kind", "index", "dtype", "stats": {field: value},
+   "histogram": null | {"length": L, "nonzero": [[i, count], ...]}}  -- one per recorded tensor; histograms sparse
+  {"type": "scalar", "seq", "step", "tag", "value"}                  -- one per Monitor.log()
+
+`read_jsonl(path)` gives back the run header, the records (histograms as dense lists) and the scalars, skipping a
+last line cut short by a kill.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Iterable, NamedTuple, Optional
+
+import numpy as np
+
+from .._ops import COUNT_FIELDS, STATS_FIELDS
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _enc_float(v: float):
+    if v != v:
+        return "NaN"
+    if v == math.inf:
+        return "Infinity"
+    if v == -math.inf:
+        return "-Infinity"
+    return v
+
+
+def _dec_float(v):
+    return _NONFINITE[v] if isinstance(v, str) else v
+
+
+def _sparse(h: Optional[list]):
+    if h is None:
+        return None
+    return {"length": len(h), "nonzero": [[i, c] for i, c in enumerate(h) if c]}
+
+
+def _dense(h) -> Optional[list]:
+    if h is None:
+        return None
+    out = [0] * h["length"]
+    for i, c in h["nonzero"]:
+        out[i] = c
+    return out
+
+
+_LOCATION_KEYS = ("shape", "argmax_abs_index", "first_nonfinite_index")
+_MERGE_KEYS = ("ranks", "nonfinite_ranks", "location_rank")  # Note [merging records across ranks]
+
+
+def encode_record(r: dict) -> dict:
+    out = {"type": "record", "seq": r["seq"], "step": r["step"], "module": r["module"], "kind": r["kind"],
+           "index": r["index"], "dtype": r.get("dtype")}
+    out["stats"] = {k: _enc_float(v) if isinstance(v, float) else v for k, v in r["stats"].items()}
+    out["histogram"] = _sparse(r.get("histogram"))
+    for k in _LOCATION_KEYS:  # Monitor(locations=True) records only
+        if k in r:
+            out[k] = None if r[k] is None else list(r[k])
+    for k in _MERGE_KEYS:  # records merged across ranks only
+        if k in r:
+            out[k] = r[k]
+    return out
+
+
+def decode_record(d: dict) -> dict:
+    r = {k: d[k] for k in ("seq", "step", "module", "kind", "index", "dtype") if k in d}
+    r["stats"] = {k: _dec_float(v) for k, v in d["stats"].items()}
+    r["histogram"] = _dense(d.get("histogram"))
+    for k in _LOCATION_KEYS:
+        if k in d:
+            r[k] = None if d[k] is None else tuple(d[k])
+    for k in _MERGE_KEYS:
+        if k in d:
+            r[k] = d[k]
+    return r
+
+
+def _row_template() -> str:
+    return ",".join(f'"{f}":%d' if f in COUNT_FIELDS else f'"{f}":%r' for f in STATS_FIELDS)
+
+
+def encode_block(block) -> str:
+    """The record lines of a Block, exactly as json.dumps(encode_record(record)) writes them (tested): finite rows
+    through one %-template, rows holding NaN/Inf through encode_record."""
+    n = len(block)
+    if not n:
+        return ""
+    t = block.table
+    sites, inv = np.unique(np.asarray(block.sites, dtype=np.int64), return_inverse=True)
+    dumps = json.dumps
+    site_part = []
+    for sid in sites.tolist():
+        module, kind = t.hook_names[t.hook[sid]]
+        site_part.append(f',"module":{dumps(module)},"kind":{dumps(kind)},"index":{int(t.index[sid])},'
+                         f'"dtype":{dumps(t.dtypes[sid])},"stats":{{')
+    tmpl = _row_template()
+    stats = block.stats
+    finite = np.isfinite(stats).all(axis=1)
+    if getattr(block, "loc", None) is not None or getattr(block, "ranks", None) is not None:
+        finite[:] = False  # records with locations or merged across ranks: each through encode_record
+    rows = stats.tolist()
+    steps = block.steps.tolist()
+    inv = inv.tolist()
+    hg, hr = block.hist_group, block.hist_row
+    seq0 = block.seq0
+    out = []
+    for i in range(n):
+        g = int(hg[i])
+        if g >= 0:
+            h = block.hists[g][int(hr[i])]
+            nz = np.flatnonzero(h)
+            hist = dumps({"length": int(h.shape[0]), "nonzero": np.stack([nz, h[nz]], 1).tolist()},
+                         separators=(",", ":"))
+        else:
+            hist = "null"
+        if finite[i]:
+            out.append(f'{{"type":"record","seq":{seq0 + i},"step":{steps[i]}{site_part[inv[i]]}'
+                       f'{tmpl % tuple(rows[i])}}},"histogram":{hist}}}\n')
+        else:
+            out.append(dumps(encode_record(block.record(i, rows[i])), allow_nan=False, separators=(",", ":")) + "\n")
+    return "".join(out)
+
+
+class JSONLWriter:
+    """Appends a Monitor's records to `path` as JSONL (see the module docstring for the format).
+
+    `fsync=True` (the default) makes each flush durable on disk, not only in the OS cache: a power loss keeps what a
+    kill keeps. Use as `Monitor(model, exporters=[JSONLWriter("runs/x/log.jsonl")])`, or call write() yourself.
+    """
+
+    def __init__(self, path: str | os.PathLike, fsync: bool = True):
+        self.path = os.fspath(path)
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self.fsync = fsync
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._began = False
+
+    def _emit(self, objs: Iterable[dict]) -> None:
+        if self._f is None:
+            raise RuntimeError(f"hookstats.JSONLWriter({self.path!r}) is closed")
+        # One write per flush: the lines reach the file together, each one complete.
+        text = "".join(json.dumps(o, allow_nan=False, separators=(",", ":")) + "\n" for o in objs)
+        self._f.write(text)
+        self._f.flush()
+        if self.fsync:
+            os.fsync(self._f.fileno())
+
+    def begin(self, info: dict) -> None:
+        """Writes the run header (Monitor calls this when it attaches)."""
+        head = {"type": "run", **info, "time": time.time()}
+        self._emit([head])
+        self._began = True
+
+    def write_block(self, block, scalars: list[dict] = ()) -> None:
+        """One Monitor flush (a columnar Block): the same lines as write(block's records), formatted from the
+        columns (a template per row, the site's part encoded once per site), without a dict per record."""
+        self._emit_text(encode_block(block) + "".join(
+            json.dumps({"type": "scalar", "seq": s["seq"], "step": s["step"], "tag": s["tag"],
+                        "value": _enc_float(float(s["value"]))}, allow_nan=False, separators=(",", ":")) + "\n"
+            for s in scalars))
+
+    def _emit_text(self, text: str) -> None:
+        if self._f is None:
+            raise RuntimeError(f"hookstats.JSONLWriter({self.path!r}) is closed")
+        if text:
+            self._f.write(text)
+            self._f.flush()
+            if self.fsync:
+                os.fsync(self._f.fileno())
+
+    def write(self, records: list[dict], scalars: list[dict] = ()) -> None:
+        objs: list[dict] = [encode_record(r) for r in records]
+        objs += [{"type": "scalar", "seq": s["seq"], "step": s["step"], "tag": s["tag"],
+                  "value": _enc_float(float(s["value"]))} for s in scalars]
+        if objs:
+            self._emit(objs)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __enter__(self) -> "JSONLWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RunLog(NamedTuple):
+    info: dict  # the first run header ({} when the file has none)
+    records: list
+    scalars: list
+    bad_lines: int  # lines that were not valid JSON (a last line cut short by a kill)
+
+
+def read_jsonl(path: str | os.PathLike) -> RunLog:
+    """Reads a JSONLWriter file back: records with dense histograms and floats restored, in file order."""
+    info: dict[str, Any] = {}
+    records, scalars, bad = [], [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            t = d.get("type")
+            if t == "record":
+                records.append(decode_record(d))
+            elif t == "scalar":
+                scalars.append({"seq": d["seq"], "step": d["step"], "tag": d["tag"], "value": _dec_float(d["value"])})
+            elif t == "run" and not info:
+                info = {k: v for k, v in d.items() if k != "type"}
+    return RunLog(info, records, scalars, bad)
+
+
+__all__ = ["JSONLWriter", "RunLog", "read_jsonl", "encode_record", "decode_record", "encode_block"]

@@ -1,0 +1,261 @@
+"""A Monitor's records as an Arrow table, built from the flushed Blocks' columns (never a dict per record).
+
+Schema (RECORD_COLUMNS, then the histogram columns):
+  seq int64, step int64                      -- as in records()
+  module, kind, dtype: dictionary<int32, string>  -- the site columns, dictionary-encoded (a few hundred distinct
+                                                      names for millions of rows)
+  index int32                                -- the tensor's position in what the hook saw
+  numel .. zero_count                        -- one column per STATS_FIELDS statistic: the COUNT_FIELDS as int64,
+                                                the others float64 (or float32 when asked: ParquetWriter)
+  shape, argmax_abs_index, first_nonfinite_index: list<int64>
+                                             -- only in runs with Monitor(locations=True): the record's tensor shape
+                                                and the coordinates of its first largest |x| / first NaN/Inf (null
+                                                where there is none; Note [element locations])
+  histogram_{L}: list<int64>                 -- one per histogram length L in the run (a range histogram has one
+                                                length, an exponent histogram one per dtype): every entry exactly L
+                                                counts, or null where the row has no histogram of that length. A list
+                                                column, not fixed_size_list: a null costs nothing there, where a
+                                                fixed-size list stores L zeros for it (histogram_every=10 on a float32
+                                                exponent histogram, 514 counts, would hold 10x the data it has)
+The run header (Monitor.run_info()) travels as schema metadata under b"hookstats.run" (JSON) where a writer puts it.
+`table_records(table)` turns a table back into record dicts (records()'s form), `scalars_table` / `table_scalars`
+do the same for the logged scalars. pyarrow is imported when a table is built: `import hookstats` never needs it.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from .._ops import COUNT_FIELDS, STATS_FIELDS, unravel_many
+
+SITE_COLUMNS = ("module", "kind", "dtype")
+RECORD_COLUMNS = ("seq", "step", "module", "kind", "index", "dtype") + STATS_FIELDS
+HIST_PREFIX = "histogram_"
+LOCATION_COLUMNS = ("shape", "argmax_abs_index", "first_nonfinite_index")
+RUN_KEY = b"hookstats.run"
+_COUNT = frozenset(COUNT_FIELDS)
+
+
+def _pa():
+    try:
+        import pyarrow as pa
+    except ImportError as e:
+        raise ImportError("hookstats tables and the Parquet log need pyarrow: pip install pyarrow") from e
+    return pa
+
+
+def hist_column(length: int) -> str:
+    return f"{HIST_PREFIX}{int(length)}"
+
+
+def hist_columns(names: Iterable[str]) -> list:
+    """The histogram columns among names, by length."""
+    return sorted((n for n in names if n.startswith(HIST_PREFIX)), key=lambda n: int(n[len(HIST_PREFIX):]))
+
+
+class _SiteDicts:
+    """Dictionary codes for module, kind and dtype of every site of a site table, and the dictionaries."""
+
+    def __init__(self, t):
+        pa = _pa()
+        mods = list(dict.fromkeys(n for n, _ in t.hook_names))
+        kinds = list(dict.fromkeys(k for _, k in t.hook_names))
+        dts = list(dict.fromkeys(t.dtypes))
+        mi = {m: i for i, m in enumerate(mods)}
+        ki = {k: i for i, k in enumerate(kinds)}
+        di = {d: i for i, d in enumerate(dts)}
+        n = len(t)
+        hooks = np.asarray(t.hook[:n], dtype=np.int64) if n else np.empty(0, dtype=np.int64)
+        hook_m = np.array([mi[m] for m, _ in t.hook_names] or [0], dtype=np.int32)
+        hook_k = np.array([ki[k] for _, k in t.hook_names] or [0], dtype=np.int32)
+        self.site_codes = {"module": hook_m[hooks], "kind": hook_k[hooks],
+                           "dtype": np.array([di[d] for d in t.dtypes[:n]], dtype=np.int32)}
+        self.dicts = {"module": pa.array(mods or [""], pa.string()), "kind": pa.array(kinds or [""], pa.string()),
+                      "dtype": pa.array(dts or [""], pa.string())}
+        self.index = np.asarray(t.index[:n], dtype=np.int32)
+
+
+_SITES: dict = {}  # one entry: (id(site table), hooks, sites) -> _SiteDicts; replaced whole (the export thread reads it)
+
+
+def _site_dicts(t) -> _SiteDicts:
+    key = (id(t), len(t.hook_names), len(t))
+    sd = _SITES.get(key)
+    if sd is None:
+        sd = _SiteDicts(t)
+        _SITES.clear()
+        _SITES[key] = sd
+    return sd
+
+
+def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = None):
+    """The rows of one Block as a pyarrow.Table (see the module docstring). stats_dtype: "float64" or "float32" for
+    the non-count statistics."""
+    pa = _pa()
+    if stats_dtype not in ("float64", "float32"):
+        raise ValueError(f"hookstats: stats_dtype must be 'float64' or 'float32', got {stats_dtype!r}")
+    n = len(block)
+    sd = _site_dicts(block.table)
+    sites = np.asarray(block.sites, dtype=np.int64)
+    cols = {"seq": pa.array(np.arange(block.seq0, block.seq0 + n, dtype=np.int64)),
+            "step": pa.array(np.asarray(block.steps, dtype=np.int64))}
+    for c in ("module", "kind"):
+        cols[c] = pa.DictionaryArray.from_arrays(pa.array(sd.site_codes[c][sites]), sd.dicts[c])
+    cols["index"] = pa.array(sd.index[sites])
+    cols["dtype"] = pa.DictionaryArray.from_arrays(pa.array(sd.site_codes["dtype"][sites]), sd.dicts["dtype"])
+    stats = block.stats
+    ft = np.float32 if stats_dtype == "float32" else np.float64
+    for j, f in enumerate(STATS_FIELDS):
+        col = stats[:, j]
+        cols[f] = pa.array(col.astype(np.int64) if f in _COUNT else col.astype(ft, copy=False))
+    if getattr(block, "loc", None) is not None:
+        _location_columns(pa, block, cols)
+    by_len: dict = {}
+    for g, h in enumerate(block.hists):
+        by_len.setdefault(h.shape[-1], []).append(g)
+    for length, groups in sorted(by_len.items()):
+        has = np.isin(block.hist_group, groups) if len(groups) > 1 else block.hist_group == groups[0]
+        rows = np.flatnonzero(has)
+        if not len(rows):
+            continue
+        values = np.empty((len(rows), length), dtype=np.int64)
+        for g in groups:
+            sel = block.hist_group[rows] == g
+            if sel.any():
+                values[sel] = block.hists[g][block.hist_row[rows[sel]]]
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        offsets[1:] = np.cumsum(has * length)
+        cols[hist_column(length)] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.reshape(-1)),
+                                                             mask=pa.array(~has))
+    t = pa.table(cols)
+    return with_run_info(t, metadata) if metadata is not None else t
+
+
+def _ragged(pa, values: np.ndarray, lengths: np.ndarray, valid: Optional[np.ndarray] = None):
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(values, dtype=np.int64)),
+                                    mask=None if valid is None else pa.array(~valid))
+
+
+def _location_columns(pa, block, cols: dict) -> None:
+    """shape and the two coordinate columns of a block with locations, from its flat indices, in numpy."""
+    ndim = np.asarray(block.shape_ndim, dtype=np.int64)
+    dims = np.asarray(block.shape_dims, dtype=np.int64)
+    cols["shape"] = _ragged(pa, dims, ndim)
+    for j, name in enumerate(("argmax_abs_index", "first_nonfinite_index")):
+        coords, valid, _ = unravel_many(block.loc[:, j], ndim, dims)
+        keep = np.repeat(valid, ndim)
+        cols[name] = _ragged(pa, coords[keep], np.where(valid, ndim, 0), valid)
+
+
+def with_run_info(table, info: Optional[dict]):
+    if info is None:
+        return table
+    meta = dict(table.schema.metadata or {})
+    meta[RUN_KEY] = json.dumps(info, default=str).encode()
+    return table.replace_schema_metadata(meta)
+
+
+def run_info(table) -> dict:
+    """The run header stored in a table's schema metadata ({} when there is none)."""
+    meta = table.schema.metadata or {}
+    raw = meta.get(RUN_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def empty_table(stats_dtype: str = "float64"):
+    pa = _pa()
+    d = pa.dictionary(pa.int32(), pa.string())
+    ft = pa.float32() if stats_dtype == "float32" else pa.float64()
+    fields = [("seq", pa.int64()), ("step", pa.int64()), ("module", d), ("kind", d), ("index", pa.int32()),
+              ("dtype", d)] + [(f, pa.int64() if f in _COUNT else ft) for f in STATS_FIELDS]
+    return pa.schema(fields).empty_table()
+
+
+def concat(tables: Sequence, stats_dtype: str = "float64"):
+    """Tables of flushes as one (missing histogram columns become nulls); an empty table for none."""
+    pa = _pa()
+    tables = [t for t in tables if t.num_rows] or []
+    if not tables:
+        return empty_table(stats_dtype)
+    if len(tables) == 1:
+        return tables[0]
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def table_records(table) -> list:
+    """The rows of a records table as record dicts (records()'s form: stats as a dict of float / int, histogram as a
+    list or None)."""
+    names = table.column_names
+    hcols = hist_columns(names)
+    py = {c: table.column(c).to_pylist() for c in names if c not in hcols}
+    hists = [table.column(c).to_pylist() for c in hcols]
+    n = table.num_rows
+    stat_cols = [(f, py[f], f in _COUNT) for f in STATS_FIELDS if f in py]
+    out = []
+    for i in range(n):
+        st = {f: (int(v[i]) if cnt else float(v[i])) for f, v, cnt in stat_cols}
+        h = None
+        for hc in hists:
+            if hc[i] is not None:
+                h = hc[i]
+                break
+        r = {"seq": py["seq"][i], "step": py["step"][i], "module": py["module"][i], "kind": py["kind"][i],
+             "index": py["index"][i], "dtype": py["dtype"][i], "stats": st, "histogram": h}
+        for c in LOCATION_COLUMNS:
+            if c in py:
+                v = py[c][i]
+                r[c] = None if v is None else tuple(v)
+        out.append(r)
+    return out
+
+
+def records_table(records: Sequence[dict], stats_dtype: str = "float64"):
+    """record dicts (a JSONL log read back) as a records table."""
+    pa = _pa()
+    records = list(records)
+    if not records:
+        return empty_table(stats_dtype)
+    ft = np.float32 if stats_dtype == "float32" else np.float64
+    cols = {"seq": pa.array([r.get("seq", i) for i, r in enumerate(records)], pa.int64()),
+            "step": pa.array([r["step"] for r in records], pa.int64())}
+    for c in ("module", "kind"):
+        cols[c] = pa.array([r[c] for r in records], pa.string()).dictionary_encode()
+    cols["index"] = pa.array([r.get("index") or 0 for r in records], pa.int32())
+    cols["dtype"] = pa.array([r.get("dtype") or "" for r in records], pa.string()).dictionary_encode()
+    stats = np.array([[r["stats"].get(f, np.nan) for f in STATS_FIELDS] for r in records], dtype=np.float64)
+    for j, f in enumerate(STATS_FIELDS):
+        cols[f] = pa.array(stats[:, j].astype(np.int64) if f in _COUNT else stats[:, j].astype(ft))
+    for c in LOCATION_COLUMNS:
+        if any(c in r for r in records):
+            cols[c] = pa.array([None if r.get(c) is None else list(r[c]) for r in records], pa.list_(pa.int64()))
+    lens = sorted({len(r["histogram"]) for r in records if r.get("histogram") is not None})
+    for L in lens:
+        cols[hist_column(L)] = pa.array([r["histogram"] if r.get("histogram") is not None and
+                                         len(r["histogram"]) == L else None for r in records],
+                                        pa.list_(pa.int64()))
+    return pa.table(cols)
+
+
+def scalars_table(scalars: Sequence[dict]):
+    pa = _pa()
+    return pa.table({"seq": pa.array([s["seq"] for s in scalars], pa.int64()),
+                     "step": pa.array([s["step"] for s in scalars], pa.int64()),
+                     "tag": pa.array([s["tag"] for s in scalars], pa.string()).dictionary_encode(),
+                     "value": pa.array([float(s["value"]) for s in scalars], pa.float64())})
+
+
+def table_scalars(table) -> list:
+    if table is None or table.num_rows == 0:
+        return []
+    cols = {c: table.column(c).to_pylist() for c in ("seq", "step", "tag", "value")}
+    return [{"seq": a, "step": b, "tag": c, "value": float(d)} for a, b, c, d in
+            zip(cols["seq"], cols["step"], cols["tag"], cols["value"])]
+
+
+__all__ = ["block_table", "concat", "table_records", "records_table", "scalars_table", "table_scalars", "run_info",
+           "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS", "SITE_COLUMNS", "RUN_KEY",
+           "LOCATION_COLUMNS", "HIST_PREFIX"]
