@@ -18,6 +18,7 @@ from .._select import Selection
 from .._version import __version__
 from ..distributed import after_ddp_allreduce, grad_mode, resolve_group
 from ..distributed import is_dtensor as _is_dtensor
+from ..runlog import schema as _table
 from . import hooks as _hooks
 from .block import LazyRecords
 from .buffers import Buffers
@@ -323,12 +324,10 @@ class Monitor(FeatureAccess):
         return self._export.wait_seconds if self._export is not None else 0.0
 
     def table(self):
-        """Every record flushed so far as a pyarrow.Table (hookstats.monitor.table: step, seq, the site columns
+        """Every record flushed so far as a pyarrow.Table (hookstats.runlog.schema: step, seq, the site columns
         module / kind / index / dtype dictionary-encoded, one column per statistic, histogram_{L} fixed-size list
         columns), built from the flushed columns (no dict per record). Flushes first (without a process group).
         With keep_records=False only what is kept (nothing). Needs pyarrow."""
-        from ..runlog import schema as _table
-
         self._read()
         blocks = self._buf.blocks
         for b in blocks[len(self._tables):]:
