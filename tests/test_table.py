@@ -379,3 +379,58 @@ def test_jsonl_columnar_lines_equal_the_record_encoding(histogram):
                    for r in block.records())
     assert encode_block(block) == want
     mon.detach()
+
+
+def _merge_keys(records):
+    return [(r["ranks"], r["nonfinite_ranks"], r.get("location_rank")) for r in records]
+
+
+@pytest.mark.parametrize("locations", [False, True])
+def test_merge_columns_of_a_merged_block(locations):
+    """A block merged across ranks (Note [merging records across ranks]) carries ranks, nonfinite_ranks and, with
+    locations, location_rank into its table, as records() has them; ranks up to 62 in the bitmask."""
+    m = net()
+    mon = hookstats.Monitor(m, locations=locations)
+    run(mon, m, 2, nan_step=1)
+    mon.flush()
+    block = mon._buf.blocks[0]
+    n = len(block)
+    block.ranks = np.arange(n, dtype=np.int64) % 3 + 1
+    block.nonfinite_mask = np.array([[0, 0b101, 1 << 62, (1 << 62) | 2][i % 4] for i in range(n)], dtype=np.int64)
+    if locations:
+        block.location_rank = np.arange(n, dtype=np.int64) % 2
+    block._records = None
+    want = block.records()
+    assert _merge_keys(want)[:4] == [(1, [], 0 if locations else None), (2, [0, 2], 1 if locations else None),
+                                     (3, [62], 0 if locations else None), (1, [1, 62], 1 if locations else None)]
+    t = T.block_table(block)
+    assert t.schema.field("ranks").type == pa.int32() and t.schema.field("nonfinite_ranks").type == pa.list_(pa.int32())
+    assert ("location_rank" in t.column_names) is locations
+    got = T.table_records(t)
+    assert _merge_keys(got) == _merge_keys(want)
+    assert _merge_keys(T.table_records(T.records_table(want))) == _merge_keys(want)  # a JSONL log read back
+    mon.detach()
+
+
+def test_merged_run_logs_keep_the_ranks(tmp_path):
+    """A Monitor with a process group (gloo, one rank, in this process): table(), the JSONL log and the Parquet log
+    all hold the merge columns, equal to records()."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        m = net()
+        mon = hookstats.Monitor(m, process_group="world", locations=True,
+                                exporters=[JSONLWriter(str(tmp_path / "log.jsonl")),
+                                           ParquetWriter(str(tmp_path / "log.parquet"))])
+        run(mon, m, 3, nan_step=1)
+        mon.detach()
+        want = mon.records()
+        assert any(r["nonfinite_ranks"] == [0] for r in want) and all(r["ranks"] == 1 for r in want)
+        assert mon.run_info()["merged"] is True
+        for table in (mon.table(), read_log(str(tmp_path / "log.jsonl")), read_log(str(tmp_path / "log.parquet"))):
+            assert _merge_keys(T.table_records(table)) == _merge_keys(want)
+    finally:
+        dist.destroy_process_group()

@@ -193,6 +193,8 @@ class Monitor(FeatureAccess):
         info = {"hookstats": __version__, "torch": torch.__version__, "histogram": hist,
                 "stats_fields": list(STATS_FIELDS), "kinds": list(self.kinds), "modules": list(self.modules),
                 "every": self.every, "histogram_every": self.histogram_every}
+        if self._buf.group is not None:  # records merged across ranks: the ranks columns (runlog.schema)
+            info["merged"] = True
         for f in self._features:
             extra = getattr(f, "run_info", None)
             if extra is not None:

@@ -140,12 +140,16 @@ def _exp_lengths() -> list:
 
 
 def records_schema(info: dict, stats_dtype: str):
-    """The schema of every records file of a run: the table columns, the location columns when the run has them,
-    and every histogram column its histogram spec can give."""
+    """The schema of every records file of a run: the table columns, the location and merge columns when the run
+    has them, and every histogram column its histogram spec can give."""
     pa = _t._pa()
     fields = list(_t.empty_table(stats_dtype).schema)
     if info.get("locations"):
         fields += [pa.field(c, pa.list_(pa.int64())) for c in _t.LOCATION_COLUMNS]
+    if info.get("merged"):  # Note [merging records across ranks]
+        fields += [pa.field("ranks", pa.int32()), pa.field("nonfinite_ranks", pa.list_(pa.int32()))]
+        if info.get("locations"):
+            fields.append(pa.field("location_rank", pa.int32()))
     h = info.get("histogram")
     lengths = [] if not h else (_exp_lengths() if h["kind"] == "exp" else [int(h["bins"]) + 2])
     fields += [pa.field(_t.hist_column(n), pa.list_(pa.int64())) for n in lengths]

@@ -11,6 +11,11 @@ Schema (RECORD_COLUMNS, then the histogram columns):
                                              -- only in runs with Monitor(locations=True): the record's tensor shape
                                                 and the coordinates of its first largest |x| / first NaN/Inf (null
                                                 where there is none; Note [element locations])
+  ranks int32, nonfinite_ranks list<int32>, location_rank int32
+                                             -- only in runs merged across ranks (Monitor(process_group=...); Note
+                                                [merging records across ranks]): how many ranks wrote the record,
+                                                the ranks whose tensor held a NaN/Inf ([] for none), and with
+                                                locations the rank whose element is named
   histogram_{L}: list<int64>                 -- one per histogram length L in the run (a range histogram has one
                                                 length, an exponent histogram one per dtype): every entry exactly L
                                                 counts, or null where the row has no histogram of that length. A list
@@ -34,6 +39,7 @@ SITE_COLUMNS = ("module", "kind", "dtype")
 RECORD_COLUMNS = ("seq", "step", "module", "kind", "index", "dtype") + STATS_FIELDS
 HIST_PREFIX = "histogram_"
 LOCATION_COLUMNS = ("shape", "argmax_abs_index", "first_nonfinite_index")
+MERGE_COLUMNS = ("ranks", "nonfinite_ranks", "location_rank")
 RUN_KEY = b"hookstats.run"
 _COUNT = frozenset(COUNT_FIELDS)
 
@@ -112,6 +118,8 @@ def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = 
         cols[f] = pa.array(col.astype(np.int64) if f in _COUNT else col.astype(ft, copy=False))
     if getattr(block, "loc", None) is not None:
         _location_columns(pa, block, cols)
+    if getattr(block, "ranks", None) is not None:
+        _merge_columns(pa, block, cols)
     by_len: dict = {}
     for g, h in enumerate(block.hists):
         by_len.setdefault(h.shape[-1], []).append(g)
@@ -149,6 +157,18 @@ def _location_columns(pa, block, cols: dict) -> None:
         coords, valid, _ = unravel_many(block.loc[:, j], ndim, dims)
         keep = np.repeat(valid, ndim)
         cols[name] = _ragged(pa, coords[keep], np.where(valid, ndim, 0), valid)
+
+
+def _merge_columns(pa, block, cols: dict) -> None:
+    """ranks, nonfinite_ranks (from the bitmask of ranks 0-62) and location_rank of a block merged across ranks."""
+    cols["ranks"] = pa.array(np.asarray(block.ranks, dtype=np.int32))
+    mask = np.asarray(block.nonfinite_mask, dtype=np.int64)
+    bits = (mask[:, None] >> np.arange(63, dtype=np.int64)) & 1 if len(mask) else np.zeros((0, 63), np.int64)
+    cols["nonfinite_ranks"] = pa.ListArray.from_arrays(
+        pa.array(np.concatenate([[0], np.cumsum(bits.sum(1))]).astype(np.int32)),
+        pa.array(np.nonzero(bits)[1].astype(np.int32)))
+    if getattr(block, "location_rank", None) is not None:
+        cols["location_rank"] = pa.array(np.asarray(block.location_rank, dtype=np.int32))
 
 
 def with_run_info(table, info: Optional[dict]):
@@ -209,6 +229,9 @@ def table_records(table) -> list:
             if c in py:
                 v = py[c][i]
                 r[c] = None if v is None else tuple(v)
+        for c in MERGE_COLUMNS:
+            if c in py:
+                r[c] = py[c][i]
         out.append(r)
     return out
 
@@ -232,6 +255,11 @@ def records_table(records: Sequence[dict], stats_dtype: str = "float64"):
     for c in LOCATION_COLUMNS:
         if any(c in r for r in records):
             cols[c] = pa.array([None if r.get(c) is None else list(r[c]) for r in records], pa.list_(pa.int64()))
+    if any("ranks" in r for r in records):
+        cols["ranks"] = pa.array([r.get("ranks") for r in records], pa.int32())
+        cols["nonfinite_ranks"] = pa.array([r.get("nonfinite_ranks") for r in records], pa.list_(pa.int32()))
+        if any("location_rank" in r for r in records):
+            cols["location_rank"] = pa.array([r.get("location_rank") for r in records], pa.int32())
     lens = sorted({len(r["histogram"]) for r in records if r.get("histogram") is not None})
     for L in lens:
         cols[hist_column(L)] = pa.array([r["histogram"] if r.get("histogram") is not None and
@@ -258,4 +286,4 @@ def table_scalars(table) -> list:
 
 __all__ = ["block_table", "concat", "table_records", "records_table", "scalars_table", "table_scalars", "run_info",
            "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS", "SITE_COLUMNS", "RUN_KEY",
-           "LOCATION_COLUMNS", "HIST_PREFIX"]
+           "LOCATION_COLUMNS", "MERGE_COLUMNS", "HIST_PREFIX"]
