@@ -1,18 +1,6 @@
 """Deprecated: hookstats.export.jsonl is now hookstats.runlog.jsonl. This module goes in the next release; until then
 it gives back hookstats.runlog.jsonl's own objects (private names included) and warns on import."""
-import warnings
-
+from .._deprecated import moved
 from ..runlog import jsonl as _new
 
-warnings.warn("hookstats.export.jsonl is deprecated and will be removed in the next release: use "
-              "hookstats.runlog.jsonl", DeprecationWarning, stacklevel=2)
-
-__all__ = list(_new.__all__)
-
-
-def __getattr__(name):
-    return getattr(_new, name)
-
-
-def __dir__():
-    return dir(_new)
+__all__, __getattr__, __dir__ = moved(__name__, _new)
