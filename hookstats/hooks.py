@@ -26,9 +26,6 @@ import torch
 from ._ops import SUPPORTED_DTYPES, clamp_count_op, clip_norm_op, norms_op
 from .clip import CLIP_EPS, _bounds, _max_norm, _norm_type, _policy, _POLICY_CODE, get_total_norm
 
-_KINDS = ("backward", "backward_pre", "forward_pre", "forward", "tensor", "post_accumulate")
-
-
 def _is_float_tensor(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in SUPPORTED_DTYPES and t.layout == torch.strided
 
