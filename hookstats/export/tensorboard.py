@@ -41,9 +41,11 @@ class TensorBoardWriter:
 
     @property
     def log_dir(self) -> str:
+        """The directory the event files go to (tensorboard --logdir it)."""
         return self.writer.log_dir
 
     def begin(self, info: dict) -> None:
+        """Writes the run header as a text summary."""
         self.info = info
         text = ", ".join(f"{k}: {info[k]}" for k in ("hookstats", "torch", "histogram", "kinds") if k in info)
         self.writer.add_text("hookstats/run", text, 0)
@@ -68,6 +70,7 @@ class TensorBoardWriter:
         self.writer.flush()
 
     def close(self) -> None:
+        """Flushes the event file, and closes the SummaryWriter if this writer made it."""
         self.writer.flush()
         if self._own:
             self.writer.close()

@@ -31,6 +31,7 @@ class WandbWriter:
         self.info: Optional[dict] = None
 
     def begin(self, info: dict) -> None:
+        """Puts the run header into the W&B run's config (under "hookstats")."""
         self.info = info
         try:
             self.run.config.update({"hookstats": info}, allow_val_change=True)
@@ -42,11 +43,13 @@ class WandbWriter:
         self.write(list(block.iter_records()), scalars)
 
     def write(self, records: list, scalars: list = ()) -> None:
+        """One run.log call per step: the chosen statistics as scalars, histograms as wandb.Histogram."""
         for step, items in by_step(records, scalars, self.stats, self.histograms, self.info):
             self.run.log({tag: v if isinstance(v, float) else
                           self._wandb.Histogram(np_histogram=(np.asarray(v.counts), np.asarray(bucket_edges(v))))
                           for tag, v in items}, step=step)
 
     def close(self) -> None:
+        """Finishes the W&B run if this writer started it (a run given to it is left open)."""
         if self._own:
             self.run.finish()

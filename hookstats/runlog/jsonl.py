@@ -184,6 +184,7 @@ class JSONLWriter:
                 os.fsync(self._f.fileno())
 
     def write(self, records: list[dict], scalars: list[dict] = ()) -> None:
+        """Appends record dicts (records()'s form) and scalars, one JSON line each, then flushes the file."""
         objs: list[dict] = [encode_record(r) for r in records]
         objs += [{"type": "scalar", "seq": s["seq"], "step": s["step"], "tag": s["tag"],
                   "value": _enc_float(float(s["value"]))} for s in scalars]
@@ -191,6 +192,7 @@ class JSONLWriter:
             self._emit(objs)
 
     def close(self) -> None:
+        """Closes the file (a second close does nothing)."""
         if self._f is not None:
             self._f.close()
             self._f = None

@@ -296,6 +296,8 @@ class ParquetWriter:
         self._n = n
 
     def close(self) -> None:
+        """With compact=True merges this writer's flush files into one file per dataset (readers see either);
+        a second close does nothing."""
         if self._closed:
             return
         self._closed = True
