@@ -225,3 +225,29 @@ def test_callbacks_check_their_options_when_made(framework):
         HookstatsCallback(optimizer="manual")
     cb = HookstatsCallback(include="*Linear*", locations=True)
     assert cb.config.include == "*Linear*" and cb.config.locations and cb.config.keep_records is False
+
+
+def test_a_feature_serves_one_monitor_at_a_time():
+    f = Counting()
+    cfg = MonitorConfig(features=[f])
+    a, b = _model(), _model()
+    mon = hookstats.Monitor(a, cfg)
+    with pytest.raises(ValueError, match="'linear_calls' is attached to another Monitor"):
+        hookstats.Monitor(b, cfg)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in b.modules())
+    assert f.events.count("attach") == 1
+    mon.detach()
+    again = hookstats.Monitor(b, cfg)  # detached, it may serve the next one (a callback's next trainer.train())
+    assert f.events.count("attach") == 2
+    again.detach()
+
+
+def test_a_dropped_monitor_releases_its_features():
+    import gc
+
+    f = Counting()
+    model = _model()
+    hookstats.Monitor(model, features=[f])  # dropped without detach()
+    gc.collect()
+    assert f.events[-1] == "detach" and not any(m._forward_hooks for m in model.modules())
+    hookstats.Monitor(model, features=[f]).detach()

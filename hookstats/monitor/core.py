@@ -24,7 +24,7 @@ from .block import LazyRecords
 from .buffers import Buffers
 from .config import MONITOR_KINDS, MonitorConfig
 from .export_thread import ExportThread
-from .feature import FeatureAccess, FeatureContext, build_features
+from .feature import FeatureAccess, FeatureContext, build_features, claim, release
 from .summary import format_summary, summary_from_columns
 
 __all__ = ["MONITOR_KINDS", "Monitor"]
@@ -102,6 +102,7 @@ class Monitor(FeatureAccess):
             self._attach(model)
             ctx = FeatureContext(model, self.selection, cfg.include, cfg.exclude, weakref.proxy(self))
             for f in self._features:
+                claim(f)
                 self._attached.append(f)  # detached again if its own attach fails halfway
                 f.attach(ctx)
             self._begin_step()
@@ -422,8 +423,12 @@ class Monitor(FeatureAccess):
             h.remove()
         self._handles = []
         attached, self._attached = self._attached, []
-        for f in attached:
-            f.detach()
+        try:
+            for f in attached:
+                f.detach()
+        finally:
+            for f in attached:
+                release(f)
         # A graph built before detach() still calls the hooks it captured (PyTorch snapshots a module's backward
         # hooks at forward time, and tensor hooks live in the graph): they must record nothing from now on.
         self._buf.release()
@@ -450,3 +455,9 @@ class Monitor(FeatureAccess):
             self._buf.release()
         except Exception:
             pass
+        for f in getattr(self, "_attached", ()):  # a dropped Monitor's features unhook too, and may serve again
+            try:
+                f.detach()
+            except Exception:
+                pass
+            release(f)

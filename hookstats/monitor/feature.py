@@ -18,6 +18,7 @@ user passes their own as `Monitor(features=[...])`.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
@@ -90,6 +91,28 @@ def build_features(config) -> List[Feature]:
             raise ValueError(f"hookstats.Monitor: two features are named {f.name!r}")
         names.add(f.name)
     return out
+
+
+_IN_USE: "weakref.WeakSet" = weakref.WeakSet()  # features attached to a live Monitor
+
+
+def claim(feature: Feature) -> None:
+    """Marks a feature attached; a feature already attached to another Monitor (one config's `features` given to two
+    Monitors at once) is refused: its state would mix both. Detached, it may be attached again."""
+    try:
+        if feature in _IN_USE:
+            raise ValueError(f"hookstats.Monitor: the feature {feature.name!r} is attached to another Monitor; give "
+                             "each Monitor its own instance (or detach the other first)")
+        _IN_USE.add(feature)
+    except TypeError:  # not weak-referenceable (__slots__ without __weakref__): not tracked
+        pass
+
+
+def release(feature: Feature) -> None:
+    try:
+        _IN_USE.discard(feature)
+    except TypeError:
+        pass
 
 
 class FeatureAccess:
