@@ -43,7 +43,8 @@ class MonitorConfig:
                       "(alias 'grad_input'), 'grad' (each parameter's .grad)")
     # -- cadence --------------------------------------------------------------------------------------------------
     every: int = _opt("cadence", 1, "record every N-th step (counted from step 0); other steps launch nothing")
-    start_step: int = _opt("cadence", 0, "the first step's number: a resumed run continues its numbering")
+    start_step: int = _opt("cadence", 0, "the first step's number: a resumed run continues its numbering ("
+                           "`every` still counts from step 0)")
     histogram_every: int = _opt("cadence", 1, "the histogram every M-th recorded step, the statistics every one")
     flush_every: Optional[int] = _opt("cadence", None, "flush at every N-th step() (one host copy per buffer then)")
     optimizer: Any = _opt("cadence", None, "the 'grad' kind records once per step, at this optimizer's step (one "
@@ -52,7 +53,8 @@ class MonitorConfig:
     histogram: Any = _opt("payload", None, "a histogram recorded with every tensor: (bins, (lo, hi)), "
                           "Histogram.range(...) or 'exp'")
     locations: bool = _opt("payload", False, "each record also names its tensor's first largest |x| and first "
-                           "NaN/Inf element (Note [element locations])")
+                           "NaN/Inf element, found by the same kernel call (Note [element locations]); off, it "
+                           "costs nothing")
     channel_stats: Optional[dict] = _opt("payload", None, "{'inputs': dim} and/or {'outputs': dim}: per-channel "
                                          "statistics accumulated over every call (Monitor.channel_results())")
     per_sample: bool = _opt("payload", False, "each sample's gradient norm per layer, every recorded step "
@@ -62,7 +64,7 @@ class MonitorConfig:
     # -- output ---------------------------------------------------------------------------------------------------
     exporters: Sequence[Any] = _opt("output", (), "objects implementing hookstats.export.Exporter (or "
                                     "RecordWriter): each flush's records, on a background thread")
-    keep_records: bool = _opt("output", True, "False: no host copy is kept once exporters have the records")
+    keep_records: bool = _opt("output", True, "False: no host copy is kept once exporters have the records (long runs)")
     slots: Optional[int] = _opt("output", None, "steps the device buffers hold before they grow (default: "
                                 "flush_every, or 16)")
     export_queue: int = _opt("output", 8, "flushes the export thread may be behind before a flush waits")
@@ -147,3 +149,17 @@ def _positive(name: str, v, optional: bool = False):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"hookstats.Monitor: {name} must be {'None or ' if optional else ''}an int >= 1, got {v!r}")
     return v
+
+
+def _options_doc() -> str:
+    """Each group's fields with their docs, appended to MonitorConfig's docstring (one source: the field metadata)."""
+    lines = []
+    for g in GROUPS:
+        lines.append(f"    {g}:")
+        for f in dataclasses.fields(MonitorConfig):
+            if f.metadata["group"] == g:
+                lines.append(f"      {f.name} = {f.default!r}: {f.metadata['doc']}")
+    return "\n".join(lines) + "\n"
+
+
+MonitorConfig.__doc__ = (MonitorConfig.__doc__ or "").rstrip() + "\n\n" + _options_doc()
