@@ -98,3 +98,12 @@ def measure(benchmark):
             benchmark.extra_info["cuda_event_s"] = cuda_event_seconds(op)
 
     return run
+
+
+@pytest.fixture
+def one_thread():
+    """One thread: ratios measured on this shared 2-core VM are stable only then (docs/development.md)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

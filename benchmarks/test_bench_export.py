@@ -164,10 +164,3 @@ def test_export_writer(benchmark, hookstats, one_thread, writer, tmp_path):
     benchmark.pedantic(once, rounds=1, iterations=1)
     benchmark.extra_info.update(family="export", smoke=smoke, flush_every=FLUSH_EVERY, **result)
 
-
-@pytest.fixture()
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

@@ -41,13 +41,6 @@ REPORT = [
 ]
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 class Data(torch.utils.data.Dataset):
     def __init__(self, n: int):

@@ -193,13 +193,6 @@ class Case:
             self.mon.detach()
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_large_model_step(benchmark, hookstats, one_thread, model_name):

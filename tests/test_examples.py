@@ -35,13 +35,7 @@ def load(name: str):
     return mod
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The examples are tiny: one thread is faster than two on this shared 2-core machine, and deterministic."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def close(a, b, rel=1e-5, abs_=1e-9) -> bool:

@@ -22,13 +22,9 @@ MAX_NORM = 0.5  # below the tiny GPT-2's gradient norm (~1), so the Trainer's cl
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
+def offline(monkeypatch, one_thread):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_import_hookstats_imports_no_framework():

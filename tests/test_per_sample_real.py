@@ -18,13 +18,7 @@ from hookstats.per_sample import Dense, Rule, register_rule
 B = 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """float64 convolutions on a shared 2-core machine: one thread is ~10x faster than an oversubscribed pool."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def loop_sq(twin: nn.Module, fwd, inputs, r: torch.Tensor) -> dict:

@@ -26,12 +26,7 @@ MODELS = list(BUILDERS)
 STEPS = 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same reduction order in every copy
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _steps(rm, model, steps=STEPS, mon=None):
