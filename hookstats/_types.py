@@ -127,6 +127,9 @@ def check_tensor(x, op: str) -> None:
     """TypeError for anything hookstats' kernels do not take, before any dispatch."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hookstats.{op} needs a torch.Tensor, got {type(x).__name__}")
+    if x.is_nested:
+        raise TypeError(f"hookstats.{op} does not take a nested tensor: call it on each component "
+                        f"([hookstats.{op}(t, ...) for t in x.unbind()]) or, for a jagged one, on x.values()")
     if x.layout != torch.strided:
         raise TypeError(f"hookstats.{op} needs a dense (strided) tensor, got layout {x.layout}; call .to_dense() first")
     if x.dtype not in SUPPORTED_DTYPES:

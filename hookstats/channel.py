@@ -8,6 +8,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ._kernels import reference_checked, use_kernels
+from ._owned_hooks import recomputing, register
 from ._select import Selection, Site
 from ._types import CHANNEL_FIELDS, ChannelStats, check_tensor  # noqa: F401  (CHANNEL_FIELDS: re-exported)
 
@@ -123,16 +124,16 @@ class ChannelCalibrator:
         for name, mod in selection.modules(model):
             self.modules.append(name)
             if on == "inputs":
-                h = mod.register_forward_pre_hook(self._pre_hook(name))
+                h = register(mod, "register_forward_pre_hook", self._pre_hook(name))
             else:
-                h = mod.register_forward_hook(self._post_hook(name))
+                h = register(mod, "register_forward_hook", self._post_hook(name))
             self._handles.append(h)
         if not self.modules:
             raise ValueError(f"hookstats.ChannelCalibrator: no module matches include={include!r}, "
                              f"exclude={exclude!r}")
 
     def _record(self, name: str, t: Optional[torch.Tensor]) -> None:
-        if t is None:
+        if t is None or (not torch.compiler.is_compiling() and recomputing()):  # a checkpointed block's recompute
             return
         buf = self.buffers.get(name)
         c = t.shape[self.dim] if t.dim() else 0

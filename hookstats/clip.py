@@ -52,7 +52,16 @@ def _norm_type(norm_type, op: str) -> float:
 
 
 def _max_norm(max_norm, op: str) -> float:
-    m = float(max_norm)
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() != 1:
+        raise TypeError(f"hookstats.{op}: max_norm must be a number or a one-element tensor, got a tensor of shape "
+                        f"{tuple(max_norm.shape)} (one bound clips every tensor the hook sees; for one bound per "
+                        "layer, make one hook per layer)")
+    if isinstance(max_norm, (bool, str, bytes)):
+        raise TypeError(f"hookstats.{op}: max_norm must be a number, got {max_norm!r}")
+    try:
+        m = float(max_norm)
+    except (TypeError, ValueError):
+        raise TypeError(f"hookstats.{op}: max_norm must be a number, got {type(max_norm).__name__}") from None
     if not m >= 0:  # negative or NaN
         raise ValueError(f"hookstats.{op} needs max_norm >= 0, got {max_norm!r}")
     return m

@@ -50,6 +50,8 @@ from typing import Optional
 
 import torch
 
+from ._owned_hooks import register
+
 
 
 def _dist():
@@ -125,7 +127,7 @@ def after_ddp_allreduce(ddp, record) -> _Handles:
             register_multi_grad_hook(ts, on_grad, mode="any")
         return None
 
-    return _Handles(ddp.register_forward_hook(fwd))
+    return _Handles(register(ddp, "register_forward_hook", fwd))
 
 
 def _tensors(obj, out: list) -> None:

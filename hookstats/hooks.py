@@ -17,6 +17,8 @@ which clips `param.grad` in place, as PyTorch allows there. `record` hooks retur
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import warnings
 from typing import Any, Callable, Optional
@@ -42,7 +44,7 @@ def _check_full_backward(module, form_owner: str) -> None:
 
 
 def _flatten(obj, out: list, keep_none: bool = False) -> None:
-    """The tensors of a hook argument (a tensor, or tuples/lists/dicts of them), depth first, in order. With
+    """The tensors of a hook argument (a tensor, or tuples/lists/dicts/dataclasses of them), depth first, in order. With
     keep_none, None entries stay as placeholders, so a record's index is the position in what the hook saw (a
     grad_input of (None, g) records g at index 1)."""
     if isinstance(obj, torch.Tensor):
@@ -56,6 +58,13 @@ def _flatten(obj, out: list, keep_none: bool = False) -> None:
     elif isinstance(obj, dict):
         for o in obj.values():
             _flatten(o, out, keep_none)
+    elif _is_dataclass_instance(obj):
+        for f in dataclasses.fields(obj):
+            _flatten(getattr(obj, f.name), out, keep_none)
+
+
+def _is_dataclass_instance(obj) -> bool:
+    return hasattr(type(obj), "__dataclass_fields__")
 
 
 def _in_backward() -> bool:
@@ -79,6 +88,11 @@ def _rebuild(obj, it):
         return [_rebuild(o, it) for o in obj]
     if isinstance(obj, dict):
         return type(obj)((k, _rebuild(v, it)) for k, v in obj.items())
+    if _is_dataclass_instance(obj):  # a copy with the new fields (frozen ones too: the copy is ours)
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(new, f.name, _rebuild(getattr(obj, f.name), it))
+        return new
     return obj
 
 

@@ -14,6 +14,7 @@
 
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <cstring>
 #include <type_traits>
@@ -52,9 +53,13 @@ at::Tensor plain(const at::Tensor& t) {
   return THPVariable_Unpack(r.ptr());
 }
 
+bool is_dataclass_instance(PyObject* o) {
+  return PyObject_HasAttrString(reinterpret_cast<PyObject*>(Py_TYPE(o)), "__dataclass_fields__");
+}
+
 // The tensors of a hook argument, depth first, as hookstats.hooks._flatten(keep_none=True):
 // tensors, tuples and lists (namedtuples, structseqs), dicts (OrderedDict, ModelOutput) by their
-// values; None keeps its index; anything else is not a tensor position.
+// values, dataclass instances by their fields; None keeps its index; anything else is not a tensor position.
 void flatten(PyObject* o, Tensors& out, int32_t& index) {
   if (THPVariable_Check(o)) {
     out.emplace_back(index++, THPVariable_Unpack(o));
@@ -73,6 +78,13 @@ void flatten(PyObject* o, Tensors& out, int32_t& index) {
   } else if (PyDict_Check(o)) {  // a subclass (OrderedDict, ModelOutput): its own order
     py::object vals = py::reinterpret_borrow<py::object>(o).attr("values")();
     for (py::handle v : vals) flatten(v.ptr(), out, index);
+  } else if (is_dataclass_instance(o)) {  // checked last: only objects that are none of the above pay for it
+    static py::object* fields = new py::object(py::module_::import("dataclasses").attr("fields"));
+    py::handle obj(o);
+    for (py::handle f : (*fields)(obj)) {
+      py::object v = obj.attr(f.attr("name"));
+      flatten(v.ptr(), out, index);
+    }
   }
 }
 
@@ -198,6 +210,12 @@ py::object hook_outputs(const std::shared_ptr<Recorder>& r, int32_t hook, const 
   return out;
 }
 
+// Whether a forward hook runs inside the autograd engine: activation checkpointing recomputing a forward during the
+// backward (torch.utils.checkpoint with either use_reentrant, HF's gradient checkpointing). That call's inputs and
+// output were recorded by the first forward; recording them again would count every checkpointed call twice.
+// (hookstats._owned_hooks.recomputing() is the Python side's same question.)
+bool recomputing() { return torch::autograd::get_current_graph_task_id() != -1; }
+
 // forward pre-hook of a module whose grad_output is recorded: the call's start (take_start).
 struct ForwardStart {
   std::shared_ptr<const void> key;  // the ForwardHook's identity
@@ -220,7 +238,9 @@ struct ForwardHook {
     Tensors ts = flat(output);
     if (ts.empty()) return py::none();
     py::object aliases = grad >= 0 ? hook_outputs(rec, grad, ts, start) : py::none();
-    if (fwd >= 0) {
+    // A recomputation (activation checkpointing) places the grad_output edges as the first forward did, since a
+    // reentrant checkpoint's backward runs through them, but records no second output.
+    if (fwd >= 0 && !recomputing()) {
       const int32_t call = rec->next_call(fwd);
       py::gil_scoped_release nogil;
       rec->record_many(fwd, call, ts);
@@ -234,7 +254,9 @@ struct ForwardHook {
 struct ArgsHook {
   std::shared_ptr<Recorder> rec;
   int32_t hook;
-  void pre(py::handle module, py::handle args) const { record_obj(*rec, hook, args); }
+  void pre(py::handle module, py::handle args) const {
+    if (!recomputing()) record_obj(*rec, hook, args);
+  }
   void backward(py::handle module, py::handle grad_input, py::handle grad_output) const {
     record_obj(*rec, hook, grad_input);
   }

@@ -56,8 +56,9 @@ void keep_forever(std::vector<at::Tensor> ts) {
 
 namespace {
 
+// A meta tensor (a shape-inference forward) has no data to take statistics of: skipped, as a non-floating one.
 bool is_recordable(const at::Tensor& t) {
-  if (!t.defined() || t.layout() != at::kStrided) return false;
+  if (!t.defined() || t.layout() != at::kStrided || t.is_meta()) return false;
   const auto s = t.scalar_type();
   return s == at::kFloat || s == at::kDouble || s == at::kHalf || s == at::kBFloat16;
 }

@@ -136,8 +136,8 @@ class Recorder {
   int32_t next_call(int32_t hook);
   // The next call number of (hook, index) (tensor hooks).
   int32_t next_tensor_call(int32_t hook, int32_t index);
-  // Records t at site (hook, index, call) of the current step. Non-floating tensors are counted
-  // in skipped() and not recorded.
+  // Records t at site (hook, index, call) of the current step. Non-floating and meta tensors are
+  // counted in skipped() and not recorded.
   void record(int32_t hook, int32_t index, int32_t call, const at::Tensor& t);
   // Records many tensors of one hook call under one lock.
   void record_many(int32_t hook, int32_t call, const std::vector<std::pair<int32_t, at::Tensor>>& ts);

@@ -17,6 +17,7 @@ from ..export.protocol import is_exporter
 
 # Hook kinds a Monitor attaches (hookstats.Site's values), and the aliases it accepts.
 MONITOR_KINDS = tuple(s.value for s in Site)
+_DEFAULT_KINDS = ("forward", "backward_pre")
 
 GROUPS = ("selection", "cadence", "payload", "output", "distributed")
 
@@ -36,11 +37,12 @@ class MonitorConfig:
 
     # -- selection ------------------------------------------------------------------------------------------------
     include: Any = _opt("selection", "*", "globs on qualified module names or class names ('' is the model itself, "
-                        "'*Linear*' every nn.Linear); the 'grad' kind matches parameter names")
-    exclude: Any = _opt("selection", (), "globs that remove modules (parameters) the include globs matched")
-    kinds: Any = _opt("selection", ("forward", "backward_pre"),
+                        "'*Linear*' every nn.Linear); the 'grad' kind matches parameter names; None: every module")
+    exclude: Any = _opt("selection", (), "globs that remove modules (parameters) the include globs matched; None: "
+                        "none")
+    kinds: Any = _opt("selection", _DEFAULT_KINDS,
                       "hook sites: 'forward', 'forward_pre', 'backward_pre' (alias 'grad_output'), 'backward' "
-                      "(alias 'grad_input'), 'grad' (each parameter's .grad)")
+                      "(alias 'grad_input'), 'grad' (each parameter's .grad); None: the default two")
     # -- cadence --------------------------------------------------------------------------------------------------
     every: int = _opt("cadence", 1, "record every N-th step (counted from step 0); other steps launch nothing")
     start_step: int = _opt("cadence", 0, "the first step's number: a resumed run continues its numbering ("
@@ -120,18 +122,28 @@ class MonitorConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"hookstats.Monitor: {name} must be True or False, got {getattr(self, name)!r}")
         return dataclasses.replace(
-            self, include=_globs(self.include), exclude=_globs(self.exclude), kinds=_kinds(self.kinds), every=every,
+            self, include=_globs("include", self.include, "*"), exclude=_globs("exclude", self.exclude, ()),
+            kinds=_kinds(self.kinds if self.kinds is not None else _DEFAULT_KINDS), every=every,
             flush_every=flush_every, histogram_every=_positive("histogram_every", self.histogram_every),
             slots=_positive("slots", self.slots if self.slots is not None else (flush_every or 16)),
             exporters=exporters, export_queue=_positive("export_queue", self.export_queue),
             features=list(self.features))
 
 
-def _globs(v) -> list:
-    return [v] if isinstance(v, str) else list(v)
+def _globs(name: str, v, default) -> list:
+    if v is None:
+        v = default
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, (list, tuple, set, frozenset)) or not all(isinstance(g, str) for g in v):
+        raise TypeError(f"hookstats.Monitor: {name} must be a glob (str), a list of globs or None, got {v!r}")
+    return list(v)
 
 
 def _kinds(kinds) -> tuple:
+    if not isinstance(kinds, (str, Site, list, tuple, set, frozenset)):
+        raise TypeError(f"hookstats.Monitor: kinds must be a kind (str), a list of kinds or None, got {kinds!r}; "
+                        f"use any of {MONITOR_KINDS}")
     ks = []
     for k in ([kinds] if isinstance(kinds, (str, Site)) else kinds):
         site = Site.lookup(k)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .._ops import STATS_FIELDS
+from .._owned_hooks import register
 from .._select import Selection
 from .._version import __version__
 from ..distributed import after_ddp_allreduce, grad_mode, resolve_group
@@ -30,6 +31,16 @@ from .summary import format_summary, summary_from_columns
 __all__ = ["MONITOR_KINDS", "Monitor"]
 
 
+def _check_materialized(model: torch.nn.Module) -> None:
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"hookstats.Monitor: the model's {kind} {name!r} is on the meta device (no data: a model built "
+                    "under torch.device('meta') or init_empty_weights()); materialize it first (model.to_empty("
+                    "device=...), then initialise or load its weights), then attach the Monitor")
+
+
 class Monitor(FeatureAccess):
     """Statistics of every matching layer, every step (or every `every` steps), into device buffers.
 
@@ -39,8 +50,11 @@ class Monitor(FeatureAccess):
 
     Each hook call is one C++ call: the stats kernel runs once per tensor into the tensor's row of a device buffer
     (Note [monitor sites]); nothing is read back until `flush()` / `records()`. Steps skipped by `every` launch
-    nothing; `pause()` / `resume()` record nothing in between (an evaluation pass). Non-floating tensors are skipped
-    and counted (`skipped`). The "grad" kind records each parameter's .grad after each accumulation, or, with
+    nothing; `pause()` / `resume()` record nothing in between (an evaluation pass). Non-floating and meta tensors are
+    skipped and counted (`skipped`); a model whose parameters are on the meta device is refused (materialize it
+    first). A forward that activation checkpointing recomputes during the backward is recorded once, by its first
+    run (hookstats._owned_hooks.recomputing()); pickling or copying the model leaves the hooks out (Note [hooks that
+    stay with their owner]). The "grad" kind records each parameter's .grad after each accumulation, or, with
     `optimizer=`, once per step at the optimizer's step, or, with `optimizer="manual"`, when `record_grads()` is
     called (a framework's callback, after it clipped the grads: hookstats.integrations).
 
@@ -68,6 +82,7 @@ class Monitor(FeatureAccess):
     def __init__(self, model: torch.nn.Module, config: Optional[MonitorConfig] = None, **options):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"hookstats.Monitor needs a torch.nn.Module, got {type(model).__name__}")
+        _check_materialized(model)
         self.config = cfg = MonitorConfig.from_options(config, **options).checked()
         self.every, self.flush_every, self.histogram_every = cfg.every, cfg.flush_every, cfg.histogram_every
         self.kinds, self.exporters, self.export_queue = cfg.kinds, cfg.exporters, cfg.export_queue
@@ -125,18 +140,18 @@ class Monitor(FeatureAccess):
             if not self._wanted(name, mod):
                 continue
             if "forward_pre" in kinds:
-                self._handles.append(mod.register_forward_pre_hook(
-                    _hooks.forward_pre_hook(rec, mid, b.hook(name, "forward_pre"))))
+                self._handles.append(register(mod, "register_forward_pre_hook",
+                                              _hooks.forward_pre_hook(rec, mid, b.hook(name, "forward_pre"))))
             if "forward" in kinds or "backward_pre" in kinds:
                 fwd = b.hook(name, "forward") if "forward" in kinds else -1
                 grad = b.hook(name, "backward_pre") if "backward_pre" in kinds else -1
                 hook, pre_hook = _hooks.forward_hook(rec, mid, fwd, grad, self._unplaced)
                 if pre_hook is not None:
-                    self._handles.append(mod.register_forward_pre_hook(pre_hook))
-                self._handles.append(mod.register_forward_hook(hook))
+                    self._handles.append(register(mod, "register_forward_pre_hook", pre_hook))
+                self._handles.append(register(mod, "register_forward_hook", hook))
             if "backward" in kinds:
-                self._handles.append(mod.register_full_backward_hook(
-                    _hooks.backward_hook(rec, mid, b.hook(name, "backward"))))
+                self._handles.append(register(mod, "register_full_backward_hook",
+                                              _hooks.backward_hook(rec, mid, b.hook(name, "backward"))))
         self._params: list = []
         if "grad" in kinds:
             ddp = grad_mode(model, b.group, self._optimizer)  # Note [grad records across ranks]
@@ -253,7 +268,8 @@ class Monitor(FeatureAccess):
 
     @property
     def skipped(self) -> int:
-        """Non-floating tensors (token ids, masks) the hooks saw and did not record."""
+        """Non-floating tensors (token ids, masks) and meta tensors (a shape-inference forward) the hooks saw and did not
+        record."""
         return self._buf.skipped
 
     @property

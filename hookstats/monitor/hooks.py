@@ -54,12 +54,13 @@ reads that input (every residual connection), so only PyTorch's wrapping gives g
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from .._kernels import extension
-from ..hooks import _flatten
+from ..hooks import _flatten, _is_dataclass_instance
 from .compile import inlined_only, is_compiling, record_traced, record_traced_tensor
 
 
@@ -137,7 +138,8 @@ def _traced_grad_hooks(mid: int, hid: int, output, unplaced: list | None = None)
 def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
     """obj with the tensor at each flat index of `aliases` (hookstats.hooks._flatten's, None counted) replaced by
     its alias. Tuples are rebuilt (as torch.nn.modules' BackwardHook does: type(obj)(*items) for a namedtuple),
-    lists and dicts (OrderedDict, ModelOutput) changed in place, so that a ModelOutput's attributes follow. A tuple
+    lists, dicts (OrderedDict, ModelOutput) and dataclass instances changed in place, so that a ModelOutput's
+    attributes follow. A tuple
     that cannot be rebuilt keeps its tensors, and the aliases not placed are counted in unplaced[0]."""
     pos = [0]
 
@@ -173,6 +175,13 @@ def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
             for k, n in items.items():
                 if n is not o[k]:
                     o[k] = n
+            return o
+        if _is_dataclass_instance(o):  # in place, as a ModelOutput (the module made it; a frozen one too)
+            for f in dataclasses.fields(o):
+                v = getattr(o, f.name)
+                n = walk(v)
+                if n is not v:
+                    object.__setattr__(o, f.name, n)
             return o
         return o
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import rules as _rules  # noqa: F401  (registers the shipped rules)
+from .._owned_hooks import register
 from .._select import Selection
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused
@@ -101,10 +102,10 @@ class PerSampleGradNorms:
                              f"per-sample rule matches include={include!r}, exclude={exclude!r}")
         mods = dict(model.named_modules())
         for name in self.layers:
-            self._handles.append(mods[name].register_forward_hook(self._forward_hook(name, mods[name]),
-                                                                  with_kwargs=True))
-        self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
+            self._handles.append(register(mods[name], "register_forward_hook", self._forward_hook(name, mods[name]),
+                                          with_kwargs=True))
+        self._handles.append(register(model, "register_forward_pre_hook", self._root_pre, with_kwargs=True))
+        self._handles.append(register(model, "register_forward_hook", self._root_post, always_call=True))
         if cov.warning:
             warnings.warn(cov.warning, stacklevel=2)
 
