@@ -264,6 +264,36 @@ def test_checkpointing_channel_calibrator_counts_each_call_once(reentrant):
         assert torch.equal(st.absmax, cals[1].results()[name].absmax)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_record_hook_forms_record_once(reentrant):
+    plain, ck = _Stack(None), _Stack(reentrant)
+    ck.load_state_dict(plain.state_dict())
+    recs = []
+    for m in (plain, ck):
+        rec = hookstats.record("lin")
+        for b in m.blocks:
+            b.lin.register_forward_hook(rec.forward)
+            b.lin.register_forward_pre_hook(rec.forward_pre)
+        m(torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(0))).sum().backward()
+        recs.append(rec.records())
+    assert [(r["kind"], r["stats"]["l2"]) for r in recs[1]] == [(r["kind"], r["stats"]["l2"]) for r in recs[0]]
+    assert len(recs[0]) == 6
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_clip_forward_form_still_runs_in_the_recompute(reentrant):
+    """A hook that changes the output must run again in the recompute (the recomputed values must be the first
+    forward's): only recording hooks skip it."""
+    plain, ck = _Stack(None), _Stack(reentrant)
+    ck.load_state_dict(plain.state_dict())
+    for m in (plain, ck):
+        for b in m.blocks:
+            b.lin.register_forward_hook(hookstats.fused_clip(0.5).forward)
+        m(torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+    for p, q in zip(plain.parameters(), ck.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_hf_gpt2_gradient_checkpointing_records_like_without(reentrant):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .._owned_hooks import recomputing
 from ..hooks import _Forms
 from .buffers import Buffers
 from .compile import is_compiling, record_traced
@@ -18,7 +19,8 @@ class record(_Forms):
     of its forms (see hookstats.hooks); read with `records()` (which flushes: one host copy). Records carry
     `step`: set `rec.step` (or call `rec.next_step()`) to number them; every call within a step is its own site
     (Note [monitor sites]), in call order. locations=True: records also name the elements of largest |x| and first
-    NaN/Inf, as Monitor(locations=True) does."""
+    NaN/Inf, as Monitor(locations=True) does. A forward form run again by activation checkpointing's recomputation
+    records nothing the second time."""
 
     _name = "hookstats.record"
 
@@ -51,6 +53,8 @@ class record(_Forms):
         return None
 
     def _process(self, kind, obj, module, extra=None, param=None):
+        if kind in ("forward", "forward_pre") and not is_compiling() and recomputing():
+            return None  # activation checkpointing's recomputation: the first forward recorded this call
         if kind == "backward":
             self._add("backward:grad_input", obj)
             self._add("backward:grad_output", extra)
