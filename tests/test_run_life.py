@@ -439,3 +439,47 @@ def test_saved_and_copied_hf_model_carry_no_hookstats_hook():
     assert len(mon.records()) == n
     mon.detach()
     assert _hook_count(rm.model) == _hook_count(ema) == 0
+
+
+# -- the same through the frameworks that do it for you ----------------------------------------------------------------
+@pytest.mark.slow
+def test_hf_trainer_with_gradient_checkpointing_records_each_forward_once(tmp_path):
+    pytest.importorskip("transformers")
+    from test_integrations import TokenData, count, gpt2, hf_args, per_batch
+    from transformers import Trainer
+
+    from hookstats.integrations.transformers import HookstatsCallback
+    from hookstats.runlog import read_run
+
+    tables = {}
+    for ck in (False, True):
+        out = tmp_path / f"ck{ck}"
+        model = gpt2()
+        Trainer(model=model, args=hf_args(out, gradient_checkpointing=ck, max_steps=3), train_dataset=TokenData(),
+                callbacks=[HookstatsCallback(kinds=("forward", "backward_pre", "grad"))]).train()
+        assert model.is_gradient_checkpointing == ck
+        tables[ck] = read_run(out / "hookstats").records
+    one = per_batch()
+    assert count(tables[True]) == count(tables[False])
+    assert all(count(tables[True])[(s, "forward")] == 2 * one["forward"] for s in (1, 2, 3))
+
+
+def test_timm_model_ema_beside_a_monitor():
+    """timm's ModelEmaV3 deep-copies the model it averages: its copy must not record into the model's Monitor."""
+    timm_utils = pytest.importorskip("timm.utils")
+    model, twin = _mlp(), _mlp()
+    mon = hookstats.Monitor(model, kinds=ALL_KINDS)
+    mon_twin = hookstats.Monitor(twin, kinds=ALL_KINDS)
+    ema = timm_utils.ModelEmaV3(model, decay=0.9)
+    assert _hook_count(ema.module) == 0
+    for s in range(3):
+        for m, mn in ((model, mon), (twin, mon_twin)):
+            _step(m, seed=s)
+            mn.step()
+        ema.update(model)
+        with torch.no_grad():
+            ema.module(torch.randn(2, 4))
+    assert _sites(mon.records()) == _sites(mon_twin.records())
+    mon.detach()
+    mon_twin.detach()
+    assert _hook_count(model) == _hook_count(ema.module) == 0
