@@ -1,5 +1,5 @@
 """hookstats.Monitor under torch.compile: one training step eager and compiled, each with and without a Monitor, in
-one run (Note [monitor under torch.compile] in hookstats/monitor.py).
+one run (Note [monitor under torch.compile] in hookstats/monitor/compile.py).
 
 Group compile-step-{model}-{device}: the training step of test_bench_monitor.py (nn.TransformerEncoder, d_model 256,
 4 layers, 8 x 128 tokens, MSE, SGD), with the Monitor of its monitor case (kinds forward + backward_pre, statistics

@@ -1,6 +1,6 @@
 // Every hookstats op schema, in one place. Implementations register per dispatch key:
 // cpu/*.cpp for CPU, cuda/*.cu for CUDA (compiled only where a CUDA toolkit is found).
-// Fake (meta) kernels for torch.compile live in hookstats/_ops.py. The Python module itself,
+// Fake (meta) kernels for torch.compile live in hookstats/_kernels.py. The Python module itself,
 // hookstats._C (whose loading runs these registrations), is defined in monitor/monitor_py.cpp.
 #include <torch/library.h>
 #include <torch/version.h>

@@ -116,7 +116,7 @@ def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
     if locations:
         h = as_histogram(histogram) if histogram is not None else None
         if not use_kernels(x, "stats"):
-            reference = reference_checked((), "stats")
+            reference = reference_checked((x,), "stats")
             st, loc = reference.stats(x), reference.locations(x)
             out = LocatedStats(*st, argmax_abs_index=loc[0], first_nonfinite_index=loc[1], shape=x.shape)
             return out if h is None else (out, reference.histogram_of(x, h))
@@ -127,12 +127,12 @@ def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
     if histogram is not None:
         h = as_histogram(histogram)
         if not use_kernels(x, "stats"):
-            reference = reference_checked((), "stats")
+            reference = reference_checked((x,), "stats")
             return reference.stats(x), reference.histogram_of(x, h)
         values, counts, hist = torch.ops.hookstats.stats_hist.default(x.detach(), h.mode, h.bins, h.lo, h.hi)
         return _stats_from_parts(values, counts), hist
     if not use_kernels(x, "stats"):
-        return reference_checked((), "stats").stats(x)
+        return reference_checked((x,), "stats").stats(x)
     values, counts = torch.ops.hookstats.stats.default(x.detach())
     return _stats_from_parts(values, counts)
 
@@ -220,7 +220,7 @@ def stats_into(x: torch.Tensor, out: torch.Tensor, slot: int, hist: Optional[tor
     if ring is not None and not isinstance(ring, torch.Tensor):
         raise TypeError(f"hookstats.stats_into: ring must be an int64 tensor, got {type(ring).__name__}")
     if not use_kernels(x, "stats_into"):
-        reference = reference_checked((), "stats_into")
+        reference = reference_checked((x,), "stats_into")
         if ring is not None:
             p, out, hist = reference.ring_rows(ring, out, hist, "stats_into")
             loc = None if loc is None else loc[p]

@@ -59,7 +59,7 @@ class Selection:
 
 
 class Site(str, enum.Enum):
-    """Where a hook sits. The value is the Monitor's kind name; `Site.parse` also takes the older aliases."""
+    """Where a hook sits. The value is the Monitor's kind name; `Site.lookup` also takes the aliases (SITE_ALIASES)."""
 
     FORWARD_PRE = "forward_pre"    # the module's positional inputs (register_forward_pre_hook)
     FORWARD = "forward"            # its output (register_forward_hook)
@@ -78,14 +78,6 @@ class Site(str, enum.Enum):
             return cls(SITE_ALIASES.get(name, name))
         except ValueError:
             return None
-
-    @classmethod
-    def parse(cls, name: Union[str, "Site"], owner: str = "hookstats") -> "Site":
-        site = cls.lookup(name)
-        if site is None:
-            raise ValueError(f"{owner}: unknown site {name!r}; use any of {[s.value for s in cls]} (or the aliases "
-                             f"{sorted(SITE_ALIASES)})")
-        return site
 
 
 SITE_ALIASES = {"inputs": "forward_pre", "outputs": "forward", "grad_output": "backward_pre", "grad_input": "backward",

@@ -37,7 +37,7 @@ def channel_stats(x: torch.Tensor, dim: int = -1) -> ChannelStats:
     check_tensor(x, "channel_stats")
     dim = _check_dim(x, dim, "channel_stats")
     if not use_kernels(x, "channel_stats"):
-        return reference_checked((), "channel_stats").channel_stats(x, dim)
+        return reference_checked((x,), "channel_stats").channel_stats(x, dim)
     values, counts = torch.ops.hookstats.channel_stats.default(x.detach(), dim)
     return _stats_from_parts(values, counts)
 
@@ -65,7 +65,7 @@ def channel_stats_into(x: torch.Tensor, buf: torch.Tensor, dim: int = -1) -> Non
         raise TypeError(f"hookstats.channel_stats_into needs a buffer tensor, got {type(buf).__name__}")
     dim = _check_dim(x, dim, "channel_stats_into")
     if not use_kernels(x, "channel_stats_into"):
-        reference_checked((), "channel_stats_into").channel_stats_into(x, buf, dim)
+        reference_checked((x,), "channel_stats_into").channel_stats_into(x, buf, dim)
         return
     # The op checks the buffer (dtype: TypeError; shape, device: ValueError), see csrc/core/channel_bindings.h.
     torch.ops.hookstats.channel_stats_into.default(x.detach(), buf, dim)

@@ -67,6 +67,13 @@ def _max_norm(max_norm, op: str) -> float:
     return m
 
 
+def _eps(eps, op: str) -> float:
+    e = float(eps)
+    if not (e >= 0 and math.isfinite(e)):
+        raise ValueError(f"hookstats.{op} needs a finite eps >= 0, got {eps!r}")
+    return e
+
+
 def _policy(nonfinite: str, op: str) -> str:
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"hookstats.{op}: nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
@@ -81,13 +88,13 @@ def _check_writable(x: torch.Tensor, op: str) -> None:
         )
 
 
-def _nonfinite_error(norm_type: float) -> RuntimeError:
-    # PyTorch's message (torch.nn.utils.get_total_norm), so code that matches on it keeps working.
+def _nonfinite_error(norm_type: float, switch: str = "set `error_if_nonfinite=False`") -> RuntimeError:
+    # PyTorch's message (torch.nn.utils.get_total_norm), so code that matches on it keeps working; `switch` names
+    # what turns the error off in the function that raised it.
     return RuntimeError(
         f"The total norm of order {norm_type} for gradients from "
         "`parameters` is non-finite, so it cannot be clipped. To disable "
-        "this error and scale the gradients by the non-finite norm anyway, "
-        "set `error_if_nonfinite=False`"
+        f"this error and scale the gradients by the non-finite norm anyway, {switch}"
     )
 
 
@@ -251,8 +258,7 @@ def clip_norm_(x: torch.Tensor, max_norm: float, norm_type: float = 2.0, eps: fl
     p = _norm_type(norm_type, "clip_norm_")
     m = _max_norm(max_norm, "clip_norm_")
     policy = _policy(nonfinite, "clip_norm_")
-    if not (float(eps) >= 0 and math.isfinite(float(eps))):
-        raise ValueError(f"hookstats.clip_norm_ needs a finite eps >= 0, got {eps!r}")
+    eps = _eps(eps, "clip_norm_")
     _check_writable(x, "clip_norm_")
     xd = x.detach()
     if policy == "error":  # the one policy that must see the norm before scaling
@@ -366,7 +372,7 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
         total_norm = total_norm.full_tensor()
     total64 = total_norm.detach().to(torch.float64)
     if policy == "error" and not bool(torch.isfinite(total64)):
-        raise _nonfinite_error(float("nan"))
+        raise _nonfinite_error(float("nan"), "pass nonfinite=\"propagate\" (or \"zero\" to zero the grads)")
     _scale_all(by_device, total64, m, policy, foreach)
 
 

@@ -1,35 +1,5 @@
-"""torch.distributed support: merging Monitor records across ranks, the grad kind under DDP, and the local part of a
-DTensor.
-
-Note [merging records across ranks]
-With `Monitor(..., process_group=pg)`, `flush()` is a collective: every rank of pg calls it at the same points
-(flush(), step() with flush_every, detach()). A record is keyed by (step, hook, tensor index, call number): the
-hook ids are the same on every rank (the Monitor attaches its hooks in module order), and calls are numbered per
-rank (Note [monitor sites]), so that the 3rd call of a module on rank 1 merges with the 3rd call on rank 0 if there
-is one. A flush packs this rank's records (key, dtype, histogram length, location indices, the 13 statistics, then
-the histogram rows and the shapes) into one float64 buffer (hookstats/monitor/merge.py) and all_gathers the
-buffers, each padded to a capacity agreed before (the largest payload seen, rounded up to a power of two; a payload
-over it makes the flush send again at the new capacity: two collectives then, at the first flush and when records
-grow). Each rank then combines the same buffers in the same order, so every rank holds the same merged records:
-  - a record combines the ranks that wrote it: counts summed, statistics of the concatenation of their tensors
-    (max / min / linf over the ranks with values; numel, sum, l1, NaN / Inf / zero counts summed; l2 as L sqrt(sum
-    (l2_r / L)^2) with L the merged linf, so squares neither overflow nor underflow; the variance combined around
-    the merged mid-range c, sum((n_r - 1) std_r^2 + n_r (mean_r - c)^2), not as E[x^2] - mean^2, so |mean| >> std
-    costs little); histograms summed (exact in int64). `ranks` says how many ranks wrote it. A record that no rank
-    wrote does not exist. Sums run in rank order: the merge is deterministic.
-  - replicated records (the grad kind under DDP: Note [grad records across ranks]) are the lowest rank's row,
-    counted once; replicas that differ are counted (Monitor.replica_mismatches) and warned about.
-  - `nonfinite_ranks`: the ranks whose tensor held a NaN or Inf (a bitmask of ranks 0-62 in the Block). With
-    locations=True the record names one element and its rank (`location_rank`): on the lowest rank with a NaN/Inf,
-    else on the rank holding the largest |x|; coordinates and `shape` are that rank's tensor's.
-  - what cannot be merged raises MergeError on every rank at the same flush (each rank computes from the same
-    buffers): Monitors that differ (hook names, kinds, histogram or locations settings: a signature in each
-    buffer's header), or one record with different dtypes or histogram lengths on different ranks. That flush's
-    records are dropped and counted (Monitor.merge_failures, dropped_records); the rows were reset, so the next
-    flush merges normally, and detach() detaches whatever a flush raises.
-With flush_every, step()'s flush starts the all_gather asynchronously and returns; the merge ends at the next
-flush, or at a read (records(), summary(), first_nonfinite(), table()): a read waits for the gather only, never
-starts a collective (a payload that must be sent again waits for the next flush).
+"""torch.distributed support: process groups, the grad kind under DDP, and the local part of a DTensor (merging
+Monitor records across ranks: hookstats/monitor/merge.py, Note [merging records across ranks]).
 
 Note [grad records across ranks]
 DDP runs post-accumulate-grad hooks before its allreduce: the hook sees this rank's local gradient, not the one the

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
-import warnings
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
 from ._ops import SUPPORTED_DTYPES, clamp_count_op, clip_norm_op, norms_op
-from .clip import CLIP_EPS, _bounds, _max_norm, _norm_type, _policy, _POLICY_CODE, get_total_norm
+from .clip import CLIP_EPS, _bounds, _eps, _max_norm, _norm_type, _policy, _POLICY_CODE, get_total_norm
+from .reference import clip_coef
 
 def _is_float_tensor(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in SUPPORTED_DTYPES and t.layout == torch.strided
@@ -97,7 +96,8 @@ def _rebuild(obj, it):
 
 
 class _Forms:
-    """The per-kind forms of a hook object; subclasses implement _process(kind, obj, module) -> new obj or None."""
+    """The per-kind forms of a hook object; subclasses implement _process(kind, obj, extra=None) -> new obj or None
+    (extra: a full backward hook's grad_output beside its grad_input)."""
 
     _name = "hook"
 
@@ -120,16 +120,16 @@ class _Forms:
 
     def backward(self, module, grad_input, grad_output):
         _check_full_backward(module, self._name)
-        return self._process("backward", grad_input, module, extra=grad_output)
+        return self._process("backward", grad_input, extra=grad_output)
 
     def backward_pre(self, module, grad_output):
-        return self._process("backward_pre", grad_output, module)
+        return self._process("backward_pre", grad_output)
 
     def forward_pre(self, module, args):
-        return self._process("forward_pre", args, module)
+        return self._process("forward_pre", args)
 
     def forward(self, module, args, output):
-        return self._process("forward", output, module)
+        return self._process("forward", output)
 
     def tensor(self, grad):
         if grad is None:
@@ -139,17 +139,17 @@ class _Forms:
         if not isinstance(grad, torch.Tensor):
             raise TypeError(f"{self._name}.tensor is a Tensor.register_hook hook (grad) -> grad; got "
                             f"{type(grad).__name__}. For modules use the object itself or its module forms")
-        return self._process("tensor", grad, None)
+        return self._process("tensor", grad)
 
     def post_accumulate(self, param):
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"{self._name}.post_accumulate is a Tensor.register_post_accumulate_grad_hook hook "
                             f"(param) -> None; got {type(param).__name__}")
         if param.grad is not None:
-            self._process("post_accumulate", param.grad, None, param=param)
+            self._process("post_accumulate", param.grad)
         return None
 
-    def _process(self, kind, obj, module, extra=None, param=None):  # pragma: no cover - abstract
+    def _process(self, kind, obj, extra=None):  # pragma: no cover - abstract
         raise NotImplementedError
 
 
@@ -171,9 +171,7 @@ class fused_clip(_Forms):
         self.max_norm = _max_norm(max_norm, "fused_clip")
         self.norm_type = _norm_type(norm_type, "fused_clip")
         self.per_tensor = bool(per_tensor)
-        self.eps = float(eps)
-        if not (self.eps >= 0 and math.isfinite(self.eps)):
-            raise ValueError(f"hookstats.fused_clip needs a finite eps >= 0, got {eps!r}")
+        self.eps = _eps(eps, "fused_clip")
         self.nonfinite = _policy(nonfinite, "fused_clip")
         self.last_norm: Optional[torch.Tensor] = None
 
@@ -182,10 +180,7 @@ class fused_clip(_Forms):
                 f"per_tensor={self.per_tensor}, nonfinite={self.nonfinite!r})")
 
     def _coef(self, total: torch.Tensor) -> torch.Tensor:
-        coef = torch.clamp(self.max_norm / (total + self.eps), max=1.0)
-        if self.nonfinite == "zero":
-            coef = torch.where(torch.isfinite(total), coef, torch.zeros_like(coef))
-        return coef
+        return clip_coef(total, self.max_norm, self.eps, self.nonfinite == "zero")
 
     def _check_finite(self, total: torch.Tensor) -> None:
         if self.nonfinite == "error" and not bool(torch.isfinite(total)):
@@ -215,7 +210,7 @@ class fused_clip(_Forms):
                 out.append(y.to(t.dtype))
         return out
 
-    def _process(self, kind, obj, module, extra=None, param=None):
+    def _process(self, kind, obj, extra=None):
         if kind == "post_accumulate":  # in place on param.grad: the one place PyTorch allows it
             if not _is_float_tensor(obj):
                 return None
@@ -250,7 +245,7 @@ class clip_value(_Forms):
     def __repr__(self) -> str:
         return f"hookstats.clip_value({self.lo}, {self.hi})"
 
-    def _process(self, kind, obj, module, extra=None, param=None):
+    def _process(self, kind, obj, extra=None):
         if kind == "post_accumulate":
             if _is_float_tensor(obj):
                 self.last_count = clamp_count_op([obj], self.lo, self.hi, "clip_value")

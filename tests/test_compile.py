@@ -3,7 +3,7 @@ model records eagerly, without recompiling from one step to the next; the hook o
 as eager; the private op that traced Monitor hooks call passes opcheck (the public ops' opchecks are in
 test_stats.py, test_histogram.py and test_clip.py).
 
-How a traced Monitor hook records: Note [monitor under torch.compile] in hookstats/monitor.py. Where PyTorch
+How a traced Monitor hook records: Note [monitor under torch.compile] in hookstats/monitor/compile.py. Where PyTorch
 traces which hook:
   forward_pre, forward   traced into the forward graph (fullgraph=True works)
   backward_pre, backward traced into the backward graph by compiled autograd (forward and backward run under

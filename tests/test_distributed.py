@@ -4,7 +4,7 @@ Two launches (tests/dist_helpers.py, one module-scoped fixture each) hold every 
 costs most of the time here (importing torch; DDP imports torch._dynamo):
   "monitor"   Monitor(process_group="world") on plain models and on a pass-through module fed chosen per-rank
               tensors: merged records against hookstats.reference of the concatenation of what each rank's hook
-              saw (Note [merging records across ranks] in hookstats/distributed.py), histograms, identical records
+              saw (Note [merging records across ranks] in hookstats/monitor/merge.py), histograms, identical records
               on every rank, exporters on rank 0 only, flush_every, and ranks that recorded different tensors.
   "parallel"  DDP: Monitor records of the whole batch, clip_grad_norm_ against torch.nn.utils on an unsharded copy
               trained on the whole batch, no collective for plain grads. FSDP2 (fully_shard per Linear and the root,

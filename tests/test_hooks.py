@@ -1,7 +1,8 @@
 """The hook objects hookstats.fused_clip, clip_value and record, in every hook kind's form, on small real models
 (an MLP, a small CNN, an nn.TransformerEncoderLayer), against the same computation done with plain PyTorch in the
 same hook. The contract is the hooks API spec (issue #5) and the docstring of hookstats/hooks.py; the PyTorch hook
-facts tested here are those of FIELD.md, "Hook semantics people get wrong".
+facts tested here are the ones people get wrong (which hook gets what, when it fires, what its return value does):
+docs/guide/hooks-semantics.md and the table at the top of hookstats/hooks.py.
 
 The plain-PyTorch references:
   fused_clip   the hook returns the same structure with every floating tensor t replaced by t * coef, where
@@ -474,7 +475,7 @@ def test_clip_value_bounds_and_count_exactly(kind, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The PyTorch hook facts of FIELD.md
+# The PyTorch hook facts people get wrong (docs/guide/hooks-semantics.md)
 # ---------------------------------------------------------------------------------------------------------------
 
 def linear_setup(device="cpu", x_requires_grad=True):

@@ -152,9 +152,13 @@ def test_one_place_chooses_kernels_or_reference():
         if path.name in ("_kernels.py",):
             continue
         text = path.read_text()
-        for needle in ("if not HAVE_EXTENSION", "if HAVE_EXTENSION", "uses_kernels("):
+        for needle in ("if not HAVE_EXTENSION", "if HAVE_EXTENSION", "HAVE_EXTENSION else", "HAVE_EXTENSION and"):
             assert needle not in text or path.name == "compile.py" and needle == "if HAVE_EXTENSION", \
                 f"{path.relative_to(PKG)} decides kernels vs reference itself ({needle!r}); use _kernels.use_kernels"
+        # a wrapper that asks the tensor's device picks a path itself (a dispatch key picks the kernel)
+        for line in text.splitlines():
+            if "use_kernels" not in line and "reference" in line and (".is_cuda" in line or ".device.type" in line):
+                raise AssertionError(f"{path.relative_to(PKG)} picks the reference by device: {line.strip()!r}")
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

@@ -1,7 +1,7 @@
 """hookstats.Monitor: what it records (per module, kind and step, with exact counts), against a plain-PyTorch capture
 registered on the same hooks right after the Monitor's; every=N; NaN hunting; the growing buffer; histograms;
 summaries; include/exclude globs; kind aliases; detach and the context manager; bad arguments. The contract is the
-hooks API spec (issue #5) and the docstring of hookstats/monitor.py.
+hooks API spec (issue #5) and the docstring of hookstats.Monitor (hookstats/monitor/core.py).
 
 The capture: for each Monitor hook, a plain hook of the same kind on the same module (or parameter), registered
 after it, so PyTorch calls the two back to back; it keeps (step, module, kind, index, clone) of every floating

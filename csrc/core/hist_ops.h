@@ -14,7 +14,7 @@
 //   [0, nE)        negative normals, index = floor(log2|x|) - emin
 //   [nE, 2 nE)     positive normals, likewise
 //   2nE + 0 .. 5   negative subnormal, positive subnormal, zero (+0 and -0), -inf, +inf, NaN.
-// float32/bfloat16: 514 counts, float16: 66, float64: 4098. hookstats/_ops.py mirrors this.
+// float32/bfloat16: 514 counts, float16: 66, float64: 4098. hookstats/_types.py (hist_length) mirrors this.
 #pragma once
 
 #include <cmath>

@@ -29,7 +29,7 @@
 namespace hookstats {
 
 // Note [stats row layout]: the order of the fields of hookstats.Stats, of a row of a
-// stats_into buffer, and of hookstats._ops.STATS_FIELDS. Change all three together.
+// stats_into buffer, and of hookstats._types.STATS_FIELDS. Change all three together.
 enum StatField : int {
   kNumel = 0, kSum, kMean, kVar, kStd, kL1, kL2, kLinf, kMin, kMax,
   kNanCount, kInfCount, kZeroCount, kNumStatFields

@@ -274,7 +274,7 @@ class Buffers:
         e = np.empty(0, dtype=np.int64)
         return Block(self.table, e, e, np.empty((0, _NF)), e, e, [], self._seq)
 
-    # -- merging across ranks (Note [merging records across ranks] in hookstats.distributed) --------------------------
+    # -- merging across ranks (Note [merging records across ranks] in monitor/merge.py) --------------------------
     def _signature(self) -> float:
         """What every rank's Monitor must share (hooks, their merge modes, histogram and locations settings)."""
         n = len(self.table.hook_names)

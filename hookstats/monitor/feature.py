@@ -1,7 +1,8 @@
 """The Monitor's features: what a Monitor records besides its per-site statistics, behind one small protocol.
 
 Note [monitor features]
-A feature is an object with a `name` and four methods, called by the Monitor core at fixed points:
+A feature is an object with a `name` and these methods, called by the Monitor core at fixed points (configure
+is optional; so are run_info() and summary(), below):
   configure(options) before the device buffers are made: it may set buffer options (locations adds element
                      coordinates to every row); optional;
   attach(ctx)        after the Monitor's own hooks are registered (so its hooks run after them, as before);

@@ -52,7 +52,7 @@ class record(_Forms):
         self._buf.record(hid, obj)
         return None
 
-    def _process(self, kind, obj, module, extra=None, param=None):
+    def _process(self, kind, obj, extra=None):
         if kind in ("forward", "forward_pre") and not is_compiling() and recomputing():
             return None  # activation checkpointing's recomputation: the first forward recorded this call
         if kind == "backward":
