@@ -28,12 +28,13 @@ def _expected(m, x):
     with torch.no_grad():
         h0 = m[0](x)
         h1 = m[1](h0)
-        return {"0": h0, "1": h1, "2": m[2](h1)}
+        out = m[2](h1)
+        return {"": out, "0": h0, "1": h1, "2": out}  # "": the model itself
 
 
 def _check_forward(recs, m, x):
     fwd = {r["module"]: r for r in recs if r["kind"] == "forward"}
-    assert sorted(fwd) == ["0", "1", "2"]
+    assert sorted(fwd) == ["", "0", "1", "2"]
     for name, t in _expected(m, x).items():
         ref = reference.stats(t).to_dict()
         got = fwd[name]["stats"]
@@ -132,5 +133,5 @@ def test_a_scalar_logged_on_a_side_stream_is_flushed_without_wait_stream():
     torch.cuda.synchronize()
     _check_forward(recs, m, x)
     assert [v["tag"] for v in scalars] == ["loss"]
-    assert scalars[0]["value"] == pytest.approx(float(loss), rel=1e-6)
+    assert scalars[0]["value"] == pytest.approx(float(loss.detach()), rel=1e-6)
     mon.detach()
