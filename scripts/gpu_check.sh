@@ -96,7 +96,8 @@ rc=$?
 sed 's/^/- /' <<< "$pre" >> "$REPORT"
 smi=$(timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
 say "- GPU (nvidia-smi): ${smi:-none (nvidia-smi not found or no device)}"
-say "- nvcc: $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'not on PATH') (CUDA_HOME=${CUDA_HOME:-unset})"
+nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+say "- nvcc: $("$nvcc" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo "not found ($nvcc)") ($nvcc; CUDA_HOME=${CUDA_HOME:-unset: setup.py uses /usr/local/cuda when it has nvcc})"
 gpu=$(sed -n 's/^cuda: //p' <<< "$pre")
 missing=$(sed -n 's/^missing: //p' <<< "$pre")
 if (( rc != 0 )) || [[ -z $gpu ]]; then
@@ -134,7 +135,8 @@ post=$(timeout -k 5 60 "$PY" scripts/gpu_preflight.py --built 2>&1)
 sed 's/^/- /' <<< "$post" >> "$REPORT"
 if ! grep -q '^import: ok' <<< "$post"; then
   # the import's own error (a missing numpy is a missing numpy, not a build without CUDA kernels)
-  done_stage build "failed (built, but $(sed -n 's/^import: FAILED: //p' <<< "$post" | head -1 || true))" "$SECS"
+  why=$(sed -n 's/^import: FAILED: //p' <<< "$post" | head -1)
+  done_stage build "failed (built, but ${why:-the import probe ended with: $(tail -1 <<< "$post")})" "$SECS"
   NOT_RUN_WHY="not run (import hookstats failed)"
   not_run smoke graphs bandwidth monitor tests extra large
   finish
@@ -155,7 +157,7 @@ if ! grep -q '^cuda_kernels_built: True' <<< "$post"; then
 fi
 done_stage build ok "$SECS"
 
-# 2.-7. ------------------------------------------------------------------------------------------------------------
+# 2.-8. ------------------------------------------------------------------------------------------------------------
 : > "$HOOKSTATS_LIVE_LOG"
 xdist=()
 if grep -q '^module xdist: [0-9]' <<< "$pre"; then xdist=(-n "${XDIST_WORKERS:-8}"); fi

@@ -87,29 +87,25 @@ def test_graph_replays_on_a_side_stream_are_flushed_without_wait_stream():
     with torch.cuda.graph(graph):
         m(static_x)
     mon.step()
-    s = torch.cuda.Stream()
     datas = {}
-    for i in range(3):
-        x = torch.randn(16, 32, device="cuda") * (i + 2)
+
+    def replay_behind_a_sleep(stream, x):
         static_x.copy_(x)
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             torch.cuda._sleep(SLEEP_CYCLES)
             graph.replay()
         datas[mon.current_step] = x
+
+    s = torch.cuda.Stream()
+    for i in range(3):
+        replay_behind_a_sleep(s, torch.randn(16, 32, device="cuda") * (i + 2))
         # the next step's number (a fill on the current stream, Note [monitor graph replays]) and the next copy_
         # into static_x wait for this replay
         torch.cuda.current_stream().wait_stream(s)
         mon.step()
-    s2 = torch.cuda.Stream()
-    x = torch.randn(16, 32, device="cuda") * 7
-    static_x.copy_(x)
-    s2.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s2):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        graph.replay()
-    datas[mon.current_step] = x
-    recs = mon.flush()  # the last replay is still queued on s2 behind its sleep: the flush reads its ring count too
+    replay_behind_a_sleep(torch.cuda.Stream(), torch.randn(16, 32, device="cuda") * 7)
+    recs = mon.flush()  # the last replay is still queued behind its sleep: the flush reads its ring count too
     torch.cuda.synchronize()
     assert sorted({r["step"] for r in recs}) == sorted(datas)
     for st, x in datas.items():
