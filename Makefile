@@ -82,7 +82,7 @@ docs: build
 TORCH_OLDEST ?= 2.11.0
 OLDEST := .whl/torch-$(TORCH_OLDEST)
 
-$(OLDEST)/.unpacked:
+$(OLDEST)/.unpacked: | $(DEPS)
 	rm -rf $(OLDEST) .whl/download
 	$(PY) -m pip download --no-deps --only-binary=:all: "torch==$(TORCH_OLDEST)" -d .whl/download
 	$(PY) -c "import glob, sys, zipfile; z = zipfile.ZipFile(glob.glob(sys.argv[1])[0]); \
