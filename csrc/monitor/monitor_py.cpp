@@ -128,11 +128,11 @@ struct SlotGrad : torch::autograd::Node {
   std::string name() const override { return "hookstats::SlotGrad"; }
 };
 
-// A new autograd node of type N, held the way this torch's edges hold nodes: std::shared_ptr up
-// to torch 2.11 (Node derives from std::enable_shared_from_this), c10::intrusive_ptr since (Node
-// is an intrusive_ptr_target). Decided by Edge::function's type rather than by version numbers,
-// so that it follows whichever torch headers the build sees (`make check-torch-range` compiles
-// against the oldest supported and the venv's).
+// A new autograd node of type N, held the way this torch's edges hold nodes: std::shared_ptr in
+// torch 2.11 (Node derives from std::enable_shared_from_this), c10::intrusive_ptr in 2.13 and 2.14
+// (Node is an intrusive_ptr_target). Decided by Edge::function's type rather than by version
+// numbers, so that it follows whichever torch headers the build sees (`make check-torch-range`
+// compiles against the oldest supported and the venv's).
 template <class N, class... Args>
 auto make_node(Args&&... args) {
   using Held = decltype(torch::autograd::Edge::function);
