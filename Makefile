@@ -6,6 +6,8 @@
 #   make bench           pytest --benchmark-only (the whole benchmark suite, timed), then the summary tables, also
 #                        written to docs/benchmarks.md (benchmarks/report.py)
 #   make docs            regenerate docs/api.md and the Note index of docs/design.md (scripts/gen_api_docs.py)
+#   make check-torch-range   every csrc/**/*.cpp through `g++ -fsyntax-only` against the oldest supported torch's
+#                        headers (TORCH_OLDEST, fetched once into .whl/) and the venv's torch (scripts/check_torch_range.sh)
 #   PYTHON=python3 make test   use that interpreter as is (e.g. on a GPU machine that has torch), no venv
 #
 # The CUDA kernels (docs/development.md has the table): built where a GPU is visible, or asked for with
@@ -37,7 +39,7 @@ endif
 BUILD_STAMP := hookstats/.build-stamp-cuda$(HOOKSTATS_CUDA)-arch$(subst ;,_,$(subst +,p,$(subst $(space),,$(TORCH_CUDA_ARCH_LIST))))
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: all build test test-fast bench-smoke demo bench docs clean
+.PHONY: all build test test-fast bench-smoke demo bench docs clean check-torch-range
 
 all: test
 
@@ -74,6 +76,24 @@ bench: build
 
 docs: build
 	$(PY) scripts/gen_api_docs.py
+
+# The oldest torch that pyproject.toml claims: only its wheel's torch/include (and the cpp_extension.py that says which
+# -std it builds with) are kept, in the ignored .whl/ folder; the wheel itself (~530 MB) is deleted once unpacked.
+TORCH_OLDEST ?= 2.11.0
+OLDEST := .whl/torch-$(TORCH_OLDEST)
+
+$(OLDEST)/.unpacked: | $(DEPS)
+	rm -rf $(OLDEST) .whl/download
+	$(PY) -m pip download --no-deps --only-binary=:all: "torch==$(TORCH_OLDEST)" -d .whl/download
+	$(PY) -c "import glob, sys, zipfile; z = zipfile.ZipFile(glob.glob(sys.argv[1])[0]); \
+	  z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('torch/include/') or n in \
+	  ('torch/utils/cpp_extension.py', 'torch/version.py')])" ".whl/download/torch-$(TORCH_OLDEST)*.whl" $(OLDEST)
+	rm -rf .whl/download
+	touch $@
+
+check-torch-range: $(DEPS) $(OLDEST)/.unpacked
+	JOBS=$${MAX_JOBS:-2} bash scripts/check_torch_range.sh $(PY) $(OLDEST) \
+	  "$$($(PY) -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
 
 clean:
 	rm -rf build *.egg-info hookstats/_C*.so hookstats/.build-stamp* bench.json

@@ -132,18 +132,32 @@ def distribution_section(dev) -> list[str]:
     return lines
 
 
+# name: (title, function), most telling first (the default order). The functions are looked up when run, so that a
+# test can replace one (tests/test_gpu_scripts.py).
+SECTIONS = {"bandwidth": ("Bandwidth", "bandwidth_section"), "clip": ("Clipping", "clip_section"),
+            "monitor": ("Monitor", "monitor_section"), "where": ("Where in the tensor", "where_section"),
+            "distribution": ("By distribution", "distribution_section")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_bench.md")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated, run in this order (scripts/gpu_check.sh runs them as stages): "
+                         f"{', '.join(SECTIONS)}")
     args = ap.parse_args()
+    names = [n.strip() for n in args.sections.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     dev = torch.device("cuda")
     lines = [f"# hookstats GPU benchmark: {torch.cuda.get_device_name(dev)}"]
     failed = 0
     # Most telling first; each section saved as it finishes (a run cut short keeps what it measured), and each in
     # run_section: a failed assertion is reported and the other sections still run.
-    for title, section in (("Bandwidth", bandwidth_section), ("Clipping", clip_section), ("Monitor", monitor_section),
-                           ("Where in the tensor", where_section), ("By distribution", distribution_section)):
-        out, ok = run_section(title, section, dev)
+    for name in names:
+        title, section = SECTIONS[name]
+        out, ok = run_section(title, globals()[section], dev)
         lines += out
         failed += not ok
         save(args.out, lines)

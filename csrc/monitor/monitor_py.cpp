@@ -140,6 +140,24 @@ struct SlotGrad : torch::autograd::Node {
   std::string name() const override { return "hookstats::SlotGrad"; }
 };
 
+// A new autograd node of type N, held the way this torch's edges hold nodes: std::shared_ptr in
+// torch 2.11 (Node derives from std::enable_shared_from_this), c10::intrusive_ptr in 2.13 and 2.14
+// (Node is an intrusive_ptr_target). Decided by Edge::function's type rather than by version
+// numbers, so that it follows whichever torch headers the build sees (`make check-torch-range`
+// compiles against the oldest supported and the venv's).
+template <class N, class... Args>
+auto make_node(Args&&... args) {
+  using Held = decltype(torch::autograd::Edge::function);
+  constexpr bool shared = std::is_same_v<Held, std::shared_ptr<torch::autograd::Node>>;
+  static_assert(shared || std::is_same_v<Held, c10::intrusive_ptr<torch::autograd::Node>>,
+                "hookstats: unknown autograd Edge::function type: extend make_node in monitor_py.cpp");
+  if constexpr (shared) {
+    return std::make_shared<N>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<N>(std::forward<Args>(args)...);
+  }
+}
+
 // The autograd sequence number each monitored call started at (forward_start), per thread, with
 // the state of the forward hook that takes it back; entries left by a forward that raised are
 // dropped when an outer call ends.
@@ -196,7 +214,7 @@ py::object hook_outputs(const std::shared_ptr<Recorder>& r, int32_t hook, const 
     }
     py::object alias = py::none();  // None: no alias could be made (a subclass refusing detach): counted
     try {
-      auto node = c10::make_intrusive<SlotGrad>(weak, hook, index);
+      auto node = make_node<SlotGrad>(weak, hook, index);
       node->set_next_edges(torch::autograd::collect_next_edges(t));
       at::Tensor a = t.detach();
       torch::autograd::create_gradient_edge(a, std::move(node));

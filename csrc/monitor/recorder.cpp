@@ -5,6 +5,7 @@
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -459,6 +460,11 @@ void Recorder::record_calls(const std::vector<std::tuple<int32_t, int32_t, at::T
 
 Recorder::Taken Recorder::take() {
   std::lock_guard<std::mutex> g(mu_);
+  // Note [flush across streams] (hookstats/monitor/buffers.py): rows written on any stream, graph replays' ring
+  // counts and rows included, are complete before append_rings reads and copies them and the host copies them.
+  for (const auto& b : devs_) {
+    if (!b.device.is_cpu()) c10::impl::getDeviceGuardImpl(b.device.type())->synchronizeDevice(b.device.index());
+  }
   Taken out;
   const int64_t used = static_cast<int64_t>(slot_steps_.size());
   const int64_t F = kNumStatFields;
@@ -490,6 +496,13 @@ void Recorder::reset() {
     for (auto& b : devs_) b.stats.narrow(0, 0, used * b.cap).fill_(std::nan(""));
     if (locations_) {
       for (auto& b : devs_) b.loc.narrow(0, 0, used * b.cap).fill_(-1);
+    }
+    // Note [flush across streams] (hookstats/monitor/buffers.py): the fills are done before any later record, on
+    // whatever stream, is enqueued.
+    for (const auto& b : devs_) {
+      if (b.device.is_cpu()) continue;
+      const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(b.device.type());
+      impl->synchronizeStream(impl->getStream(b.device));
     }
   }
   shape_ndim_.clear();

@@ -31,8 +31,20 @@ from .sites import SiteTable
 _NF = len(STATS_FIELDS)
 
 
+# Note [flush across streams]
+# Rows are written by kernels on whatever stream was current where the record was made: a side stream
+# (`with torch.cuda.stream(s)`), autograd's stream for a backward op (the forward op's), the stream a captured graph
+# is replayed on. A copy ordered only after the current stream could read a row before its kernel ran, and the
+# recorder's NaN reset could run before it and be overwritten. The recorder cannot know every such stream (a graph
+# replay runs none of its code), so a flush, which blocks anyway, waits for the whole device: Recorder::take
+# (csrc/monitor/recorder.cpp) before it reads the rings' counts and hands out the blocks, to_host before each copy
+# (the logged scalars too), and Recorder::reset waits for its fills before it returns, so that a record made after
+# the flush, on any stream, is enqueued after them. The cost: the flush also waits for work queued on other streams
+# (a data loader's copies, collectives) that would otherwise overlap with it, and one more wait for the fills
+# (microseconds). tests/test_cuda_streams.py records on side streams and flushes without wait_stream.
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    if t.is_cuda:  # non-blocking into pinned memory, then one wait for this stream
+    if t.is_cuda:  # after the whole device (Note [flush across streams]); non-blocking into pinned memory, one wait
+        torch.cuda.synchronize(t.device)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         torch.cuda.current_stream(t.device).synchronize()
