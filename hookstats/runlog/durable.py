@@ -17,7 +17,7 @@ Whatever the kill point, D holds either the old content or the new one, and ever
 beginning with "."): a temporary file, a staging or old directory. `resolve(D)` says which directory holds the log
 (D, or the staging directory in the one window of step 3's fallback), and `repair(D)` (the next writer, at open)
 finishes or removes what a dead process left. HOOKSTATS_TEST_KILL_AT=<point> kills the process with SIGKILL at a
-named point (tests/test_runlog_kill.py).
+named point ("name:N": its N-th passage; tests/test_runlog_kill.py).
 """
 from __future__ import annotations
 
@@ -32,9 +32,20 @@ _KILL_ENV = "HOOKSTATS_TEST_KILL_AT"
 EXCHANGE = True  # use renameat2(RENAME_EXCHANGE) where the OS has it (tests turn it off to exercise the fallback)
 
 
+_hits: dict = {}
+
+
 def kill_point(name: str) -> None:
-    """Test hook: SIGKILL this process here when HOOKSTATS_TEST_KILL_AT names this point."""
-    if os.environ.get(_KILL_ENV) == name:
+    """Test hook: SIGKILL this process here when HOOKSTATS_TEST_KILL_AT names this point ("name", or "name:N" for
+    its N-th passage)."""
+    want = os.environ.get(_KILL_ENV)
+    if not want or not want.startswith(name):
+        return
+    point, _, nth = want.partition(":")
+    if point != name:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] >= int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
