@@ -34,12 +34,12 @@ _SCRIPT = textwrap.dedent("""
     from torch import nn
     import hookstats
     from hookstats.runlog import JSONLWriter, ParquetWriter
-    import hookstats.runlog.durable as durable
 
     run_dir, mode, steps, flush_every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
     torch.manual_seed(0)
     if mode == "no-exchange":
+        import hookstats.runlog.durable as durable
         durable.EXCHANGE = False
     if mode == "user-handler":
         def handler(signum, frame):

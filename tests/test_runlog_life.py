@@ -105,9 +105,9 @@ def test_detach_raises_a_write_error_and_a_close_error_once_together(tmp_path):
 
 def _parquet_run(path, n, start_step=0, **kw):
     m = _net()
-    stats_dtype = kw.pop("stats_dtype", None)
+    wkw = {"stats_dtype": kw.pop("stats_dtype")} if "stats_dtype" in kw else {}
     mon = hookstats.Monitor(m, kinds=("forward", "grad"), flush_every=2, start_step=start_step,
-                            exporters=[ParquetWriter(path, stats_dtype=stats_dtype)], **kw)
+                            exporters=[ParquetWriter(path, **wkw)], **kw)
     _train(mon, m, n)
     mon.detach()
     return mon.records()
@@ -136,10 +136,10 @@ def test_another_run_into_a_parquet_log_is_refused_before_a_step(tmp_path, chang
     m = _net()
     change = dict(change)
     start = change.pop("start_step", 4)
-    stats_dtype = change.pop("stats_dtype", None)
+    wkw = {"stats_dtype": change.pop("stats_dtype")} if "stats_dtype" in change else {}
     with pytest.raises(ValueError, match=why.replace("(", r"\(").replace(")", r"\)").replace("{", r"\{")):
-        hookstats.Monitor(m, kinds=("forward", "grad"), start_step=start,
-                          exporters=[ParquetWriter(path, stats_dtype=stats_dtype)], **change)
+        hookstats.Monitor(m, kinds=("forward", "grad"), start_step=start, exporters=[ParquetWriter(path, **wkw)],
+                          **change)
     assert _hooks(m) == 0
     assert _snapshot(path) == before  # nothing written
     assert read_log(path).num_rows == len(first)
@@ -191,7 +191,8 @@ class _Pass(nn.Module):
 
 def _extreme_run(path, stats_dtype=None):
     m = nn.Sequential(_Pass(), _Pass())
-    mon = hookstats.Monitor(m, kinds=("forward",), exporters=[ParquetWriter(path, stats_dtype=stats_dtype)])
+    wkw = {"stats_dtype": stats_dtype} if stats_dtype else {}
+    mon = hookstats.Monitor(m, kinds=("forward",), exporters=[ParquetWriter(path, **wkw)])
     big = torch.full((100,), 9.49e37)  # float32 elements; l2 = 9.49e38, sum = 9.49e39: finite, past float32
     tiny = torch.tensor([1e-30, 3e-30])  # var = 1e-60: nonzero, below float32's smallest subnormal
     huge64 = torch.tensor([1e300, -2e300], dtype=torch.float64)  # every statistic past float32
