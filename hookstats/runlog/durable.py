@@ -143,7 +143,7 @@ def repair(d: str, tmp_prefix: str) -> None:
         os.rename(held, d)
         fsync_dir(os.path.dirname(d) or ".")
     for pid, p in _leftovers(d)["staged"] + _leftovers(d)["old"]:
-        if not _alive(pid) or pid == os.getpid():
+        if not _alive(pid):
             shutil.rmtree(p, ignore_errors=True)
     parent, prefix = os.path.split(tmp_prefix)
     try:
@@ -153,7 +153,7 @@ def repair(d: str, tmp_prefix: str) -> None:
     for n in names:
         if n.startswith(prefix):
             m = re.match(r"(\d+)-", n[len(prefix):])
-            if m and (not _alive(int(m.group(1))) or int(m.group(1)) == os.getpid()):
+            if m and not _alive(int(m.group(1))):
                 try:
                     os.remove(os.path.join(parent, n))
                 except OSError:
@@ -166,15 +166,19 @@ def swap_in(d: str, new_file: str, new_name: str, replaced: set, fsync: bool = T
     staged = _hidden(d, "staged")
     shutil.rmtree(staged, ignore_errors=True)
     os.mkdir(staged)
-    for n in sorted(os.listdir(d)):
-        if n in replaced:
-            continue
-        src, dst = os.path.join(d, n), os.path.join(staged, n)
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-    os.replace(new_file, os.path.join(staged, new_name))
+    try:
+        for n in sorted(os.listdir(d)):
+            if n in replaced:
+                continue
+            src, dst = os.path.join(d, n), os.path.join(staged, n)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+        os.replace(new_file, os.path.join(staged, new_name))
+    except BaseException:  # d untouched: the staging directory goes, the error is the caller's
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
     if fsync:
         fsync_dir(staged)
     kill_point("compact-staged")

@@ -255,7 +255,7 @@ class ParquetWriter:
         """Writes the run header, or checks that a log being continued holds the same run (Note [one run per log]:
         ValueError otherwise) and adds this writer's header to its "resumed" list; fixes the records' schema."""
         old = read_run_info(self.path)
-        has_records = bool(parts(self.path)["records"])
+        has_records = any(parts(self.path).values())
         check_resume("ParquetWriter", self.path, old, info, has_records)
         self.info = info
         self._schema = records_schema(info, self.stats_dtype)
@@ -346,20 +346,26 @@ class ParquetWriter:
         schema = schema.remove_metadata()
         name = f"{kind}-{mine[0][0]:06d}-{mine[-1][0]:06d}.parquet"
         tmp = self._tmp(name)
-        with pq.ParquetWriter(tmp, schema, compression=self.compression,
-                              use_dictionary=list(_t.SITE_COLUMNS) + ["tag"], write_statistics=["step", "seq"]) as w:
-            for i, (_, _, p) in enumerate(mine):  # one row group per flush, one flush in memory at a time
-                f = pq.ParquetFile(p)
-                for g in range(f.num_row_groups):
-                    t = _conform(f.read_row_group(g), schema)
-                    if t.schema.names != schema.names:
-                        raise RuntimeError(f"hookstats.ParquetWriter: {p} has columns this log's schema lacks "
-                                           f"({sorted(set(t.schema.names) - set(schema.names))}); not compacted")
-                    w.write_table(t, row_group_size=max(1, t.num_rows))
-                if i == 0:
-                    _durable.kill_point("compact-writing")
-        if self.fsync:
-            _durable.fsync_file(tmp)
+        try:
+            with pq.ParquetWriter(tmp, schema, compression=self.compression,
+                                  use_dictionary=list(_t.SITE_COLUMNS) + ["tag"],
+                                  write_statistics=["step", "seq"]) as w:
+                for i, (_, _, p) in enumerate(mine):  # one row group per flush, one flush in memory at a time
+                    f = pq.ParquetFile(p)
+                    for g in range(f.num_row_groups):
+                        t = _conform(f.read_row_group(g), schema)
+                        if t.schema.names != schema.names:
+                            raise RuntimeError(f"hookstats.ParquetWriter: {p} has columns this log's schema lacks "
+                                               f"({sorted(set(t.schema.names) - set(schema.names))}); not compacted")
+                        w.write_table(t, row_group_size=max(1, t.num_rows))
+                    if i == 0:
+                        _durable.kill_point("compact-writing")
+            if self.fsync:
+                _durable.fsync_file(tmp)
+        except BaseException:  # the per-flush files stay: the log is whole, only not compacted
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         _durable.swap_in(d, tmp, name, {os.path.basename(p) for _, _, p in mine}, fsync=self.fsync)
 
     def __enter__(self) -> "ParquetWriter":
@@ -376,7 +382,7 @@ def _check_own(lp: LogPaths) -> None:
             names = os.listdir(d)
         except (FileNotFoundError, NotADirectoryError):
             continue
-        foreign = [n for n in names if not _PART.match(n) and n != OLD_RUN_FILE]
+        foreign = [n for n in names if not _PART.match(n) and n != OLD_RUN_FILE and n[:1] not in "._"]
         if foreign:
             raise ValueError(f"hookstats.ParquetWriter: {d!r} holds files that are not a hookstats log's "
                              f"({', '.join(sorted(foreign)[:3])}{', ...' if len(foreign) > 3 else ''}): a writer "
