@@ -9,7 +9,11 @@ nothing once the writer has it), a flush every FLUSH_EVERY steps, one torch thre
 What is measured:
   step_ms_first / step_ms_last   the mean time of a whole step (the model's forward with its hooks + Monitor.step(),
                                  flushes and hand-overs included) over the first and the last WINDOW steps; their
-                                 ratio (step_drift) is 1 when the per-step cost does not grow with the run
+                                 ratio (step_drift) is 1 when the per-step cost does not grow with the run;
+                                 step_ms_windows: every window's mean (extra_info), step_ms_median their median
+  wait_ms                        of it, per step, the training thread's waits for a full export queue (a writer
+                                 slower than the loop: JSONL's Python formatting here); waits: how many flushes
+                                 waited. A loop that starts with an empty queue is faster until the queue fills
   rss_start_mb                   the process's RSS after the first WINDOW steps (everything allocated, warm)
   rss_growth_mb                  RSS at the end of the loop minus rss_start_mb (flat: ~0)
   rss_max_growth_mb              the largest RSS sample over the loop (every 100 steps) minus rss_start_mb
@@ -19,12 +23,16 @@ What is measured:
                                  before it: what closing costs in memory; with the old compaction it grew with the
                                  run (+421 MB at the end of 20,000 steps x 150 sites)
   bytes_per_record               the log's size on disk / records
+Each writer runs in a fresh Python process (this file run as a script), so that its RSS is its own run's.
 Smoke mode (--benchmark-disable): 20 modules, 200 steps.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -45,12 +53,14 @@ REPORT = [
                 "jsonl": "JSONLWriter"},
      "columns": [["writer", "label(writer)"], ["steps", "steps", "int"], ["records", "records", "int"],
                  ["step ms, first 500", "step_ms_first", "f3"], ["step ms, last 500", "step_ms_last", "f3"],
-                 ["last / first", "step_drift", "x"], ["RSS MB after 500 steps", "rss_start_mb", "f1"],
+                 ["last / first", "step_drift", "x"], ["median window ms", "step_ms_median", "f3"],
+                 ["wait ms/step", "wait_ms", "f3"], ["waits", "waits", "int"],
+                 ["RSS MB after 500 steps", "rss_start_mb", "f1"],
                  ["RSS growth MB, end of loop", "rss_growth_mb", "f1"],
                  ["RSS growth MB, max over loop", "rss_max_growth_mb", "f1"], ["close() s", "close_s", "s"],
                  ["RSS peak in close() MB", "close_rss_mb", "f1"], ["bytes/record", "bytes_per_record", "f1"]],
      "note": "75 modules x (forward_pre, forward): 150 records a step, keep_records=False, a flush every 50 steps, "
-             "one torch thread, one run per writer. Flat means: last/first near 1x, RSS growth near 0 over the "
+             "one torch thread, each writer in a fresh process. Flat means: last/first near 1x, RSS growth near 0 over the "
              "loop, and a close() whose memory does not grow with the run (the compaction streams a row group at "
              "a time)."},
 ]
@@ -126,11 +136,14 @@ def _run(name: str, run_dir: str, modules: int, steps: int, window: int) -> dict
     th.join()
     peak[0] = max(peak[0], _rss())
     records = steps * (modules + 1) * 2
-    first = sum(times[:window]) / window
-    last = sum(times[-window:]) / window
+    windows = [sum(times[i:i + window]) / window * 1e3 for i in range(0, steps - window + 1, window)]
+    first, last = windows[0], windows[-1]
     mb = 1 / 2**20
-    return {"writer": name, "steps": steps, "records": records, "step_ms_first": first * 1e3,
-            "step_ms_last": last * 1e3, "step_drift": last / first, "rss_start_mb": rss_start * mb,
+    return {"writer": name, "steps": steps, "records": records, "step_ms_first": first, "step_ms_last": last,
+            "step_drift": last / first, "step_ms_median": sorted(windows)[len(windows) // 2],
+            "step_ms_windows": [round(w, 4) for w in windows], "wait_ms": mon.export_wait_seconds / steps * 1e3,
+            "waits": mon.export_waits, "rss_mb_samples": [round(r * mb, 1) for r in rss[::5]],
+            "rss_start_mb": rss_start * mb,
             "rss_growth_mb": (rss[-1] - rss_start) * mb, "rss_max_growth_mb": (max(rss) - rss_start) * mb,
             "close_s": close_s, "close_rss_mb": (peak[0] - before) * mb, "bytes_per_record": _size(path) / records,
             "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
@@ -148,10 +161,21 @@ def test_runlog_long_run(benchmark, hookstats, one_thread, writer, tmp_path):
         if os.path.isdir(run_dir):
             shutil.rmtree(run_dir)
         os.makedirs(run_dir)
-        result.update(_run(writer, run_dir, modules, steps, window))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's hookstats first
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in sys.path if p]))
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), writer, run_dir, str(modules), str(steps),
+                              str(window)], capture_output=True, text=True, timeout=3600, env=env)
+        assert out.returncode == 0, out.stderr
+        result.update(json.loads(out.stdout.strip().splitlines()[-1]))
 
     benchmark.pedantic(once, rounds=1, iterations=1)
     benchmark.extra_info.update(family="runlog_long", smoke=smoke, flush_every=FLUSH_EVERY, **result)
     from hookstats.runlog import read_log
 
     assert read_log(run_dir).num_rows == result["records"]  # every record of the run is in the log
+
+
+if __name__ == "__main__":  # one run in this process: python test_bench_runlog.py WRITER RUN_DIR MODULES STEPS WINDOW
+    torch.set_num_threads(1)
+    w, d, n_mod, n_steps, win = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    print(json.dumps(_run(w, d, n_mod, n_steps, win)))
