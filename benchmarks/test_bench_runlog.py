@@ -1,7 +1,7 @@
 """A long run into the run log: memory and step time stay flat over thousands of steps and through close().
 
 The model: 75 `Affine` modules (x * a_i + b_i on a new random 64-element tensor each step) in a Sequential, kinds
-forward_pre + forward: 150 sites, 150 records a step (the issue's 150-site run), keep_records=False (the host keeps
+forward_pre + forward: 152 sites with the root, 152 records a step (the issue's 150-site run), keep_records=False (the host keeps
 nothing once the writer has it), a flush every FLUSH_EVERY steps, one torch thread. One run per writer:
   parquet    ParquetWriter, float64 statistics (the default), compacted at close (streamed a row group at a time)
   parquet32  ParquetWriter(stats_dtype="float32")
@@ -38,6 +38,7 @@ import time
 
 import pytest
 import torch
+from test_bench_export import Affine, _size  # the same cheap module: x * a_i + b_i
 from torch import nn
 
 STEPS = 10000
@@ -59,7 +60,7 @@ REPORT = [
                  ["RSS growth MB, end of loop", "rss_growth_mb", "f1"],
                  ["RSS growth MB, max over loop", "rss_max_growth_mb", "f1"], ["close() s", "close_s", "s"],
                  ["RSS peak in close() MB", "close_rss_mb", "f1"], ["bytes/record", "bytes_per_record", "f1"]],
-     "note": "75 modules x (forward_pre, forward): 150 records a step, keep_records=False, a flush every 50 steps, "
+     "note": "75 modules and the root x (forward_pre, forward): 152 records a step, keep_records=False, a flush every 50 steps, "
              "one torch thread, each writer in a fresh process. Flat means: last/first near 1x, RSS growth near 0 over the "
              "loop, and a close() whose memory does not grow with the run (the compaction streams a row group at "
              "a time)."},
@@ -72,21 +73,6 @@ def _rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
-
-
-def _size(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
-class Affine(nn.Module):
-    def __init__(self, i: int):
-        super().__init__()
-        self.a, self.b = 1.0 + 0.37 / (i + 1), 0.01 * ((i * 7919) % 13 - 6)
-
-    def forward(self, x):
-        return x * self.a + self.b
 
 
 def _writer(name: str, run_dir: str):

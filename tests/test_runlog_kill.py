@@ -46,18 +46,43 @@ _SCRIPT = textwrap.dedent("""
             open(os.path.join(run_dir, "user-handler-ran"), "w").close()
             sys.exit(3)
         signal.signal(signal.SIGTERM, handler)
+    class Slow:  # an exporter that takes its time while `on`
+        on = False
+
+        def write_block(self, block, scalars):
+            if self.on:
+                time.sleep(0.5)
+
+    slow = Slow()
     models = [nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(2 if mode == "two" else 1)]
     mons = []
     for i, model in enumerate(models):
         ex = [ParquetWriter(os.path.join(run_dir, "log.parquet" if i == 0 else f"log{i}.parquet"))]
         if i == 0:
-            ex.append(JSONLWriter(os.path.join(run_dir, "log.jsonl")))
-        mons.append(hookstats.Monitor(model, kinds=("forward", "grad"), flush_every=flush_every, exporters=ex))
+            ex += [JSONLWriter(os.path.join(run_dir, "log.jsonl")), slow]
+        mons.append(hookstats.Monitor(model, kinds=("forward", "grad"), flush_every=flush_every, exporters=ex,
+                                      export_queue=1 if mode == "in-submit" else 8))
     for step in range(steps):
         for model, mon in zip(models, mons):
             loss = model(torch.randn(4, 6)).square().sum()
-            if step == steps - 1 and mode in ("wait", "user-handler", "two", "sigint"):
-                print("waiting", flush=True)  # mid-step: the forward recorded, the backward not yet
+            if step == steps - 1 and mode in ("wait", "user-handler", "two", "sigint", "in-drain", "in-submit"):
+                if mode == "in-drain":  # the signal lands while the main thread waits for the export thread
+                    slow.on = True
+                    mon.flush()
+                    print("waiting", flush=True)
+                    mon.drain()
+                    slow.on = False
+                elif mode == "in-submit":  # ... or inside a flush, waiting for a place in a full export queue
+                    slow.on = True
+                    mon.flush()  # the export thread takes it and sleeps
+                    model(torch.randn(4, 6))
+                    mon.flush()  # queued (export_queue=1)
+                    model(torch.randn(4, 6))
+                    print("waiting", flush=True)
+                    mon.flush()  # waits in submit() until the first is written
+                    slow.on = False
+                else:
+                    print("waiting", flush=True)  # mid-step: the forward recorded, the backward not yet
                 time.sleep(60)
             loss.backward()
             mon.log("loss", loss.detach())
@@ -187,14 +212,15 @@ def test_sigkill_mid_flush_leaves_the_flushes_before_it(tmp_path):
 
 # -- SIGTERM and Ctrl-C -----------------------------------------------------------------------------------------
 
-def _check_complete(run_dir, steps: int, name="log.parquet", jsonl=True) -> None:
+def _check_complete(run_dir, steps: int, name="log.parquet", jsonl=True, last_forwards=1) -> None:
     """The log holds every record of steps 0..steps-2 and the forward records of the last (interrupted) step; it
     was closed (compacted into one file); the JSONL log beside it holds the same."""
     fwd, grad = _per_step()
     path = run_dir / name
     t = read_log(path)
     per_step = np.bincount(t.column("step").to_numpy(), minlength=steps)
-    assert per_step[:steps - 1].tolist() == [fwd + grad] * (steps - 1) and per_step[steps - 1] == fwd, per_step
+    assert per_step[:steps - 1].tolist() == [fwd + grad] * (steps - 1), per_step
+    assert per_step[steps - 1] == last_forwards * fwd, per_step
     _check_once(path, t.num_rows)
     assert len(os.listdir(path)) == 1 and os.listdir(path)[0].count("-") == 2  # closed: compacted
     assert _hidden(run_dir) == []
@@ -208,6 +234,19 @@ def test_sigterm_with_the_default_action_flushes_closes_and_still_terminates(tmp
     rc, out, err = _run(tmp_path, "wait", steps, 50, sig=signal.SIGTERM)
     assert rc == -signal.SIGTERM, (rc, out, err)  # the signal's default action still happened
     _check_complete(tmp_path, steps)
+
+
+@pytest.mark.parametrize("mode,forwards", [("in-drain", 1), ("in-submit", 3)])
+def test_sigterm_inside_hookstats_code(tmp_path, mode, forwards):
+    """Landing in drain(), the handler flushes at once; landing in a flush (waiting in submit() for the export
+    queue), it waits until the flush returned (the signal is sent again a few ms later), so nothing is flushed
+    twice or out of order."""
+    steps = 31
+    rc, out, err = _run(tmp_path, mode, steps, 10, sig=signal.SIGTERM)
+    assert rc == -signal.SIGTERM and "Traceback" not in err, (rc, out, err)
+    _check_complete(tmp_path, steps, last_forwards=forwards)
+    seq = read_log(tmp_path / "log.parquet").column("seq").to_numpy()
+    assert (np.diff(seq) == 1).all()  # in flush order
 
 
 def test_sigterm_chains_to_the_users_handler(tmp_path):

@@ -13,7 +13,7 @@ is not kept alive).
   disposition, so the process ends as SIGTERM ends it (exit status -15). A Python handler (a framework's) is called
   with the Monitors still attached: if it returns, training goes on recording; if it exits (SystemExit), the exit
   below closes them. The handler is not re-entered into hookstats' own code: a signal that arrives while the main
-  thread is inside it is sent again a few ms later (up to one second). A forked child (a DataLoader worker) never
+  thread is inside it is sent again a few ms later (for up to ~5 s; a wait in drain() is no obstacle). A forked child (a DataLoader worker) never
   writes through its parent's Monitors. The last detach() puts the previous handler back when ours is still the
   one installed.
 - KeyboardInterrupt, SystemExit, an uncaught error, the end of the script: at interpreter exit every Monitor still
@@ -36,11 +36,11 @@ import threading
 import traceback
 import weakref
 
-from .export_thread import ExportError
+from .export_thread import ExportError, ExportThread
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hookstats package
-_RETRY_S, _RETRIES = 0.005, 200
+_RETRY_S, _RETRIES = 0.005, 1000  # up to ~5 s (a scheduler's grace period is ~30 s)
 
 
 class _State:
@@ -48,6 +48,7 @@ class _State:
     prev = None  # the SIGTERM handler found at install
     pid = 0  # the process that installed it (a forked child must not write through its parent's Monitors)
     tries = 0
+    resend = None  # the pending threading.Timer that sends the signal again
 
 
 _S = _State()
@@ -84,10 +85,14 @@ def _uninstall() -> None:
     # else: a handler installed after ours may chain to it; ours stays in that chain, forwarding to the one it found
 
 
+_DRAIN = ExportThread.drain.__code__  # waiting for the export thread: nothing half done, safe to flush from here
+
+
 def _in_hookstats(frame) -> bool:
+    """Whether the main thread was interrupted inside hookstats code (other than a wait in drain())."""
     while frame is not None:
         if frame.f_code.co_filename.startswith(_PKG):
-            return True
+            return frame.f_code is not _DRAIN
         frame = frame.f_back
     return False
 
@@ -120,12 +125,21 @@ def _save(mon, close: bool) -> None:
             _LIVE.discard(mon)
 
 
+def _resend(signum) -> None:
+    _S.resend = None
+    os.kill(os.getpid(), signum)
+
+
 def _on_sigterm(signum, frame) -> None:
     prev = _S.prev
     if os.getpid() == _S.pid:
+        if _S.resend is not None:  # a resend is pending (this signal arrived meanwhile): that one will do it
+            return
         if _in_hookstats(frame) and _S.tries < _RETRIES:  # not re-entered mid-flush: the signal comes again shortly
             _S.tries += 1
-            threading.Timer(_RETRY_S, os.kill, (os.getpid(), signum)).start()
+            _S.resend = threading.Timer(_RETRY_S, _resend, (signum,))
+            _S.resend.daemon = True
+            _S.resend.start()
             return
         _S.tries = 0
         ends = not callable(prev)  # SIG_DFL: the process ends after this handler
