@@ -298,7 +298,7 @@ def test_keep_records_false_keeps_nothing_but_the_file_has_everything(tmp_path):
            [(s["step"], s["tag"], s["value"]) for s in want_sc]
 
 
-def test_second_writer_on_the_same_file_appends(tmp_path):
+def test_a_resumed_run_appends_and_another_run_is_refused(tmp_path):
     path = tmp_path / "log.jsonl"
     net = make_net()
     m1 = hookstats.Monitor(net, include="lin", kinds="forward", exporters=[JSONLWriter(path)])
@@ -306,21 +306,49 @@ def test_second_writer_on_the_same_file_appends(tmp_path):
     first = m1.records()
     m1.detach()
     before = path.read_text()
-    m2 = hookstats.Monitor(net, include="out", kinds="forward", histogram="exp", exporters=[JSONLWriter(path)])
+    # another run (other modules, a histogram) and a new run of the same options from step 0: refused at the
+    # Monitor's construction, before a step, with the file untouched and no hook left
+    for kw, why in ((dict(include="out", histogram="exp"), "its histogram is None, this run's is"),
+                    (dict(include="lin"), "starts at step 0")):
+        with pytest.raises(ValueError, match=why):
+            hookstats.Monitor(net, kinds="forward", exporters=[JSONLWriter(path)], **kw)
+        assert path.read_text() == before
+        assert not any(m._forward_hooks for m in net.modules())
+    # the same run resumed at its checkpoint's step appends, keeping the first header and adding its own
+    m2 = hookstats.Monitor(net, include="lin", kinds="forward", start_step=2, exporters=[JSONLWriter(path)])
     train(m2, net, 3)
     second = m2.records()
     m2.detach()
     text = path.read_text()
     assert text.startswith(before) and len(text) > len(before)  # appended, nothing rewritten
-    lines = text.splitlines()
-    heads = [strict_json(l) for l in lines if strict_json(l)["type"] == "run"]
-    assert len(heads) == 2
-    assert heads[0]["modules"] == ["lin"] and heads[1]["modules"] == ["out"]
-    assert heads[0]["histogram"] is None and heads[1]["histogram"] == {"kind": "exp"}
+    heads = [strict_json(l) for l in text.splitlines() if strict_json(l)["type"] == "run"]
+    assert [h["start_step"] for h in heads] == [0, 2]
     log = read_jsonl(path)
-    assert log.info["modules"] == ["lin"] and log.info["histogram"] is None  # the first header
+    assert log.info["modules"] == ["lin"] and log.info["start_step"] == 0  # the first header
     assert_same_records(log.records, first + second)
+    assert [r["step"] for r in log.records] == sorted(r["step"] for r in log.records)
     assert len(log.scalars) == 5
+
+
+def test_jsonl_writer_never_writes_into_a_file_not_its_own(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    f = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"a": [1, 2]}), f)
+    other = tmp_path / "notes.txt"
+    other.write_text("my notes\n")
+    d = tmp_path / "log.parquet"
+    d.mkdir()
+    for p, why in ((f, "not a hookstats JSONL log"), (other, "not a hookstats JSONL log"), (d, "is a directory")):
+        blob = p.read_bytes() if p.is_file() else None
+        with pytest.raises(ValueError, match=why):
+            JSONLWriter(p)
+        if blob is not None:
+            assert p.read_bytes() == blob
+    assert pq.read_table(f).num_rows == 2
+    JSONLWriter(tmp_path / "empty.jsonl").close()  # an empty file (created, never begun) is a new log
+    JSONLWriter(tmp_path / "empty.jsonl").close()
 
 
 def test_read_jsonl_skips_a_cut_last_line(tmp_path):

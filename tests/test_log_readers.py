@@ -71,8 +71,9 @@ def _readers():
     return out
 
 
-def _check_readers(path, want_l2):
-    want = np.sort(np.asarray(want_l2, dtype=np.float32).astype(np.float64))  # float32 statistics on disk
+def _check_readers(path, want_l2, f32=False):
+    want = np.asarray(want_l2, dtype=np.float64)  # float64 statistics on disk (the default): exactly the records'
+    want = np.sort(want.astype(np.float32).astype(np.float64) if f32 else want)
     for name, read in _readers().items():
         got = np.sort(read(str(path)))
         assert got.shape == want.shape, f"{name}: {got.shape} rows, want {want.shape}"

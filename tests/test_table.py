@@ -146,7 +146,7 @@ def test_parquet_resumed_run_and_uncompacted_reads(tmp_path):
     first = mon.records()
     assert len([n for n in os.listdir(path) if n.startswith("records-")]) == 3
     m2 = net()
-    mon2 = hookstats.Monitor(m2, kinds=("forward",), flush_every=1, exporters=[ParquetWriter(path)])
+    mon2 = hookstats.Monitor(m2, kinds=("forward",), flush_every=1, start_step=3, exporters=[ParquetWriter(path)])
     run(mon2, m2, 2)
     mon2.detach()
     names = sorted(n for n in os.listdir(path) if n.startswith("records-"))

@@ -148,10 +148,14 @@ def _matrix(records, kind: str, order: Optional[Sequence[str]] = None, field: st
         badc = np.zeros(nl * ns, dtype=bool)
         badc[have] = rowbad[last[have]]
     else:
-        if field == "l2":
+        if field == "l2":  # sqrt(sum l2^2), scaled by the cell's largest so that no finite norm squares to inf
+            top = np.zeros(nl * ns)
+            with np.errstate(invalid="ignore"):
+                np.fmax.at(top, cell, np.abs(v))
+            scale = np.where((top > 0) & np.isfinite(top), top, 1.0)
             with np.errstate(over="ignore", invalid="ignore"):
-                sq = np.bincount(cell, weights=np.square(v), minlength=nl * ns)
-            agg = np.sqrt(sq)
+                sq = np.bincount(cell, weights=np.square(v / scale[cell]), minlength=nl * ns)
+            agg = np.sqrt(sq) * scale
         else:
             agg = np.full(nl * ns, -np.inf)
             np.maximum.at(agg, cell, v)

@@ -21,6 +21,7 @@ from ..distributed import after_ddp_allreduce, grad_mode, resolve_group
 from ..distributed import is_dtensor as _is_dtensor
 from ..runlog import schema as _table
 from . import hooks as _hooks
+from . import lifecycle as _lifecycle
 from .block import LazyRecords
 from .buffers import Buffers
 from .config import MONITOR_KINDS, MonitorConfig
@@ -131,6 +132,7 @@ class Monitor(FeatureAccess):
             raise
         if self._active_exporters():
             self._export = ExportThread(self._active_exporters(), self.export_queue)
+            _lifecycle.register(self)  # SIGTERM and interpreter exit (Note [what survives a terminated run])
 
     # -- hooks ----------------------------------------------------------------------------------------------------
     def _attach(self, model: torch.nn.Module) -> None:
@@ -208,7 +210,7 @@ class Monitor(FeatureAccess):
                                        {"kind": "range", "bins": h.bins, "lo": h.lo, "hi": h.hi})
         info = {"hookstats": __version__, "torch": torch.__version__, "histogram": hist,
                 "stats_fields": list(STATS_FIELDS), "kinds": list(self.kinds), "modules": list(self.modules),
-                "every": self.every, "histogram_every": self.histogram_every}
+                "every": self.every, "histogram_every": self.histogram_every, "start_step": self.config.start_step}
         if self._buf.group is not None:  # records merged across ranks: the ranks columns (runlog.schema)
             info["merged"] = True
         for f in self._features:
@@ -416,23 +418,16 @@ class Monitor(FeatureAccess):
         """Removes every hook and drops the buffers and the reference to the model. Unflushed records are flushed
         first (and handed to the exporters); the export thread is drained and stopped, the exporters closed, and an
         exporter error raised (ExportError). Records already flushed stay readable."""
-        exp = self._export
+        exp, close_errors = self._export, []
         try:
             if self._model is not None:
                 self._flush_block()
         finally:  # even when the flush fails (a rank mismatch), the queue drains, the hooks go and writers close
-            if self._model is not None:
-                try:
-                    if exp is not None:
-                        exp.close()
-                finally:
-                    for e in self._active_exporters():
-                        close = getattr(e, "close", None)
-                        if close is not None:
-                            close()
+            if self._model is not None:  # each exporter closed whatever another raises; raised once, below
+                close_errors = _lifecycle.close_exporters(exp, self._active_exporters())
+            _lifecycle.unregister(self)
             self._detach_hooks()
-        if exp is not None:
-            exp.raise_pending()
+        _lifecycle.raise_detach_errors(exp, close_errors)
 
     def _detach_hooks(self) -> None:
         for h in self._handles:

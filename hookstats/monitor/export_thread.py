@@ -106,12 +106,17 @@ class ExportThread:
     def pending(self) -> int:
         return self._q.unfinished_tasks
 
-    def raise_pending(self) -> None:
-        """Raises the first exporter error since the last call (ExportError, the error as its cause)."""
+    def take_errors(self) -> list:
+        """[(exporter, error, "write")] of the exporter errors since the last call, taken."""
         with self._lock:
             errs, self._errors = self._errors, []
+        return [(e, ex, "write") for e, ex in errs]
+
+    def raise_pending(self) -> None:
+        """Raises the first exporter error since the last call (ExportError, the error as its cause)."""
+        errs = self.take_errors()
         if errs:
-            e, ex = errs[0]
+            e, ex, _ = errs[0]
             more = f" ({len(errs) - 1} more exporter error(s) since)" if len(errs) > 1 else ""
             raise ExportError(f"hookstats.Monitor: exporter {type(e).__name__} failed on the export thread: "
                               f"{type(ex).__name__}: {ex}{more}") from ex

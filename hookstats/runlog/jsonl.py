@@ -4,8 +4,8 @@ at any moment leaves every completed line readable.
 Lines (strict JSON: a non-finite float is written as the string "NaN", "Infinity" or "-Infinity"):
   {"type": "run", "hookstats": ..., "torch": ..., "histogram": null | {"kind": "exp"} |
    {"kind": "range", "bins": B, "lo": L, "hi": H}, "stats_fields": [...], "kinds": [...], "modules": [...],
-   "time": unix seconds}                                             -- once per writer opened (a resumed run appends
-                                                                        a second one)
+   "time": unix seconds, "start_step": S}                            -- once per writer opened (a resumed run appends
+                                                                        a second one; Note [one run per log])
   {"type": "record", "seq", "step", "module", "kind", "index", "dtype", "stats": {field: value},
    "histogram": null | {"length": L, "nonzero": [[i, count], ...]}}  -- one per recorded tensor; histograms sparse
   {"type": "scalar", "seq", "step", "tag", "value"}                  -- one per Monitor.log()
@@ -24,6 +24,7 @@ from typing import Any, Iterable, NamedTuple, Optional
 import numpy as np
 
 from .._ops import COUNT_FIELDS, STATS_FIELDS
+from .resume import check_resume
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -139,6 +140,8 @@ class JSONLWriter:
 
     `fsync=True` (the default) makes each flush durable on disk, not only in the OS cache: a power loss keeps what a
     kill keeps. Use as `Monitor(model, exporters=[JSONLWriter("runs/x/log.jsonl")])`, or call write() yourself.
+    An existing file is appended to only when it is a hookstats JSONL log of the same run (Note [one run per log]):
+    anything else is refused, before a line is written.
     """
 
     def __init__(self, path: str | os.PathLike, fsync: bool = True):
@@ -147,6 +150,7 @@ class JSONLWriter:
         if parent:
             os.makedirs(parent, exist_ok=True)
         self.fsync = fsync
+        self._old, self._has_records = _existing(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
         self._began = False
 
@@ -161,7 +165,9 @@ class JSONLWriter:
             os.fsync(self._f.fileno())
 
     def begin(self, info: dict) -> None:
-        """Writes the run header (Monitor calls this when it attaches)."""
+        """Writes the run header (Monitor calls this when it attaches), after checking that a file being continued
+        holds the same run (Note [one run per log]: ValueError otherwise)."""
+        check_resume("JSONLWriter", self.path, self._old, info, self._has_records)
         head = {"type": "run", **info, "time": time.time()}
         self._emit([head])
         self._began = True
@@ -202,6 +208,37 @@ class JSONLWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _existing(path: str):
+    """(the first run header, whether any record or scalar line follows) of an existing JSONL log; ({}, False) for a
+    new or empty file. Refuses a path that is not a hookstats JSONL log."""
+    if os.path.isdir(path):
+        raise ValueError(f"hookstats.JSONLWriter: {path!r} is a directory (a Parquet log?), not a JSONL log file")
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return {}, False
+    with f:
+        head = f.readline(1 << 20)
+        if not head.strip():
+            if f.read(1):
+                raise ValueError(f"hookstats.JSONLWriter: {path!r} is not a hookstats JSONL log (it does not begin "
+                                 "with a run header line): a writer writes only into its own log; give it a new path")
+            return {}, False
+        try:
+            d = json.loads(head)
+        except (UnicodeDecodeError, ValueError):
+            d = None
+        if not isinstance(d, dict) or d.get("type") != "run":
+            raise ValueError(f"hookstats.JSONLWriter: {path!r} is not a hookstats JSONL log (its first line is not a "
+                             "run header): a writer writes only into its own log; give it a new path")
+        more = False
+        for line in f:
+            if b'"type":"run"' not in line and line.strip():
+                more = True
+                break
+    return {k: v for k, v in d.items() if k != "type"}, more
 
 
 class RunLog(NamedTuple):

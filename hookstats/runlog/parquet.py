@@ -15,18 +15,17 @@ ParquetWriter("RUN_DIR/log.parquet") writes:
 Every records file of one writer has the same schema: every histogram column the run's histogram spec can give
 (one per float dtype for "exp") and the location columns when the run has them, null where a flush has none; so
 a reader that takes the first file's schema (pyarrow.dataset, DuckDB, Polars) reads every file whole.
-At close() the writer compacts the flushes it wrote into one file per dataset, one row group per flush (pyarrow.
-parquet.ParquetWriter): records-000001-000040.parquet, then removes the per-flush files. A kill during compaction
-leaves the per-flush files; a kill between the rename and their removal leaves both: read_log skips every per-flush
-file that a compacted range covers, and the next writer on the directory removes them (another reader sees those
-rows twice until then). A second writer on the same directory (a resumed run) numbers its flushes on after the last
-one there.
+At close() the writer compacts the flushes it wrote into one file per dataset, one row group per flush, streamed a
+row group at a time (memory bounded by one flush, not the run): records-000001-000040.parquet replaces them in one
+step that a kill cannot leave half done (Note [compaction a kill cannot break] in durable.py). A writer opening a log
+finishes or removes what a killed one left (durable.repair), and continues it only when it is the same run (Note
+[one run per log] in resume.py): it numbers its flushes on after the last one there.
 
 Logs written before this layout (run.json and scalars-N.parquet inside log.parquet/) are read as they are; a writer
 that continues one moves those two out first.
 
-The site columns (module, kind, dtype) are dictionary-encoded; the statistics are float32 or float64
-(`stats_dtype`; the counts stay int64); zstd compression. `read_log(path)` reads a log like this, or a JSONL log,
+The site columns (module, kind, dtype) are dictionary-encoded; the statistics are float64, or float32 when asked
+(`stats_dtype`; Note [statistics that float32 cannot hold] in schema.py; the counts stay int64); zstd compression. `read_log(path)` reads a log like this, or a JSONL log,
 into a pyarrow.Table.
 """
 from __future__ import annotations
@@ -39,8 +38,11 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .._ops import exp_layout
+from .._ops import exp_layout, hist_length
+from .._types import _MODE_RANGE
+from . import durable as _durable
 from . import schema as _t
+from .resume import check_resume, check_stats_dtype
 
 _PART = re.compile(r"^(records|scalars)-(\d{6,})(?:-(\d{6,}))?\.parquet$")
 OLD_RUN_FILE = "run.json"  # the run header inside the records directory (logs written before the sidecar files)
@@ -72,22 +74,11 @@ def log_paths(path) -> LogPaths:
                     os.path.join(parent, f".{name}.tmp-"))
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _files(directory: str, kind: str) -> list:
-    """[(first, last, file path)] of one kind's files in a directory, per-flush files covered by a compacted one left
-    out, in flush order."""
+def _files(directory: Optional[str], kind: str) -> list:
+    """[(first, last, file path)] of one kind's files in a directory, in flush order; per-flush files that a
+    compacted one covers (left by a kill in the compaction of hookstats before 0.x's swap) left out."""
+    if directory is None:
+        return []
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -103,8 +94,7 @@ def _files(directory: str, kind: str) -> list:
 
 
 def _covered(directory: str, kind: str) -> list:
-    """The per-flush files a compacted file of the same directory covers (a kill between the compacted file's rename
-    and their removal)."""
+    """The per-flush files a compacted file of the same directory covers (left by the compaction before the swap)."""
     keep = {p for _, _, p in _files(directory, kind)}
     try:
         names = os.listdir(directory)
@@ -118,14 +108,15 @@ def parts(path) -> dict:
     """{"records": [...], "scalars": [...]}: (first flush, last flush, file path) of every file a reader reads, in
     flush order; the scalars of an old-layout log (inside the records directory) included."""
     lp = log_paths(path)
-    sc = _files(lp.scalars, "scalars") + _files(lp.records, "scalars")
-    return {"records": _files(lp.records, "records"), "scalars": sorted(sc)}
+    rec = _durable.resolve(lp.records)  # the records directory, or where a kill in a swap left it
+    sc = _files(_durable.resolve(lp.scalars), "scalars") + _files(rec, "scalars")
+    return {"records": _files(rec, "records"), "scalars": sorted(sc)}
 
 
 def is_parquet_log(path) -> bool:
     """Whether path is a Parquet log's records directory (this layout or the old one)."""
     lp = log_paths(path)
-    if not os.path.isdir(lp.records):
+    if _durable.resolve(lp.records) is None:
         return False
     return os.path.isfile(lp.run) or os.path.isfile(os.path.join(lp.records, OLD_RUN_FILE)) or \
         any(parts(path).values())
@@ -151,7 +142,7 @@ def records_schema(info: dict, stats_dtype: str):
         if info.get("locations"):
             fields.append(pa.field("location_rank", pa.int32()))
     h = info.get("histogram")
-    lengths = [] if not h else (_exp_lengths() if h["kind"] == "exp" else [int(h["bins"]) + 2])
+    lengths = [] if not h else (_exp_lengths() if h["kind"] == "exp" else [hist_length(torch.float32, _MODE_RANGE, int(h["bins"]))])
     fields += [pa.field(_t.hist_column(n), pa.list_(pa.int64())) for n in lengths]
     return pa.schema(fields)
 
@@ -180,38 +171,45 @@ class ParquetWriter:
     """Writes a Monitor's records to a Parquet log (Note [a Parquet log that survives a kill]).
 
     path: the records directory (conventionally RUN_DIR/log.parquet; the scalars go to RUN_DIR/log.scalars.parquet
-    and the run header to RUN_DIR/log.run.json); stats_dtype: "float32" (half the bytes; 7 significant digits) or
-    "float64" (exact) for the statistics; fsync: make each flush durable (not only in the OS cache); compact: merge
-    this writer's flushes into one file per dataset (a row group each) at close(); compression: a Parquet codec.
+    and the run header to RUN_DIR/log.run.json); stats_dtype: "float64" (exact; the default for a new log) or
+    "float32" (half the bytes, 7 significant digits; a value outside float32's range is written as null and
+    reported: Note [statistics that float32 cannot hold] in schema.py); unset, a writer continuing a log takes the
+    log's. fsync: make each flush durable (not only in the OS cache); compact: merge this writer's flushes into one
+    file per dataset (a row group each) at close(); compression: a Parquet codec. A log that holds another run is
+    refused (Note [one run per log]).
     """
 
-    def __init__(self, path: str | os.PathLike, stats_dtype: str = "float32", fsync: bool = True,
+    def __init__(self, path: str | os.PathLike, stats_dtype: Optional[str] = None, fsync: bool = True,
                  compact: bool = True, compression: str = "zstd"):
         _pq()
-        if stats_dtype not in ("float32", "float64"):
+        if stats_dtype not in (None, "float32", "float64"):
             raise ValueError(f"hookstats.ParquetWriter: stats_dtype must be 'float32' or 'float64', got "
                              f"{stats_dtype!r}")
         self.paths = log_paths(path)
         self.path = self.paths.records
         for p in (self.paths.records, self.paths.scalars):
+            _durable.repair(p, self.paths.tmp)  # what a killed writer left (Note [compaction a kill cannot break])
             if os.path.exists(p) and not os.path.isdir(p):
                 raise ValueError(f"hookstats.ParquetWriter: {p!r} exists and is not a directory (a Parquet log "
                                  "is a directory of files, one per flush)")
+        _check_own(self.paths)
         os.makedirs(self.path, exist_ok=True)
-        self.stats_dtype = stats_dtype
         self.fsync = fsync
         self.compact = compact
         self.compression = compression
         self.info: Optional[dict] = None
         self._schema = None
         self._migrate()
+        self.stats_dtype = check_stats_dtype("ParquetWriter", self.path, stats_dtype, _log_stats_dtype(self.paths))
         self._first = _last_flush(self.path) + 1
         self._n = self._first - 1  # the last flush number written
         self._closed = False
+        self.unfit = 0  # float32 statistics written as null (Note [statistics that float32 cannot hold])
+        self._unfit_reported = False
 
     def _migrate(self) -> None:
         """Continuing a log: the old layout's run.json and scalars files moved out of the records directory, and the
-        per-flush files a compacted file covers (left by a kill during compaction) removed."""
+        per-flush files a compacted file covers (left by a kill in the compaction before the swap) removed."""
         lp = self.paths
         old_run = os.path.join(lp.records, OLD_RUN_FILE)
         if os.path.isfile(old_run):
@@ -231,11 +229,11 @@ class ParquetWriter:
     def _commit(self, tmp: str, final: str) -> None:
         """Moves a written temporary file into place: fsync'd first (and the directory after) when fsync is on."""
         if self.fsync:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            _durable.fsync_file(tmp)
+        _durable.kill_point("part-written")
         os.replace(tmp, final)
         if self.fsync:
-            _fsync_dir(os.path.dirname(final))
+            _durable.fsync_dir(os.path.dirname(final))
 
     def _tmp(self, name: str) -> str:
         return f"{self.paths.tmp}{os.getpid()}-{name}.tmp"
@@ -254,18 +252,25 @@ class ParquetWriter:
         self._commit(tmp, final)
 
     def begin(self, info: dict) -> None:
-        """Writes the run header (a resumed run keeps the first one) and fixes the records files' schema."""
+        """Writes the run header, or checks that a log being continued holds the same run (Note [one run per log]:
+        ValueError otherwise) and adds this writer's header to its "resumed" list; fixes the records' schema."""
+        old = read_run_info(self.path)
+        has_records = any(parts(self.path).values())
+        check_resume("ParquetWriter", self.path, old, info, has_records)
         self.info = info
         self._schema = records_schema(info, self.stats_dtype)
-        p = self.paths.run
-        if not os.path.exists(p):
-            tmp = self._tmp("run.json")
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({**info, "time": time.time(), "stats_dtype": self.stats_dtype}, f, default=str)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, p)
+        head = {**info, "time": time.time(), "stats_dtype": self.stats_dtype}
+        if old:
+            head = {**old, "resumed": list(old.get("resumed", [])) + [
+                {k: head[k] for k in ("hookstats", "torch", "time", "start_step", "every", "histogram_every")
+                 if k in head}]}
+        tmp = self._tmp("run.json")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(head, f, default=str)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, self.paths.run)
 
     def _check(self) -> None:
         if self._closed:
@@ -274,14 +279,35 @@ class ParquetWriter:
     def write_block(self, block, scalars: Sequence[dict] = ()) -> None:
         """One flush (a Block of the Monitor's columns) as records-N.parquet (and scalars-N.parquet)."""
         self._check()
-        rec = _t.block_table(block, self.stats_dtype) if len(block) else None
+        unfit: list = []
+        rec = _t.block_table(block, self.stats_dtype, unfit=unfit) if len(block) else None
         self._write(rec, scalars)
+        self._report_unfit(rec, unfit)
 
     def write(self, records: Sequence[dict], scalars: Sequence[dict] = ()) -> None:
         """The same from record dicts (records() or a JSONL log read back)."""
         self._check()
-        rec = _t.records_table(records, self.stats_dtype) if len(records) else None
+        unfit: list = []
+        rec = _t.records_table(records, self.stats_dtype, unfit=unfit) if len(records) else None
         self._write(rec, scalars)
+        self._report_unfit(rec, unfit)
+
+    def _report_unfit(self, rec, unfit: list) -> None:
+        """Float32 statistics written as null: counted, and the first raised (Note [statistics that float32 cannot
+        hold]) once the flush is on disk."""
+        if not unfit:
+            return
+        self.unfit += sum(len(rows) for _, rows, _ in unfit)
+        if self._unfit_reported:
+            return
+        self._unfit_reported = True
+        field, rows, values = unfit[0]
+        i = int(rows[0])
+        where = ", ".join(f"{c} {rec.column(c)[i].as_py()!r}" for c in ("step", "module", "kind"))
+        raise ValueError(f"hookstats.ParquetWriter({self.path!r}): {field} = {float(values[0])!r} ({where}) does not "
+                         "fit this float32 log (stats_dtype='float32'): it is written as null, never as inf or 0 "
+                         f"({self.unfit} such value(s) so far; later ones are counted in .unfit, not raised). Write "
+                         "float64 statistics (stats_dtype='float64', the default) to keep every value")
 
     def _write(self, rec, scalars) -> None:
         if rec is None and not scalars:
@@ -296,8 +322,8 @@ class ParquetWriter:
         self._n = n
 
     def close(self) -> None:
-        """With compact=True merges this writer's flush files into one file per dataset (readers see either);
-        a second close does nothing."""
+        """With compact=True merges this writer's flush files into one file per dataset (readers see either, never
+        both: Note [compaction a kill cannot break]); a second close does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -306,31 +332,70 @@ class ParquetWriter:
                 self._compact(kind)
 
     def _compact(self, kind: str) -> None:
-        import pyarrow as pa
-
+        """Streams this writer's flush files of one dataset into one file, a row group per flush (memory: one
+        flush), then swaps it in for them."""
         pq = _pq()
         d = self._dir(kind)
         mine = [(a, b, p) for a, b, p in _files(d, kind) if a == b and self._first <= a <= self._n and
                 not _PART.match(os.path.basename(p)).group(3)]
         if len(mine) < 2:
             return
-        tables = [pq.read_table(p) for _, _, p in mine]
-        schema = pa.unify_schemas([t.schema for t in tables], promote_options="default")
+        schema = self._schema if kind == "records" and self._schema is not None else None
+        if schema is None:
+            schema = pq.read_schema(mine[0][2])
+        schema = schema.remove_metadata()
         name = f"{kind}-{mine[0][0]:06d}-{mine[-1][0]:06d}.parquet"
         tmp = self._tmp(name)
-        with pq.ParquetWriter(tmp, schema, compression=self.compression,
-                              use_dictionary=list(_t.SITE_COLUMNS) + ["tag"], write_statistics=["step", "seq"]) as w:
-            for t in tables:  # one row group per flush
-                w.write_table(_conform(t, schema), row_group_size=max(1, t.num_rows))
-        self._commit(tmp, os.path.join(d, name))
-        for _, _, p in mine:
-            os.remove(p)
+        try:
+            with pq.ParquetWriter(tmp, schema, compression=self.compression,
+                                  use_dictionary=list(_t.SITE_COLUMNS) + ["tag"],
+                                  write_statistics=["step", "seq"]) as w:
+                for i, (_, _, p) in enumerate(mine):  # one row group per flush, one flush in memory at a time
+                    f = pq.ParquetFile(p)
+                    for g in range(f.num_row_groups):
+                        t = _conform(f.read_row_group(g), schema)
+                        if t.schema.names != schema.names:
+                            raise RuntimeError(f"hookstats.ParquetWriter: {p} has columns this log's schema lacks "
+                                               f"({sorted(set(t.schema.names) - set(schema.names))}); not compacted")
+                        w.write_table(t, row_group_size=max(1, t.num_rows))
+                    if i == 0:
+                        _durable.kill_point("compact-writing")
+            if self.fsync:
+                _durable.fsync_file(tmp)
+        except BaseException:  # the per-flush files stay: the log is whole, only not compacted
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        _durable.swap_in(d, tmp, name, {os.path.basename(p) for _, _, p in mine}, fsync=self.fsync)
 
     def __enter__(self) -> "ParquetWriter":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_own(lp: LogPaths) -> None:
+    """Refuses a records or scalars directory holding anything but this log's files (Note [one run per log])."""
+    for d in (lp.records, lp.scalars):
+        try:
+            names = os.listdir(d)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        foreign = [n for n in names if not _PART.match(n) and n != OLD_RUN_FILE and n[:1] not in "._"]
+        if foreign:
+            raise ValueError(f"hookstats.ParquetWriter: {d!r} holds files that are not a hookstats log's "
+                             f"({', '.join(sorted(foreign)[:3])}{', ...' if len(foreign) > 3 else ''}): a writer "
+                             "writes only into its own log; give it a new path")
+
+
+def _log_stats_dtype(lp: LogPaths) -> Optional[str]:
+    """The statistics' type of an existing log (its first records file, else its header); None for a new log."""
+    recs = parts(lp.records)["records"]
+    if recs:
+        t = _pq().read_schema(recs[0][2]).field("l2").type
+        return "float32" if str(t) == "float" else "float64"
+    return read_run_info(lp.records).get("stats_dtype")
 
 
 def read_run_info(path) -> dict:

@@ -29,13 +29,13 @@ def find_log(path) -> str:
     path = os.fspath(path)
     if os.path.isfile(path):
         return path
+    if is_parquet_log(path):
+        return path  # a Parquet log's records directory itself (or where a kill in its compaction left it)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"hookstats: {path!r} does not exist")
-    if is_parquet_log(path):
-        return path  # a Parquet log's records directory itself
     for name in (PARQUET_NAME, JSONL_NAME):
         p = os.path.join(path, name)
-        if os.path.exists(p):
+        if os.path.exists(p) or (name == PARQUET_NAME and is_parquet_log(p)):
             return p
     raise FileNotFoundError(f"hookstats: {path} has no {PARQUET_NAME} or {JSONL_NAME}")
 
@@ -43,7 +43,7 @@ def find_log(path) -> str:
 def read_run(path) -> RunTable:
     """Reads a run log (see find_log) into tables: every completed flush (Parquet) or complete line (JSONL)."""
     p = find_log(path)
-    if os.path.isdir(p):
+    if not os.path.isfile(p):
         info, records, scalars = read_parquet_log(p)
         return RunTable(info, records, _t.table_scalars(scalars), 0, p, "parquet")
     if p.endswith(".parquet"):  # one file of a Parquet log
@@ -59,7 +59,7 @@ def read_log(path, columns: Optional[list] = None):
     pyarrow.Table: seq, step, module, kind, index, dtype, the statistics, histogram_{L} columns; the run header in
     the schema metadata (hookstats.runlog.schema.run_info(table)). `columns` reads only those (Parquet)."""
     p = find_log(path)
-    if os.path.isdir(p):
+    if not os.path.isfile(p):
         return read_parquet_log(p, columns)[1]
     if p.endswith(".parquet"):
         return _pq().read_table(p, columns=columns)

@@ -6,7 +6,8 @@ Schema (RECORD_COLUMNS, then the histogram columns):
                                                       names for millions of rows)
   index int32                                -- the tensor's position in what the hook saw
   numel .. zero_count                        -- one column per STATS_FIELDS statistic: the COUNT_FIELDS as int64,
-                                                the others float64 (or float32 when asked: ParquetWriter)
+                                                the others float64 (or float32 when asked: ParquetWriter; Note
+                                                [statistics that float32 cannot hold])
   shape, argmax_abs_index, first_nonfinite_index: list<int64>
                                              -- only in runs with Monitor(locations=True): the record's tensor shape
                                                 and the coordinates of its first largest |x| / first NaN/Inf (null
@@ -23,6 +24,13 @@ Schema (RECORD_COLUMNS, then the histogram columns):
                                                 fixed-size list stores L zeros for it (histogram_every=10 on a float32
                                                 exponent histogram, 514 counts, would hold 10x the data it has)
 The run header (Monitor.run_info()) travels as schema metadata under b"hookstats.run" (JSON) where a writer puts it.
+Note [statistics that float32 cannot hold]
+A float32 log (stats_dtype="float32") keeps a statistic as float32 only where float32 holds it: a finite value past
+float32's range (|v| > 3.4028235e38, which would read back as inf) or a nonzero one below its smallest subnormal
+(|v| < 1.4e-45, which would read back as 0) is written as null (`stat_column` below; the writer reports it). Which
+tensors give such values cannot be known before they are recorded (an l2 or var of float32 values overflows
+float32; any statistic of a float64 tensor may), and one log keeps one type per column (readers take the first
+file's schema), so float64, which holds every value the kernels produce, is the writers' default.
 `table_records(table)` turns a table back into record dicts (records()'s form), `scalars_table` / `table_scalars`
 do the same for the logged scalars. pyarrow is imported when a table is built: `import hookstats` never needs it.
 """
@@ -96,9 +104,30 @@ def _site_dicts(t) -> _SiteDicts:
     return sd
 
 
-def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = None):
+_F32 = np.finfo(np.float32)
+
+
+def stat_column(pa, field: str, values: np.ndarray, stats_dtype: str, unfit: Optional[list] = None):
+    """One statistic's column: int64 counts, float64, or float32 with the values float32 cannot hold as nulls (Note
+    [statistics that float32 cannot hold]; each such column appended to `unfit` as (field, rows, values))."""
+    if field in _COUNT:
+        return pa.array(values.astype(np.int64))
+    if stats_dtype != "float32":
+        return pa.array(values.astype(np.float64, copy=False))
+    with np.errstate(over="ignore", under="ignore"):
+        f = values.astype(np.float32)
+    bad = (np.isinf(f) & np.isfinite(values)) | ((f == 0) & (values != 0))
+    if not bad.any():
+        return pa.array(f)
+    if unfit is not None:
+        rows = np.flatnonzero(bad)
+        unfit.append((field, rows, values[rows]))
+    return pa.array(f, mask=bad)
+
+
+def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = None, unfit: Optional[list] = None):
     """The rows of one Block as a pyarrow.Table (see the module docstring). stats_dtype: "float64" or "float32" for
-    the non-count statistics."""
+    the non-count statistics; unfit: a list that gets the float32 values written as null (stat_column)."""
     pa = _pa()
     if stats_dtype not in ("float64", "float32"):
         raise ValueError(f"hookstats: stats_dtype must be 'float64' or 'float32', got {stats_dtype!r}")
@@ -112,10 +141,8 @@ def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = 
     cols["index"] = pa.array(sd.index[sites])
     cols["dtype"] = pa.DictionaryArray.from_arrays(pa.array(sd.site_codes["dtype"][sites]), sd.dicts["dtype"])
     stats = block.stats
-    ft = np.float32 if stats_dtype == "float32" else np.float64
     for j, f in enumerate(STATS_FIELDS):
-        col = stats[:, j]
-        cols[f] = pa.array(col.astype(np.int64) if f in _COUNT else col.astype(ft, copy=False))
+        cols[f] = stat_column(pa, f, stats[:, j], stats_dtype, unfit)
     if getattr(block, "loc", None) is not None:
         _location_columns(pa, block, cols)
     if getattr(block, "ranks", None) is not None:
@@ -217,7 +244,7 @@ def table_records(table) -> list:
     stat_cols = [(f, py[f], f in _COUNT) for f in STATS_FIELDS if f in py]
     out = []
     for i in range(n):
-        st = {f: (int(v[i]) if cnt else float(v[i])) for f, v, cnt in stat_cols}
+        st = {f: (int(v[i]) if cnt else None if v[i] is None else float(v[i])) for f, v, cnt in stat_cols}
         h = None
         for hc in hists:
             if hc[i] is not None:
@@ -236,13 +263,12 @@ def table_records(table) -> list:
     return out
 
 
-def records_table(records: Sequence[dict], stats_dtype: str = "float64"):
-    """record dicts (a JSONL log read back) as a records table."""
+def records_table(records: Sequence[dict], stats_dtype: str = "float64", unfit: Optional[list] = None):
+    """record dicts (a JSONL log read back) as a records table (stats_dtype and unfit: block_table)."""
     pa = _pa()
     records = list(records)
     if not records:
         return empty_table(stats_dtype)
-    ft = np.float32 if stats_dtype == "float32" else np.float64
     cols = {"seq": pa.array([r.get("seq", i) for i, r in enumerate(records)], pa.int64()),
             "step": pa.array([r["step"] for r in records], pa.int64())}
     for c in ("module", "kind"):
@@ -251,7 +277,7 @@ def records_table(records: Sequence[dict], stats_dtype: str = "float64"):
     cols["dtype"] = pa.array([r.get("dtype") or "" for r in records], pa.string()).dictionary_encode()
     stats = np.array([[r["stats"].get(f, np.nan) for f in STATS_FIELDS] for r in records], dtype=np.float64)
     for j, f in enumerate(STATS_FIELDS):
-        cols[f] = pa.array(stats[:, j].astype(np.int64) if f in _COUNT else stats[:, j].astype(ft))
+        cols[f] = stat_column(pa, f, stats[:, j], stats_dtype, unfit)
     for c in LOCATION_COLUMNS:
         if any(c in r for r in records):
             cols[c] = pa.array([None if r.get(c) is None else list(r[c]) for r in records], pa.list_(pa.int64()))
@@ -286,4 +312,4 @@ def table_scalars(table) -> list:
 
 __all__ = ["block_table", "concat", "table_records", "records_table", "scalars_table", "table_scalars", "run_info",
            "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS", "SITE_COLUMNS", "RUN_KEY",
-           "LOCATION_COLUMNS", "MERGE_COLUMNS", "HIST_PREFIX"]
+           "LOCATION_COLUMNS", "MERGE_COLUMNS", "HIST_PREFIX", "stat_column"]
