@@ -1,0 +1,508 @@
+// hookstats.detect_nonfinite's observer: one global at::RecordFunction callback (needs inputs and outputs)
+// that checks every floating output of every ATen op, forward, backward and optimizer, on its device
+// (check_cpu.cpp, check_cuda.cu) into that device's state (Note [nonfinite guard state]), with no host
+// sync and no Python. The ops torch.ops.hookstats._nf_* (schemas in csrc/hookstats.cpp) drive it from
+// hookstats/anomaly.py.
+//
+// Note [nonfinite observer]
+// What the callback knows about an op, all on the host when the op runs:
+//   * phase: backward inside an autograd node (the BACKWARD_FUNCTION scope that Node::operator() opens
+//     around apply, on whichever thread runs it); optimizer inside the USER_SCOPE that torch.optim opens
+//     around step() and zero_grad() ("Optimizer.step#SGD.step"); forward otherwise;
+//   * module: the id the guard's forward pre/post hooks set (thread-local); in backward, the module that
+//     was current when the forward op that made the node ran: each forward op's sequence number is mapped
+//     to its module, and a node carries the sequence number of the op that made it;
+//   * node: the autograd node's name ("SqrtBackward0").
+// Which outputs are checked: defined, strided, CPU or CUDA, float32/64, float16, bfloat16, not empty, not
+// a Python subclass (FakeTensor, DTensor: their inner ops are checked) nor a functional wrapper. A view
+// made by a view op is skipped (its values were checked where they were made), but the output of an
+// in-place op is checked even when it is a view; an in-place op that returns nothing (_foreach_add_)
+// has its first (tensor or list) argument checked. An output that is the same tensor, unmodified (same
+// version), as one of the last few checked on this thread is not read again (aten::linear returns what
+// its aten::addmm made). The callback never runs an ATen op of its own (a thread-local flag guards the
+// lazy allocation of a CUDA device's state, which runs with RecordFunction disabled).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "device_fns.h"
+#include "nonfinite_ops.h"
+#include "observer.h"
+
+namespace hookstats {
+namespace anomaly {
+namespace {
+
+constexpr int kMaxCudaDevices = 64;
+constexpr size_t kMaxSeqEntries = size_t(1) << 22;  // the sequence map is cleared at each step, or past this
+
+struct Observer {
+  std::mutex mu;  // start/stop, the name table, lazy states
+  at::CallbackHandle handle = 0;
+  bool installed = false;
+  bool enabled = false;
+  std::atomic<uint64_t> generation{1};
+  std::atomic<int64_t> order{0};
+  std::atomic<int64_t> unchecked{0};  // CUDA outputs that could not be checked (no kernels, no state)
+  std::atomic<int64_t> checked{0};
+  at::Tensor cpu_state;
+  int64_t* cpu_ptr = nullptr;
+  at::Tensor cuda_states[kMaxCudaDevices];
+  std::atomic<int64_t*> cuda_ptrs[kMaxCudaDevices];
+  std::vector<std::string> names;
+  std::unordered_map<std::string, int64_t> name_ids;
+  std::mutex seq_mu;
+  std::unordered_map<int64_t, int64_t> seq_module;
+};
+
+Observer& obs() {
+  static Observer* o = new Observer();  // never destroyed: a callback may run during static destruction
+  return *o;
+}
+
+struct Recent {
+  // Weak: the TensorImpl's memory (so its address) is not reused while it is here; its data may be freed.
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> impl;
+  uint32_t version = 0;
+};
+
+struct NodeFrame {
+  int64_t node, seq, module;
+};
+
+struct Tls {
+  uint64_t generation = 0;
+  int64_t module = -1;
+  int opt_depth = 0;
+  bool busy = false;
+  std::vector<NodeFrame> nodes;
+  std::unordered_map<const char*, int64_t> op_ids;  // by the schema name's pointer (stable per operator)
+  std::array<Recent, 4> recent;
+  int recent_pos = 0;
+};
+
+Tls& tls() {
+  thread_local Tls t;
+  const uint64_t g = obs().generation.load(std::memory_order_relaxed);
+  if (t.generation != g) {
+    t.generation = g;
+    t.module = -1;
+    t.opt_depth = 0;
+    t.nodes.clear();
+    t.op_ids.clear();
+    for (auto& r : t.recent) r = Recent();
+    t.recent_pos = 0;
+  }
+  return t;
+}
+
+struct BusyScope {
+  Tls& t;
+  explicit BusyScope(Tls& tt) : t(tt) { t.busy = true; }
+  ~BusyScope() { t.busy = false; }
+};
+
+int64_t name_id(const std::string& name) {
+  Observer& o = obs();
+  std::lock_guard<std::mutex> lock(o.mu);
+  auto it = o.name_ids.find(name);
+  if (it != o.name_ids.end()) return it->second;
+  const int64_t id = static_cast<int64_t>(o.names.size());
+  o.names.push_back(name);
+  o.name_ids.emplace(name, id);
+  return id;
+}
+
+int64_t op_id(Tls& t, const char* name) {
+  auto it = t.op_ids.find(name);
+  if (it != t.op_ids.end()) return it->second;
+  const int64_t id = name_id(name);
+  t.op_ids.emplace(name, id);
+  return id;
+}
+
+bool starts_with(const char* s, const char* prefix) { return std::strncmp(s, prefix, std::strlen(prefix)) == 0; }
+
+bool is_optimizer_scope(const char* name) {
+  return starts_with(name, "Optimizer.step#") || starts_with(name, "Optimizer.zero_grad#");
+}
+
+bool checkable_dtype(c10::ScalarType st) {
+  return st == c10::kFloat || st == c10::kDouble || st == c10::kHalf || st == c10::kBFloat16;
+}
+
+// A tensor whose memory this observer may read: see Note [nonfinite observer].
+bool readable(const at::Tensor& t) {
+  if (!t.defined() || t.layout() != c10::kStrided || !checkable_dtype(t.scalar_type())) return false;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->is_python_dispatch() || t.key_set().has(c10::DispatchKey::Functionalize)) return false;
+  if (!(t.is_cpu() || t.is_cuda()) || !t.has_storage() || t.numel() == 0) return false;
+  return t.const_data_ptr() != nullptr;
+}
+
+FloatMasks masks_of(const at::Tensor& t) {
+  return float_masks(static_cast<int>(t.element_size()), t.scalar_type() == c10::kBFloat16);
+}
+
+// What the start callback keeps for the end callback of an op: its first floating inputs (for the
+// record's kBadInputs), and, for an in-place op, the tensors of its first argument (its outputs when it
+// returns nothing).
+struct OpInputs : at::ObserverContext {
+  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> inplace;
+};
+
+struct OptimizerScope : at::ObserverContext {};
+
+bool inplace_name(const char* name) {
+  const size_t n = std::strlen(name);
+  return n > 1 && name[n - 1] == '_' && name[n - 2] != '_';
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  Tls& t = tls();
+  if (t.busy) return nullptr;
+  switch (fn.scope()) {
+    case at::RecordScope::USER_SCOPE:
+      if (is_optimizer_scope(fn.name())) {
+        ++t.opt_depth;
+        return std::make_unique<OptimizerScope>();
+      }
+      return nullptr;
+    case at::RecordScope::BACKWARD_FUNCTION: {
+      NodeFrame f{name_id(fn.name()), fn.seqNr(), -1};
+      if (f.seq >= 0) {
+        Observer& o = obs();
+        std::lock_guard<std::mutex> lock(o.seq_mu);
+        auto it = o.seq_module.find(f.seq);
+        if (it != o.seq_module.end()) f.module = it->second;
+      }
+      t.nodes.push_back(f);
+      return nullptr;
+    }
+    case at::RecordScope::FUNCTION: {
+      if (!fn.needsInputs()) return nullptr;
+      std::unique_ptr<OpInputs> ctx;
+      const bool inplace = inplace_name(fn.name());
+      bool first = true;
+      for (const c10::IValue& v : fn.inputs()) {
+        if (v.isTensor()) {
+          const at::Tensor& x = v.toTensor();
+          if (readable(x)) {
+            if (!ctx) ctx = std::make_unique<OpInputs>();
+            if (inplace && first) ctx->inplace.push_back(x);
+            if (ctx->inputs.size() < static_cast<size_t>(kMaxInputs)) ctx->inputs.push_back(x);
+          }
+        } else if (v.isTensorList()) {
+          for (const at::Tensor& x : v.toTensorList().vec()) {
+            if (!readable(x)) continue;
+            if (!ctx) ctx = std::make_unique<OpInputs>();
+            if (inplace && first) ctx->inplace.push_back(x);
+            if (ctx->inputs.size() < static_cast<size_t>(kMaxInputs)) ctx->inputs.push_back(x);
+          }
+        }
+        first = false;
+      }
+      return ctx;
+    }
+    default:
+      return nullptr;
+  }
+}
+
+// Whether x is, unchanged, one of the last outputs checked on this thread (then it is not read again).
+bool seen_recently(Tls& t, const at::Tensor& x) {
+  if (x.is_inference()) return false;  // no version counter
+  c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  const uint32_t version = impl->version_counter().current_version();
+  for (const Recent& r : t.recent) {
+    if (r.impl && r.impl->_unsafe_get_target() == impl && r.version == version) return true;
+  }
+  Recent& r = t.recent[t.recent_pos];
+  t.recent_pos = (t.recent_pos + 1) % static_cast<int>(t.recent.size());
+  r.impl.emplace(x.getIntrusivePtr());
+  r.version = version;
+  return false;
+}
+
+int64_t* state_for(const at::Tensor& x, int* device) {
+  Observer& o = obs();
+  if (x.is_cpu()) {
+    *device = -1;
+    return o.cpu_ptr;
+  }
+  const int d = x.get_device();
+  *device = d;
+  if (d < 0 || d >= kMaxCudaDevices || cuda_fns().check == nullptr) return nullptr;
+  int64_t* p = o.cuda_ptrs[d].load(std::memory_order_acquire);
+  if (p != nullptr) return p;
+  // A device the guard was not started with: its state is made now, unless its stream is being captured
+  // (zeroing it would become part of the graph); then the output stays unchecked.
+  if (cuda_fns().capturing(d)) return nullptr;
+  std::lock_guard<std::mutex> lock(o.mu);
+  p = o.cuda_ptrs[d].load(std::memory_order_acquire);
+  if (p != nullptr) return p;
+  at::Tensor s;
+  {
+    at::DisableRecordFunctionGuard no_record;
+    s = at::zeros({kNumSlots}, x.options().dtype(c10::kLong));
+    s[kFirst].fill_(kNoIndex);
+  }
+  o.cuda_states[d] = s;
+  p = s.data_ptr<int64_t>();
+  o.cuda_ptrs[d].store(p, std::memory_order_release);
+  return p;
+}
+
+struct OpContext {
+  int64_t phase, op, module, node, seq;
+  const OpInputs* inputs;
+};
+
+void fill_inputs(CheckLaunch& c, const at::Tensor& out, const OpInputs* in) {
+  c.n_inputs = 0;
+  if (in == nullptr) return;
+  for (const at::Tensor& x : in->inputs) {
+    if (c.n_inputs == kMaxInputs) break;
+    // An input that is the output (in place, out=) says nothing about what came in; nor can an input on
+    // another device than the output be read by the output's check.
+    if (x.unsafeGetTensorImpl() == out.unsafeGetTensorImpl() || x.device() != out.device()) continue;
+    if (x.is_alias_of(out) || !x.is_non_overlapping_and_dense()) continue;
+    c.in_data[c.n_inputs] = x.const_data_ptr();
+    c.in_numel[c.n_inputs] = x.numel();
+    c.in_masks[c.n_inputs] = masks_of(x);
+    ++c.n_inputs;
+  }
+}
+
+void check_output(Tls& t, const at::Tensor& x, int64_t index, bool inplace, const OpContext& op) {
+  if (!readable(x)) return;
+  if (x.is_view() && !inplace) return;
+  if (seen_recently(t, x)) return;
+  Observer& o = obs();
+  int device = -1;
+  int64_t* state = state_for(x, &device);
+  if (state == nullptr) {
+    o.unchecked.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  CheckLaunch c;
+  c.data = x.const_data_ptr();
+  c.numel = x.numel();
+  c.masks = masks_of(x);
+  c.ndim = 0;
+  c.lay.ndim = 0;
+  const int ndim = static_cast<int>(x.dim());
+  if (x.is_contiguous()) {
+    c.mode = kFlat;
+  } else if (x.is_non_overlapping_and_dense() && ndim <= kMaxDims) {
+    c.mode = kDense;
+    c.ndim = ndim;
+    for (int d = 0; d < ndim; ++d) {
+      c.sizes[d] = x.size(d);
+      c.strides[d] = x.stride(d);
+    }
+  } else {
+    c.mode = kStrided;
+    if (!make_layout(ndim, x.sizes().data(), x.strides().data(), c.lay)) {
+      o.unchecked.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    if (c.lay.ndim == 0) c.mode = kFlat;  // coalesced to one unit-stride run
+  }
+  OpMeta& m = c.meta;
+  m.order = o.order.fetch_add(1, std::memory_order_relaxed) + 1;
+  m.phase = op.phase;
+  m.op = op.op;
+  m.module = op.module;
+  m.node = op.node;
+  m.seq = op.seq;
+  m.output = index;
+  m.numel = c.numel;
+  m.dtype = static_cast<int64_t>(x.scalar_type());
+  m.ndim = ndim;
+  m.data_ptr = reinterpret_cast<int64_t>(x.const_data_ptr());
+  for (int d = 0; d < kMaxShapeDims; ++d) m.shape[d] = d < ndim ? x.size(d) : 0;
+  fill_inputs(c, x, op.inputs);
+  c.state = state;
+  o.checked.fetch_add(1, std::memory_order_relaxed);
+  if (device < 0) check_cpu(c);
+  else cuda_fns().check(c, device);
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
+  Tls& t = tls();
+  if (t.busy) return;
+  switch (fn.scope()) {
+    case at::RecordScope::USER_SCOPE:
+      if (ctx != nullptr && t.opt_depth > 0) --t.opt_depth;
+      return;
+    case at::RecordScope::BACKWARD_FUNCTION:
+      if (!t.nodes.empty()) t.nodes.pop_back();
+      return;
+    case at::RecordScope::FUNCTION:
+      break;
+    default:
+      return;
+  }
+  BusyScope busy(t);
+  Observer& o = obs();
+  OpContext op;
+  op.node = -1;
+  op.seq = fn.seqNr();
+  if (!t.nodes.empty()) {
+    const NodeFrame& f = t.nodes.back();
+    op.phase = kBackward;
+    op.module = f.module;
+    op.node = f.node;
+    op.seq = f.seq;
+  } else if (t.opt_depth > 0) {
+    op.phase = kOptimizer;
+    op.module = -1;
+  } else {
+    op.phase = kForward;
+    op.module = t.module;
+    if (op.module >= 0 && op.seq >= 0) {
+      std::lock_guard<std::mutex> lock(o.seq_mu);
+      if (o.seq_module.size() > kMaxSeqEntries) o.seq_module.clear();
+      o.seq_module[op.seq] = op.module;
+    }
+  }
+  op.inputs = static_cast<const OpInputs*>(fn.scope() == at::RecordScope::FUNCTION ? ctx : nullptr);
+  bool op_named = false;
+  int64_t index = 0;
+  const bool inplace = inplace_name(fn.name());
+  auto check = [&](const at::Tensor& x) {
+    if (!op_named) {
+      op.op = op_id(t, fn.name());
+      op_named = true;
+    }
+    check_output(t, x, index++, inplace, op);
+  };
+  for (const c10::IValue& v : fn.outputs()) {
+    if (v.isTensor()) {
+      check(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& x : v.toTensorList().vec()) check(x);
+    }
+  }
+  if (index == 0 && op.inputs != nullptr) {
+    for (const at::Tensor& x : op.inputs->inplace) check(x);
+  }
+}
+
+}  // namespace
+
+void start(const at::Tensor& cpu_state, const std::vector<at::Tensor>& cuda_states) {
+  Observer& o = obs();
+  std::lock_guard<std::mutex> lock(o.mu);
+  TORCH_CHECK(!o.installed, "hookstats.detect_nonfinite: another guard is active in this process; exit it first "
+              "(one guard watches every op of the process)");
+  TORCH_CHECK(cpu_state.is_cpu() && cpu_state.scalar_type() == c10::kLong && cpu_state.numel() == kNumSlots &&
+                  cpu_state.is_contiguous(),
+              "hookstats._nf_start: the CPU state must be a contiguous int64 CPU tensor of ", kNumSlots, " slots");
+  o.cpu_state = cpu_state;
+  o.cpu_ptr = cpu_state.data_ptr<int64_t>();
+  for (int d = 0; d < kMaxCudaDevices; ++d) {
+    o.cuda_states[d] = at::Tensor();
+    o.cuda_ptrs[d].store(nullptr);
+  }
+  for (const at::Tensor& s : cuda_states) {
+    TORCH_CHECK(s.is_cuda() && s.scalar_type() == c10::kLong && s.numel() == kNumSlots && s.is_contiguous(),
+                "hookstats._nf_start: a CUDA state must be a contiguous int64 CUDA tensor of ", kNumSlots, " slots");
+    const int d = s.get_device();
+    TORCH_CHECK(d >= 0 && d < kMaxCudaDevices, "hookstats._nf_start: CUDA device ", d, " out of range");
+    o.cuda_states[d] = s;
+    o.cuda_ptrs[d].store(s.data_ptr<int64_t>());
+  }
+  o.names.clear();
+  o.name_ids.clear();
+  {
+    std::lock_guard<std::mutex> seq_lock(o.seq_mu);
+    o.seq_module.clear();
+  }
+  o.order.store(0);
+  o.unchecked.store(0);
+  o.checked.store(0);
+  o.generation.fetch_add(1);
+  o.handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(&on_start, &on_end)
+          .needsInputs(true)
+          .needsOutputs(true)
+          .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION, at::RecordScope::USER_SCOPE}));
+  o.installed = true;
+  o.enabled = true;
+}
+
+void stop() {
+  Observer& o = obs();
+  std::lock_guard<std::mutex> lock(o.mu);
+  if (!o.installed) return;
+  at::removeCallback(o.handle);
+  o.installed = false;
+  o.enabled = false;
+  o.generation.fetch_add(1);
+  std::lock_guard<std::mutex> seq_lock(o.seq_mu);
+  o.seq_module.clear();
+}
+
+void enable(bool on) {
+  Observer& o = obs();
+  std::lock_guard<std::mutex> lock(o.mu);
+  TORCH_CHECK(o.installed, "hookstats._nf_enable: no guard is active");
+  if (on == o.enabled) return;
+  if (on) at::reenableCallback(o.handle);
+  else at::disableCallback(o.handle);
+  o.enabled = on;
+}
+
+void step() {
+  Observer& o = obs();
+  std::lock_guard<std::mutex> lock(o.mu);
+  TORCH_CHECK(o.installed, "hookstats._nf_step: no guard is active");
+  o.cpu_ptr[kStep] += 1;
+  for (int d = 0; d < kMaxCudaDevices; ++d) {
+    int64_t* p = o.cuda_ptrs[d].load();
+    if (p != nullptr && cuda_fns().step != nullptr) cuda_fns().step(p, d);
+  }
+  std::lock_guard<std::mutex> seq_lock(o.seq_mu);
+  o.seq_module.clear();
+}
+
+void set_module(int64_t id) { tls().module = id; }
+
+std::vector<std::string> names() {
+  Observer& o = obs();
+  std::lock_guard<std::mutex> lock(o.mu);
+  return o.names;
+}
+
+std::vector<at::Tensor> states() {
+  Observer& o = obs();
+  std::lock_guard<std::mutex> lock(o.mu);
+  std::vector<at::Tensor> out;
+  if (o.cpu_state.defined()) out.push_back(o.cpu_state);
+  for (int d = 0; d < kMaxCudaDevices; ++d) {
+    if (o.cuda_states[d].defined()) out.push_back(o.cuda_states[d]);
+  }
+  return out;
+}
+
+std::vector<int64_t> counters() {
+  Observer& o = obs();
+  return {o.checked.load(), o.unchecked.load(), o.order.load(), static_cast<int64_t>(kNumSlots)};
+}
+
+}  // namespace anomaly
+}  // namespace hookstats
