@@ -14,14 +14,17 @@
 //     to its module, and a node carries the sequence number of the op that made it;
 //   * node: the autograd node's name ("SqrtBackward0").
 // Which outputs are checked: defined, strided, CPU or CUDA, float32/64, float16, bfloat16, not empty, not
-// a Python subclass (FakeTensor, DTensor: their inner ops are checked) nor a functional wrapper. A view
-// made by a view op is skipped (its values were checked where they were made), but the output of an
-// in-place op is checked even when it is a view; an in-place op that returns nothing (_foreach_add_)
-// has its first (tensor or list) argument checked. An output that is the same tensor, unmodified (same
-// version), as one of the last few checked on this thread is not read again (aten::linear returns what
-// its aten::addmm made). The callback never runs an ATen op of its own (a thread-local flag guards the
+// a Python subclass (FakeTensor, DTensor: their inner ops are checked) nor a functional wrapper. A view,
+// or any output sharing memory with an input of its op (detach, resolve_conj returning its input, and
+// addmm's resolve_conj of a result buffer not yet written) is skipped: an op that computed nothing is not
+// an origin, and its values were checked where they were made. But the output of an
+// in-place or out= op is checked even when it is a view; an in-place op that returns nothing (_foreach_add_)
+// has its first (tensor or list) argument checked. The outputs of ops that return memory nobody wrote
+// (aten::empty*, new_empty*, resize_) are not read: their bits are not values. A decomposition's output
+// that is, unmodified, one of the last few checked on this thread is not read again (seen_recently). The callback never runs an ATen op of its own (a thread-local flag guards the
 // lazy allocation of a CUDA device's state, which runs with RecordFunction disabled).
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/record_function.h>
 #include <c10/util/intrusive_ptr.h>
@@ -81,13 +84,19 @@ struct NodeFrame {
   int64_t node, seq, module;
 };
 
+struct OpEntry {
+  std::string name, overload;
+  int64_t id;      // name-table index, -1: outputs not checked (makes_uninitialized)
+  bool composite;  // a CompositeImplicitAutograd kernel: it writes only through the ops it calls
+};
+
 struct Tls {
   uint64_t generation = 0;
   int64_t module = -1;
   int opt_depth = 0;
   bool busy = false;
   std::vector<NodeFrame> nodes;
-  std::unordered_map<const char*, int64_t> op_ids;  // by the schema name's pointer (stable per operator)
+  std::unordered_map<const char*, OpEntry> op_ids;  // by the name's pointer
   std::array<Recent, 4> recent;
   int recent_pos = 0;
 };
@@ -124,15 +133,35 @@ int64_t name_id(const std::string& name) {
   return id;
 }
 
-int64_t op_id(Tls& t, const char* name) {
-  auto it = t.op_ids.find(name);
-  if (it != t.op_ids.end()) return it->second;
-  const int64_t id = name_id(name);
-  t.op_ids.emplace(name, id);
-  return id;
+bool starts_with(const char* s, const char* prefix) { return std::strncmp(s, prefix, std::strlen(prefix)) == 0; }
+
+// Ops whose output is memory nobody has written yet (empty, empty_like, new_empty_strided, resize_): its bits are
+// whatever was there before, not a value an op computed.
+bool makes_uninitialized(const char* name) {
+  for (const char* p : {"aten::empty", "aten::new_empty", "aten::_empty", "aten::resize", "aten::_resize"}) {
+    if (starts_with(name, p)) return true;
+  }
+  return false;
 }
 
-bool starts_with(const char* s, const char* prefix) { return std::strncmp(s, prefix, std::strlen(prefix)) == 0; }
+bool is_composite(const char* name, const char* overload) {
+  auto op = c10::Dispatcher::singleton().findOp(c10::OperatorName(name, overload));
+  return op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+}
+
+// What the observer knows of an op (its name-table index, whether it is a decomposition), cached per thread.
+const OpEntry& op_entry(Tls& t, const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  const char* overload = fn.overload_name();
+  auto it = t.op_ids.find(name);
+  // The pointer is a cache key only: a name built at run time may come back at the same address as another.
+  if (it != t.op_ids.end() && it->second.name == name && it->second.overload == overload) return it->second;
+  if (t.op_ids.size() > 65536) t.op_ids.clear();
+  const int64_t id = makes_uninitialized(name) ? -1 : name_id(name);
+  OpEntry& e = t.op_ids[name];
+  e = OpEntry{std::string(name), std::string(overload), id, is_composite(name, overload)};
+  return e;
+}
 
 bool is_optimizer_scope(const char* name) {
   return starts_with(name, "Optimizer.step#") || starts_with(name, "Optimizer.zero_grad#");
@@ -161,6 +190,7 @@ FloatMasks masks_of(const at::Tensor& t) {
 struct OpInputs : at::ObserverContext {
   std::vector<at::Tensor> inputs;
   std::vector<at::Tensor> inplace;
+  std::vector<const c10::StorageImpl*> storages;  // of every readable tensor input
 };
 
 struct OptimizerScope : at::ObserverContext {};
@@ -201,6 +231,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
           const at::Tensor& x = v.toTensor();
           if (readable(x)) {
             if (!ctx) ctx = std::make_unique<OpInputs>();
+            ctx->storages.push_back(x.storage().unsafeGetStorageImpl());
             if (inplace && first) ctx->inplace.push_back(x);
             if (ctx->inputs.size() < static_cast<size_t>(kMaxInputs)) ctx->inputs.push_back(x);
           }
@@ -208,6 +239,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
           for (const at::Tensor& x : v.toTensorList().vec()) {
             if (!readable(x)) continue;
             if (!ctx) ctx = std::make_unique<OpInputs>();
+            ctx->storages.push_back(x.storage().unsafeGetStorageImpl());
             if (inplace && first) ctx->inplace.push_back(x);
             if (ctx->inputs.size() < static_cast<size_t>(kMaxInputs)) ctx->inputs.push_back(x);
           }
@@ -221,13 +253,21 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   }
 }
 
-// Whether x is, unchanged, one of the last outputs checked on this thread (then it is not read again).
-bool seen_recently(Tls& t, const at::Tensor& x) {
+// Whether x is, unchanged, one of the last outputs checked on this thread, and the op returning it is a
+// decomposition (CompositeImplicitAutograd: aten::linear returning what its aten::addmm made): then it is not
+// read again. Only a decomposition: a kernel may write into a tensor after an op it called checked it, without
+// moving its version (addmm copies the bias into its result with copy_, then multiplies into it), so the
+// output of any other op is read. Otherwise x is remembered.
+bool seen_recently(Tls& t, const at::Tensor& x, bool composite) {
   if (x.is_inference()) return false;  // no version counter
   c10::TensorImpl* impl = x.unsafeGetTensorImpl();
   const uint32_t version = impl->version_counter().current_version();
-  for (const Recent& r : t.recent) {
-    if (r.impl && r.impl->_unsafe_get_target() == impl && r.version == version) return true;
+  for (Recent& r : t.recent) {
+    if (r.impl && r.impl->_unsafe_get_target() == impl) {
+      if (composite && r.version == version) return true;
+      r.version = version;
+      return false;
+    }
   }
   Recent& r = t.recent[t.recent_pos];
   t.recent_pos = (t.recent_pos + 1) % static_cast<int>(t.recent.size());
@@ -267,6 +307,7 @@ int64_t* state_for(const at::Tensor& x, int* device) {
 
 struct OpContext {
   int64_t phase, op, module, node, seq;
+  bool composite;
   const OpInputs* inputs;
 };
 
@@ -286,10 +327,22 @@ void fill_inputs(CheckLaunch& c, const at::Tensor& out, const OpInputs* in) {
   }
 }
 
+// Whether x shares memory with an input of the op: a view, detach, alias, or the input itself returned
+// (resolve_conj, contiguous of a contiguous tensor), or an output buffer handed to a helper before it is written
+// (addmm's resolve_conj of its result).
+bool aliases_input(const at::Tensor& x, const OpInputs* in) {
+  if (in == nullptr) return false;
+  const c10::StorageImpl* s = x.storage().unsafeGetStorageImpl();
+  for (const c10::StorageImpl* p : in->storages) {
+    if (p == s) return true;
+  }
+  return false;
+}
+
 void check_output(Tls& t, const at::Tensor& x, int64_t index, bool inplace, const OpContext& op) {
   if (!readable(x)) return;
-  if (x.is_view() && !inplace) return;
-  if (seen_recently(t, x)) return;
+  if (!inplace && (x.is_view() || aliases_input(x, op.inputs))) return;
+  if (seen_recently(t, x, op.composite)) return;
   Observer& o = obs();
   int device = -1;
   int64_t* state = state_for(x, &device);
@@ -380,16 +433,14 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     }
   }
   op.inputs = static_cast<const OpInputs*>(fn.scope() == at::RecordScope::FUNCTION ? ctx : nullptr);
-  bool op_named = false;
+  const OpEntry& entry = op_entry(t, fn);
+  if (entry.id < 0) return;
+  op.op = entry.id;
+  op.composite = entry.composite;
   int64_t index = 0;
-  const bool inplace = inplace_name(fn.name());
-  auto check = [&](const at::Tensor& x) {
-    if (!op_named) {
-      op.op = op_id(t, fn.name());
-      op_named = true;
-    }
-    check_output(t, x, index++, inplace, op);
-  };
+  // In place or out=: the output is an argument the op wrote, checked even when it is a view.
+  const bool inplace = inplace_name(fn.name()) || starts_with(fn.overload_name(), "out");
+  auto check = [&](const at::Tensor& x) { check_output(t, x, index++, inplace, op); };
   for (const c10::IValue& v : fn.outputs()) {
     if (v.isTensor()) {
       check(v.toTensor());
