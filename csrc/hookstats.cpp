@@ -87,7 +87,7 @@ TORCH_LIBRARY(hookstats, m) {
   // hookstats.detect_nonfinite (hookstats/anomaly.py; csrc/anomaly/observer.cpp, Note [nonfinite observer]):
   // install / remove / pause the op observer, advance the devices' step counters, set the calling thread's
   // module id, and read the name table, the device states and the counters (checked, unchecked, order, slots).
-  m.def("_nf_start(Tensor cpu_state, Tensor[] cuda_states) -> ()", &hookstats::anomaly::start);
+  m.def("_nf_start(Tensor cpu_state, Tensor[] cuda_states, str[] ignore_ops) -> ()", &hookstats::anomaly::start);
   m.def("_nf_stop() -> ()", &hookstats::anomaly::stop);
   m.def("_nf_enable(bool on) -> ()", &hookstats::anomaly::enable);
   m.def("_nf_step() -> ()", &hookstats::anomaly::step);

@@ -9,7 +9,7 @@ per module call, to name the module an op ran in). `first()` reads the states on
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -57,13 +57,17 @@ class NonfiniteGuard:
     read and those that could not be (a CUDA tensor on a build without CUDA kernels, a new device met during a CUDA
     graph capture)."""
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, *, every: int = 1):
+    def __init__(self, model: Optional[torch.nn.Module] = None, *, every: int = 1, ignore_ops: Sequence[str] = ()):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"hookstats.detect_nonfinite takes a torch.nn.Module (or None), got {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"hookstats.detect_nonfinite: every must be an int >= 1, got {every!r}")
+        if isinstance(ignore_ops, str) or not all(isinstance(o, str) and "::" in o for o in ignore_ops):
+            raise TypeError("hookstats.detect_nonfinite: ignore_ops takes a list of op names such as "
+                            f"['aten::masked_fill'], got {ignore_ops!r}")
         self.model = model
         self.every = every
+        self.ignore_ops = list(ignore_ops)
         self._step = 0
         self._handles: list = []
         self._modules: list = []
@@ -94,7 +98,7 @@ class NonfiniteGuard:
         cpu = self._new_state(torch.device("cpu"))
         cuda = [self._new_state(torch.device("cuda", d)) for d in self._cuda_devices()]
         self._step, self._closed_record = 0, None
-        torch.ops.hookstats._nf_start(cpu, cuda)
+        torch.ops.hookstats._nf_start(cpu, cuda, self.ignore_ops)
         _ACTIVE.append(self)
         self._active = self._on = True
         try:
@@ -244,7 +248,8 @@ class NonfiniteGuard:
         return None
 
 
-def detect_nonfinite(model: Optional[torch.nn.Module] = None, *, every: int = 1) -> NonfiniteGuard:
+def detect_nonfinite(model: Optional[torch.nn.Module] = None, *, every: int = 1,
+                     ignore_ops: Sequence[str] = ()) -> NonfiniteGuard:
     """A guard that finds the first ATen op whose floating output held a NaN or an Inf, in forward, backward or the
     optimizer, on CPU and CUDA, without a host sync and without Python per op::
 
@@ -257,11 +262,12 @@ def detect_nonfinite(model: Optional[torch.nn.Module] = None, *, every: int = 1)
 
     `model` (optional) names the module each op ran in (a forward pre/post hook per module; in backward, the module
     whose forward made the autograd node) and, in the optimizer, the parameter written. `every=N` checks steps 0, N,
-    2N, ... only. The report (`NonfiniteOp`): step, phase ("forward" / "backward" / "optimizer"), op ("aten::log"),
+    2N, ... only. `ignore_ops` names ops whose non-finite outputs are intended (a model that masks attention with
+    `masked_fill(-inf)`: ["aten::masked_fill"]); their outputs are not checked. The report (`NonfiniteOp`): step, phase ("forward" / "backward" / "optimizer"), op ("aten::log"),
     module, node (the autograd node, in backward: "SqrtBackward0"), nan / inf counts, shape, dtype, index (the first
     NaN/Inf element), seq (the autograd sequence number), and whether the op's inputs were finite (they are, unless
     they came from outside every checked op: the model's inputs, parameters, data made before the guard).
     Under torch.compile only the ops that run through the ATen dispatcher are checked (eager regions, graph
     breaks, extern kernels such as matmuls), not the code inductor fuses; CUDA graph capture is supported (the
     step counter lives on the device). Docs: docs/guide/anomaly.md."""
-    return NonfiniteGuard(model, every=every)
+    return NonfiniteGuard(model, every=every, ignore_ops=ignore_ops)

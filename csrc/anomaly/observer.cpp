@@ -37,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "device_fns.h"
@@ -65,6 +66,7 @@ struct Observer {
   std::atomic<int64_t*> cuda_ptrs[kMaxCudaDevices];
   std::vector<std::string> names;
   std::unordered_map<std::string, int64_t> name_ids;
+  std::unordered_set<std::string> ignored;  // op names whose outputs are not checked (ignore_ops=)
   std::mutex seq_mu;
   std::unordered_map<int64_t, int64_t> seq_module;
 };
@@ -86,14 +88,16 @@ struct NodeFrame {
 
 struct OpEntry {
   std::string name, overload;
-  int64_t id;      // name-table index, -1: outputs not checked (makes_uninitialized)
+  int64_t id;      // name-table index, -1: outputs not checked (makes_uninitialized, ignored)
   bool composite;  // a CompositeImplicitAutograd kernel: it writes only through the ops it calls
+  bool ignored;    // named in ignore_ops
 };
 
 struct Tls {
   uint64_t generation = 0;
   int64_t module = -1;
   int opt_depth = 0;
+  int ignore_depth = 0;  // inside an ignore_ops op
   bool busy = false;
   std::vector<NodeFrame> nodes;
   std::unordered_map<const char*, OpEntry> op_ids;  // by the name's pointer
@@ -108,6 +112,7 @@ Tls& tls() {
     t.generation = g;
     t.module = -1;
     t.opt_depth = 0;
+    t.ignore_depth = 0;
     t.nodes.clear();
     t.op_ids.clear();
     for (auto& r : t.recent) r = Recent();
@@ -157,9 +162,15 @@ const OpEntry& op_entry(Tls& t, const at::RecordFunction& fn) {
   // The pointer is a cache key only: a name built at run time may come back at the same address as another.
   if (it != t.op_ids.end() && it->second.name == name && it->second.overload == overload) return it->second;
   if (t.op_ids.size() > 65536) t.op_ids.clear();
-  const int64_t id = makes_uninitialized(name) ? -1 : name_id(name);
+  bool ignored;
+  {
+    Observer& o = obs();
+    std::lock_guard<std::mutex> lock(o.mu);
+    ignored = o.ignored.count(name) > 0;
+  }
+  const int64_t id = makes_uninitialized(name) || ignored ? -1 : name_id(name);
   OpEntry& e = t.op_ids[name];
-  e = OpEntry{std::string(name), std::string(overload), id, is_composite(name, overload)};
+  e = OpEntry{std::string(name), std::string(overload), id, is_composite(name, overload), ignored};
   return e;
 }
 
@@ -191,6 +202,7 @@ struct OpInputs : at::ObserverContext {
   std::vector<at::Tensor> inputs;
   std::vector<at::Tensor> inplace;
   std::vector<const c10::StorageImpl*> storages;  // of every readable tensor input
+  bool ignored = false;  // an ignore_ops op: nothing it runs is checked
 };
 
 struct OptimizerScope : at::ObserverContext {};
@@ -222,6 +234,13 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       return nullptr;
     }
     case at::RecordScope::FUNCTION: {
+      if (t.ignore_depth > 0) return nullptr;
+      if (op_entry(t, fn).ignored) {
+        ++t.ignore_depth;
+        auto ctx = std::make_unique<OpInputs>();
+        ctx->ignored = true;
+        return ctx;
+      }
       if (!fn.needsInputs()) return nullptr;
       std::unique_ptr<OpInputs> ctx;
       const bool inplace = inplace_name(fn.name());
@@ -409,6 +428,11 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
     default:
       return;
   }
+  if (ctx != nullptr && static_cast<OpInputs*>(ctx)->ignored) {
+    --t.ignore_depth;
+    return;
+  }
+  if (t.ignore_depth > 0) return;
   BusyScope busy(t);
   Observer& o = obs();
   OpContext op;
@@ -455,7 +479,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
 
 }  // namespace
 
-void start(const at::Tensor& cpu_state, const std::vector<at::Tensor>& cuda_states) {
+void start(const at::Tensor& cpu_state, const std::vector<at::Tensor>& cuda_states,
+           const std::vector<std::string>& ignore_ops) {
   Observer& o = obs();
   std::lock_guard<std::mutex> lock(o.mu);
   TORCH_CHECK(!o.installed, "hookstats.detect_nonfinite: another guard is active in this process; exit it first "
@@ -479,6 +504,7 @@ void start(const at::Tensor& cpu_state, const std::vector<at::Tensor>& cuda_stat
   }
   o.names.clear();
   o.name_ids.clear();
+  o.ignored = std::unordered_set<std::string>(ignore_ops.begin(), ignore_ops.end());
   {
     std::lock_guard<std::mutex> seq_lock(o.seq_mu);
     o.seq_module.clear();

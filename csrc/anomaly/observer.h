@@ -11,8 +11,10 @@
 namespace hookstats {
 namespace anomaly {
 
-// Installs the global callback; the states are the devices' (Note [nonfinite guard state]).
-void start(const at::Tensor& cpu_state, const std::vector<at::Tensor>& cuda_states);
+// Installs the global callback; the states are the devices' (Note [nonfinite guard state]); the outputs of the
+// ops named in ignore_ops ("aten::masked_fill") are not checked.
+void start(const at::Tensor& cpu_state, const std::vector<at::Tensor>& cuda_states,
+           const std::vector<std::string>& ignore_ops);
 void stop();
 // Turns the installed callback off or on (every=N: nothing runs per op between sampled steps).
 void enable(bool on);
