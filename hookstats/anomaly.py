@@ -57,7 +57,8 @@ class NonfiniteGuard:
     read and those that could not be (a CUDA tensor on a build without CUDA kernels, a new device met during a CUDA
     graph capture)."""
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, *, every: int = 1, ignore_ops: Sequence[str] = ()):
+    def __init__(self, model: Optional[torch.nn.Module] = None, *, every: int = 1, ignore_ops: Sequence[str] = (),
+                 start_step: int = 0):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"hookstats.detect_nonfinite takes a torch.nn.Module (or None), got {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -68,6 +69,9 @@ class NonfiniteGuard:
         self.model = model
         self.every = every
         self.ignore_ops = list(ignore_ops)
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"hookstats.detect_nonfinite: start_step must be an int >= 0, got {start_step!r}")
+        self.start_step = start_step
         self._step = 0
         self._handles: list = []
         self._modules: list = []
@@ -76,7 +80,6 @@ class NonfiniteGuard:
         self._tls = threading.local()
         self._on = False
         self._active = False
-        self._closed_record = None
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
     def __enter__(self) -> "NonfiniteGuard":
@@ -95,12 +98,15 @@ class NonfiniteGuard:
             raise RuntimeError("hookstats.detect_nonfinite: another guard is active in this process (one observer "
                                "sees every op of the process); exit it first")
         del C
-        cpu = self._new_state(torch.device("cpu"))
-        cuda = [self._new_state(torch.device("cuda", d)) for d in self._cuda_devices()]
-        self._step, self._closed_record = 0, None
+        self._step = self.start_step
+        cpu = self._new_state(torch.device("cpu"), self._step)
+        cuda = [self._new_state(torch.device("cuda", d), self._step) for d in self._cuda_devices()]
         torch.ops.hookstats._nf_start(cpu, cuda, self.ignore_ops)
         _ACTIVE.append(self)
         self._active = self._on = True
+        if self._step % self.every != 0:
+            torch.ops.hookstats._nf_enable(False)
+            self._on = False
         try:
             if self.model is not None:
                 self._hook(self.model)
@@ -124,9 +130,10 @@ class NonfiniteGuard:
         self._active = self._on = False
 
     @staticmethod
-    def _new_state(device: torch.device) -> torch.Tensor:
+    def _new_state(device: torch.device, step: int) -> torch.Tensor:
         s = torch.zeros(_NUM_SLOTS, dtype=torch.int64, device=device)
         s[_FIRST] = _NO_INDEX
+        s[_STEP] = step
         return s
 
     @staticmethod
@@ -248,8 +255,8 @@ class NonfiniteGuard:
         return None
 
 
-def detect_nonfinite(model: Optional[torch.nn.Module] = None, *, every: int = 1,
-                     ignore_ops: Sequence[str] = ()) -> NonfiniteGuard:
+def detect_nonfinite(model: Optional[torch.nn.Module] = None, *, every: int = 1, ignore_ops: Sequence[str] = (),
+                     start_step: int = 0) -> NonfiniteGuard:
     """A guard that finds the first ATen op whose floating output held a NaN or an Inf, in forward, backward or the
     optimizer, on CPU and CUDA, without a host sync and without Python per op::
 
@@ -261,13 +268,17 @@ def detect_nonfinite(model: Optional[torch.nn.Module] = None, *, every: int = 1,
         print(guard.first())   # None, or: step 3, forward: aten::log in blocks.1.act made 8 inf in ...
 
     `model` (optional) names the module each op ran in (a forward pre/post hook per module; in backward, the module
-    whose forward made the autograd node) and, in the optimizer, the parameter written. `every=N` checks steps 0, N,
-    2N, ... only. `ignore_ops` names ops whose non-finite outputs are intended (a model that masks attention with
-    `masked_fill(-inf)`: ["aten::masked_fill"]); their outputs are not checked. The report (`NonfiniteOp`): step, phase ("forward" / "backward" / "optimizer"), op ("aten::log"),
-    module, node (the autograd node, in backward: "SqrtBackward0"), nan / inf counts, shape, dtype, index (the first
-    NaN/Inf element), seq (the autograd sequence number), and whether the op's inputs were finite (they are, unless
-    they came from outside every checked op: the model's inputs, parameters, data made before the guard).
-    Under torch.compile only the ops that run through the ATen dispatcher are checked (eager regions, graph
-    breaks, extern kernels such as matmuls), not the code inductor fuses; CUDA graph capture is supported (the
-    step counter lives on the device). Docs: docs/guide/anomaly.md."""
-    return NonfiniteGuard(model, every=every, ignore_ops=ignore_ops)
+    whose forward made the autograd node) and, in the optimizer, the parameter written. `every=N` checks steps that
+    are multiples of N only (nothing runs per op in between). `ignore_ops` names ops whose non-finite outputs are
+    intended (["aten::masked_fill"] for a -inf attention mask): nothing such an op runs is checked, its consumers
+    are. `start_step` numbers the first step (a resumed run).
+
+    The report (`NonfiniteOp`): step, phase ("forward" / "backward" / "optimizer"), op ("aten::log"), module, node
+    (the autograd node in backward: "SqrtBackward0"), nan / inf counts, shape, dtype, index (the first NaN/Inf
+    element), seq (the autograd sequence number), and whether the op's inputs were finite (they are, unless they came
+    from outside every checked op: the model's inputs, its parameters, data made before the guard).
+    Under torch.compile only the ops that run through the ATen dispatcher are checked (eager code, graph breaks,
+    the aot_eager backend, inductor's extern kernels such as matmuls), not the code inductor generates; under CUDA
+    graph capture the checks are captured with the ops (the step counter lives on the device). Docs:
+    docs/guide/anomaly.md."""
+    return NonfiniteGuard(model, every=every, ignore_ops=ignore_ops, start_step=start_step)

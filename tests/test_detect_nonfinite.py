@@ -436,16 +436,72 @@ class MaskedAttention(nn.Module):
         return torch.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
 
 
-def test_ignore_ops_for_intended_infinities():
+def test_intended_infinities():
+    """An op told to make an Inf (masked_fill(-inf), full(nan)) is not an origin; a consumer that reads it is named,
+    with its inputs not finite. ignore_ops leaves out an op (and everything it runs) by name."""
     model = MaskedAttention()
     q, k = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
     with hookstats.detect_nonfinite(model) as g:
-        model(q, k)
+        y = model(q, k)  # softmax turns the -inf into zeros
+        z = torch.full((3,), float("nan"))
+    assert g.first() is None and torch.isfinite(y).all()
+    with hookstats.detect_nonfinite(model) as g:
+        w = z + 1.0
     ev = g.first()
-    # masked_fill is clone + masked_fill_: the in-place op inside made the -inf
-    assert (ev["op"], ev["module"], ev["inf"], ev["index"]) == ("aten::masked_fill_", "", 20, [0, 0, 1])
-    with hookstats.detect_nonfinite(model, ignore_ops=["aten::masked_fill"]) as g:
-        model(q, k)
-    assert g.first() is None  # nothing inside masked_fill is checked; softmax made finite values of the -inf
+    assert (ev["op"], ev["nan"], ev["inputs_finite"], ev["nonfinite_inputs"]) == ("aten::add", 3, False, [0])
+    rm = _real("t5")
+    with hookstats.detect_nonfinite(rm.model, ignore_ops=["aten::log"]) as g:
+        rm.step_loss(rm.model, 0)
+    ev = g.first()  # the -inf of log(0) is now first seen in the division that reads it
+    assert (ev["op"], ev["module"], ev["inputs_finite"]) == ("aten::div", "encoder.block.0.layer.0.SelfAttention",
+                                                             False)
     with pytest.raises(TypeError, match="ignore_ops takes a list of op names"):
         hookstats.detect_nonfinite(ignore_ops="aten::log")
+    del w
+
+
+# -- the Monitor feature -----------------------------------------------------------------------------------------
+def test_monitor_nonfinite_ops(tmp_path):
+    model = plain_model(Log())
+    x = torch.rand(4, 8)
+    with torch.no_grad():
+        model[1].fc.weight.abs_().mul_(0.1)
+        model[1].fc.bias.fill_(2.0)
+    log = tmp_path / "run.jsonl"
+    mon = hookstats.Monitor(model, nonfinite_ops=True, start_step=10, flush_every=1,
+                            exporters=[hookstats.export.JSONLWriter(log)])
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for s in range(3):
+            if s == 2:
+                model[1].fc.bias.detach().numpy()[6] = -1e3  # a negative pre-activation: log gives NaN
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        ev = mon.feature("nonfinite_ops").first()
+        assert (ev["step"], ev["phase"], ev["op"], ev["module"], ev["rank"]) == (12, "forward", "aten::log", "1.act",
+                                                                                0)
+        assert ev["nan"] == 4 and ev["index"] == [0, 6]
+        rec = mon.first_nonfinite()  # the Monitor's own module-level record agrees on step and module
+        assert (rec["step"], rec["module"]) == (12, "1.act")
+        assert "aten::log in 1.act" in mon.summary()
+    finally:
+        mon.detach()
+    assert mon.feature("nonfinite_ops").first()["op"] == "aten::log"  # still readable after detach
+    found = {(s["step"], s["value"] > 0) for s in hookstats.runlog.read_run(log).scalars
+             if s["tag"] == "nonfinite_ops/found"}
+    assert found == {(10, False), (11, False), (12, True)}
+
+
+def test_monitor_nonfinite_ops_every_and_failed_construction():
+    model = plain_model(nn.Tanh())
+    mon = hookstats.Monitor(model, nonfinite_ops=True, every=2)
+    assert mon.feature("nonfinite_ops")._guard.every == 2
+    mon.detach()
+    with hookstats.detect_nonfinite():  # the observer is taken: the Monitor is refused, and leaves nothing behind
+        with pytest.raises(RuntimeError, match="another guard is active"):
+            hookstats.Monitor(model, nonfinite_ops=True)
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
+    with pytest.raises(TypeError, match="nonfinite_ops must be True or False"):
+        hookstats.Monitor(model, nonfinite_ops=1)

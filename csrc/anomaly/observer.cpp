@@ -20,7 +20,9 @@
 // an origin, and its values were checked where they were made. But the output of an
 // in-place or out= op is checked even when it is a view; an in-place op that returns nothing (_foreach_add_)
 // has its first (tensor or list) argument checked. The outputs of ops that return memory nobody wrote
-// (aten::empty*, new_empty*, resize_) are not read: their bits are not values. A decomposition's output
+// (aten::empty*, new_empty*, resize_) are not read: their bits are not values. An op given a NaN or an Inf
+// as a number argument (fill_(nan), full(inf), masked_fill(-inf): an attention mask, a buffer's "no value"
+// marker) made it on purpose: nothing it runs is checked, as with ignore_ops; the ops that read its output are. A decomposition's output
 // that is, unmodified, one of the last few checked on this thread is not read again (seen_recently). The callback never runs an ATen op of its own (a thread-local flag guards the
 // lazy allocation of a CUDA device's state, which runs with RecordFunction disabled).
 #include <ATen/core/Tensor.h>
@@ -30,6 +32,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <array>
+#include <cmath>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -212,6 +215,20 @@ bool inplace_name(const char* name) {
   return n > 1 && name[n - 1] == '_' && name[n - 2] != '_';
 }
 
+// Whether a number argument of the op is NaN or +-Inf (fill_(nan), full(inf), masked_fill(-inf)).
+bool nonfinite_scalar(c10::ArrayRef<const c10::IValue> args) {
+  for (const c10::IValue& v : args) {
+    if (v.isDouble()) {
+      const double d = v.toDouble();
+      if (d != d || d == INFINITY || d == -INFINITY) return true;
+    } else if (v.isScalar() && v.toScalar().isFloatingPoint()) {
+      const double d = v.toScalar().toDouble();
+      if (d != d || d == INFINITY || d == -INFINITY) return true;
+    }
+  }
+  return false;
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   Tls& t = tls();
   if (t.busy) return nullptr;
@@ -242,6 +259,12 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
         return ctx;
       }
       if (!fn.needsInputs()) return nullptr;
+      if (nonfinite_scalar(fn.inputs())) {  // told to make a NaN/Inf: not an origin (Note [nonfinite observer])
+        ++t.ignore_depth;
+        auto ctx = std::make_unique<OpInputs>();
+        ctx->ignored = true;
+        return ctx;
+      }
       std::unique_ptr<OpInputs> ctx;
       const bool inplace = inplace_name(fn.name());
       bool first = true;
