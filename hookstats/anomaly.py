@@ -34,7 +34,8 @@ class NonfiniteOp(dict):
     line."""
 
     def __str__(self) -> str:
-        where = f" in {self['module']}" if self.get("module") else ""
+        module = self.get("module")
+        where = "" if module is None else f" in {module or '<model>'}"
         node = f" (autograd node {self['node']})" if self.get("node") else ""
         param = f" ({self['param']})" if self.get("param") else ""
         counts = ", ".join(f"{self[k]} {k}" for k in ("nan", "inf") if self[k])
@@ -258,7 +259,7 @@ class NonfiniteGuard:
 def detect_nonfinite(model: Optional[torch.nn.Module] = None, *, every: int = 1, ignore_ops: Sequence[str] = (),
                      start_step: int = 0) -> NonfiniteGuard:
     """A guard that finds the first ATen op whose floating output held a NaN or an Inf, in forward, backward or the
-    optimizer, on CPU and CUDA, without a host sync and without Python per op::
+    optimizer, on CPU and CUDA, without a host sync and without Python per op. In a training loop::
 
         guard = hookstats.detect_nonfinite(model)
         with guard:

@@ -22,7 +22,10 @@
 // has its first (tensor or list) argument checked. The outputs of ops that return memory nobody wrote
 // (aten::empty*, new_empty*, resize_) are not read: their bits are not values. An op given a NaN or an Inf
 // as a number argument (fill_(nan), full(inf), masked_fill(-inf): an attention mask, a buffer's "no value"
-// marker) made it on purpose: nothing it runs is checked, as with ignore_ops; the ops that read its output are. A decomposition's output
+// marker) made it on purpose: nothing it runs is checked, as with ignore_ops; the ops that read its output are.
+// An op that only moves values (copy_, clone, cat, index_select, ...: moves_values) with the output's dtype on
+// every floating input cannot make a NaN or an Inf (a converting copy can: fp32 -> fp16 overflows), and is not
+// checked: a copy of a NaN is not an origin, whoever made the NaN. A decomposition's output
 // that is, unmodified, one of the last few checked on this thread is not read again (seen_recently). The callback never runs an ATen op of its own (a thread-local flag guards the
 // lazy allocation of a CUDA device's state, which runs with RecordFunction disabled).
 #include <ATen/core/Tensor.h>
@@ -94,6 +97,7 @@ struct OpEntry {
   int64_t id;      // name-table index, -1: outputs not checked (makes_uninitialized, ignored)
   bool composite;  // a CompositeImplicitAutograd kernel: it writes only through the ops it calls
   bool ignored;    // named in ignore_ops
+  bool moves;      // moves_values
 };
 
 struct Tls {
@@ -152,6 +156,18 @@ bool makes_uninitialized(const char* name) {
   return false;
 }
 
+// Ops that only move values: with the output's dtype on every floating input they cannot make a NaN or an Inf.
+bool moves_values(const char* name) {
+  for (const char* p : {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat",
+                        "aten::stack", "aten::index_select", "aten::gather", "aten::narrow_copy", "aten::index",
+                        "aten::_copy_from", "aten::_copy_from_and_resize", "aten::repeat", "aten::flip",
+                        "aten::roll", "aten::constant_pad_nd", "aten::slice_scatter", "aten::select_scatter",
+                        "aten::index_copy", "aten::index_copy_", "aten::masked_select", "aten::take"}) {
+    if (std::strcmp(name, p) == 0) return true;
+  }
+  return false;
+}
+
 bool is_composite(const char* name, const char* overload) {
   auto op = c10::Dispatcher::singleton().findOp(c10::OperatorName(name, overload));
   return op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
@@ -173,7 +189,8 @@ const OpEntry& op_entry(Tls& t, const at::RecordFunction& fn) {
   }
   const int64_t id = makes_uninitialized(name) || ignored ? -1 : name_id(name);
   OpEntry& e = t.op_ids[name];
-  e = OpEntry{std::string(name), std::string(overload), id, is_composite(name, overload), ignored};
+  e = OpEntry{std::string(name), std::string(overload), id, is_composite(name, overload), ignored,
+              moves_values(name)};
   return e;
 }
 
@@ -205,6 +222,8 @@ struct OpInputs : at::ObserverContext {
   std::vector<at::Tensor> inputs;
   std::vector<at::Tensor> inplace;
   std::vector<const c10::StorageImpl*> storages;  // of every readable tensor input
+  c10::ScalarType dtype = c10::ScalarType::Undefined;  // of every floating input, when they share one
+  bool mixed = false;    // floating inputs of different dtypes
   bool ignored = false;  // an ignore_ops op: nothing it runs is checked
 };
 
@@ -213,6 +232,12 @@ struct OptimizerScope : at::ObserverContext {};
 bool inplace_name(const char* name) {
   const size_t n = std::strlen(name);
   return n > 1 && name[n - 1] == '_' && name[n - 2] != '_';
+}
+
+void note_input(OpInputs& in, const at::Tensor& x) {
+  in.storages.push_back(x.storage().unsafeGetStorageImpl());
+  if (in.dtype == c10::ScalarType::Undefined) in.dtype = x.scalar_type();
+  else if (in.dtype != x.scalar_type()) in.mixed = true;
 }
 
 // Whether a number argument of the op is NaN or +-Inf (fill_(nan), full(inf), masked_fill(-inf)).
@@ -273,7 +298,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
           const at::Tensor& x = v.toTensor();
           if (readable(x)) {
             if (!ctx) ctx = std::make_unique<OpInputs>();
-            ctx->storages.push_back(x.storage().unsafeGetStorageImpl());
+            note_input(*ctx, x);
             if (inplace && first) ctx->inplace.push_back(x);
             if (ctx->inputs.size() < static_cast<size_t>(kMaxInputs)) ctx->inputs.push_back(x);
           }
@@ -281,7 +306,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
           for (const at::Tensor& x : v.toTensorList().vec()) {
             if (!readable(x)) continue;
             if (!ctx) ctx = std::make_unique<OpInputs>();
-            ctx->storages.push_back(x.storage().unsafeGetStorageImpl());
+            note_input(*ctx, x);
             if (inplace && first) ctx->inplace.push_back(x);
             if (ctx->inputs.size() < static_cast<size_t>(kMaxInputs)) ctx->inputs.push_back(x);
           }
@@ -349,7 +374,7 @@ int64_t* state_for(const at::Tensor& x, int* device) {
 
 struct OpContext {
   int64_t phase, op, module, node, seq;
-  bool composite;
+  bool composite, moves;
   const OpInputs* inputs;
 };
 
@@ -384,6 +409,7 @@ bool aliases_input(const at::Tensor& x, const OpInputs* in) {
 void check_output(Tls& t, const at::Tensor& x, int64_t index, bool inplace, const OpContext& op) {
   if (!readable(x)) return;
   if (!inplace && (x.is_view() || aliases_input(x, op.inputs))) return;
+  if (op.moves && op.inputs != nullptr && !op.inputs->mixed && op.inputs->dtype == x.scalar_type()) return;
   if (seen_recently(t, x, op.composite)) return;
   Observer& o = obs();
   int device = -1;
@@ -484,6 +510,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   if (entry.id < 0) return;
   op.op = entry.id;
   op.composite = entry.composite;
+  op.moves = entry.moves;
   int64_t index = 0;
   // In place or out=: the output is an argument the op wrote, checked even when it is a view.
   const bool inplace = inplace_name(fn.name()) || starts_with(fn.overload_name(), "out");
