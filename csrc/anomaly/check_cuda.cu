@@ -76,7 +76,9 @@ __global__ void __launch_bounds__(kThreads) check_kernel(const CheckLaunch c) {
   // The claiming block says which of the op's inputs held a NaN/Inf (once per run: one block is enough).
   for (int k = 0; k < c.n_inputs; ++k) {
     int bad = 0;
-    for (int64_t i = threadIdx.x; i < c.in_numel[k]; i += blockDim.x) bad |= input_nonfinite(c.in_data[k], c.in_masks[k], i);
+    for (int64_t i = threadIdx.x; i < c.in_numel[k]; i += blockDim.x) {
+      bad |= input_nonfinite(c.in_data[k], c.in_masks[k], i);
+    }
     if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(&s[kBadInputs], 1ull << k);
   }
 }

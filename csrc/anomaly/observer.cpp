@@ -25,9 +25,10 @@
 // marker) made it on purpose: nothing it runs is checked, as with ignore_ops; the ops that read its output are.
 // An op that only moves values (copy_, clone, cat, index_select, ...: moves_values) with the output's dtype on
 // every floating input cannot make a NaN or an Inf (a converting copy can: fp32 -> fp16 overflows), and is not
-// checked: a copy of a NaN is not an origin, whoever made the NaN. A decomposition's output
-// that is, unmodified, one of the last few checked on this thread is not read again (seen_recently). The callback never runs an ATen op of its own (a thread-local flag guards the
-// lazy allocation of a CUDA device's state, which runs with RecordFunction disabled).
+// checked: a copy of a NaN is not an origin, whoever made the NaN. A decomposition's output that is, unmodified,
+// one of the last few checked on this thread is not read again (seen_recently). The predicates: op_rules.h.
+// The callback never runs an ATen op of its own (a thread-local flag guards the lazy allocation of a CUDA
+// device's state, which runs with RecordFunction disabled). Its controls (start, step, ...): control.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/zeros.h>
@@ -49,38 +50,12 @@
 #include "device_fns.h"
 #include "nonfinite_ops.h"
 #include "observer.h"
+#include "observer_state.h"
+#include "op_rules.h"
 
 namespace hookstats {
 namespace anomaly {
 namespace {
-
-constexpr int kMaxCudaDevices = 64;
-constexpr size_t kMaxSeqEntries = size_t(1) << 22;  // the sequence map is cleared at each step, or past this
-
-struct Observer {
-  std::mutex mu;  // start/stop, the name table, lazy states
-  at::CallbackHandle handle = 0;
-  bool installed = false;
-  bool enabled = false;
-  std::atomic<uint64_t> generation{1};
-  std::atomic<int64_t> order{0};
-  std::atomic<int64_t> unchecked{0};  // CUDA outputs that could not be checked (no kernels, no state)
-  std::atomic<int64_t> checked{0};
-  at::Tensor cpu_state;
-  int64_t* cpu_ptr = nullptr;
-  at::Tensor cuda_states[kMaxCudaDevices];
-  std::atomic<int64_t*> cuda_ptrs[kMaxCudaDevices];
-  std::vector<std::string> names;
-  std::unordered_map<std::string, int64_t> name_ids;
-  std::unordered_set<std::string> ignored;  // op names whose outputs are not checked (ignore_ops=)
-  std::mutex seq_mu;
-  std::unordered_map<int64_t, int64_t> seq_module;
-};
-
-Observer& obs() {
-  static Observer* o = new Observer();  // never destroyed: a callback may run during static destruction
-  return *o;
-}
 
 struct Recent {
   // Weak: the TensorImpl's memory (so its address) is not reused while it is here; its data may be freed.
@@ -134,45 +109,6 @@ struct BusyScope {
   ~BusyScope() { t.busy = false; }
 };
 
-int64_t name_id(const std::string& name) {
-  Observer& o = obs();
-  std::lock_guard<std::mutex> lock(o.mu);
-  auto it = o.name_ids.find(name);
-  if (it != o.name_ids.end()) return it->second;
-  const int64_t id = static_cast<int64_t>(o.names.size());
-  o.names.push_back(name);
-  o.name_ids.emplace(name, id);
-  return id;
-}
-
-bool starts_with(const char* s, const char* prefix) { return std::strncmp(s, prefix, std::strlen(prefix)) == 0; }
-
-// Ops whose output is memory nobody has written yet (empty, empty_like, new_empty_strided, resize_): its bits are
-// whatever was there before, not a value an op computed.
-bool makes_uninitialized(const char* name) {
-  for (const char* p : {"aten::empty", "aten::new_empty", "aten::_empty", "aten::resize", "aten::_resize"}) {
-    if (starts_with(name, p)) return true;
-  }
-  return false;
-}
-
-// Ops that only move values: with the output's dtype on every floating input they cannot make a NaN or an Inf.
-bool moves_values(const char* name) {
-  for (const char* p : {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat",
-                        "aten::stack", "aten::index_select", "aten::gather", "aten::narrow_copy", "aten::index",
-                        "aten::_copy_from", "aten::_copy_from_and_resize", "aten::repeat", "aten::flip",
-                        "aten::roll", "aten::constant_pad_nd", "aten::slice_scatter", "aten::select_scatter",
-                        "aten::index_copy", "aten::index_copy_", "aten::masked_select", "aten::take"}) {
-    if (std::strcmp(name, p) == 0) return true;
-  }
-  return false;
-}
-
-bool is_composite(const char* name, const char* overload) {
-  auto op = c10::Dispatcher::singleton().findOp(c10::OperatorName(name, overload));
-  return op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
-}
-
 // What the observer knows of an op (its name-table index, whether it is a decomposition), cached per thread.
 const OpEntry& op_entry(Tls& t, const at::RecordFunction& fn) {
   const char* name = fn.name();
@@ -194,23 +130,6 @@ const OpEntry& op_entry(Tls& t, const at::RecordFunction& fn) {
   return e;
 }
 
-bool is_optimizer_scope(const char* name) {
-  return starts_with(name, "Optimizer.step#") || starts_with(name, "Optimizer.zero_grad#");
-}
-
-bool checkable_dtype(c10::ScalarType st) {
-  return st == c10::kFloat || st == c10::kDouble || st == c10::kHalf || st == c10::kBFloat16;
-}
-
-// A tensor whose memory this observer may read: see Note [nonfinite observer].
-bool readable(const at::Tensor& t) {
-  if (!t.defined() || t.layout() != c10::kStrided || !checkable_dtype(t.scalar_type())) return false;
-  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (impl->is_python_dispatch() || t.key_set().has(c10::DispatchKey::Functionalize)) return false;
-  if (!(t.is_cpu() || t.is_cuda()) || !t.has_storage() || t.numel() == 0) return false;
-  return t.const_data_ptr() != nullptr;
-}
-
 FloatMasks masks_of(const at::Tensor& t) {
   return float_masks(static_cast<int>(t.element_size()), t.scalar_type() == c10::kBFloat16);
 }
@@ -229,30 +148,13 @@ struct OpInputs : at::ObserverContext {
 
 struct OptimizerScope : at::ObserverContext {};
 
-bool inplace_name(const char* name) {
-  const size_t n = std::strlen(name);
-  return n > 1 && name[n - 1] == '_' && name[n - 2] != '_';
-}
-
 void note_input(OpInputs& in, const at::Tensor& x) {
   in.storages.push_back(x.storage().unsafeGetStorageImpl());
   if (in.dtype == c10::ScalarType::Undefined) in.dtype = x.scalar_type();
   else if (in.dtype != x.scalar_type()) in.mixed = true;
 }
 
-// Whether a number argument of the op is NaN or +-Inf (fill_(nan), full(inf), masked_fill(-inf)).
-bool nonfinite_scalar(c10::ArrayRef<const c10::IValue> args) {
-  for (const c10::IValue& v : args) {
-    if (v.isDouble()) {
-      const double d = v.toDouble();
-      if (d != d || d == INFINITY || d == -INFINITY) return true;
-    } else if (v.isScalar() && v.toScalar().isFloatingPoint()) {
-      const double d = v.toScalar().toDouble();
-      if (d != d || d == INFINITY || d == -INFINITY) return true;
-    }
-  }
-  return false;
-}
+}  // namespace
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   Tls& t = tls();
@@ -319,6 +221,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       return nullptr;
   }
 }
+
+namespace {
 
 // Whether x is, unchanged, one of the last outputs checked on this thread, and the op returning it is a
 // decomposition (CompositeImplicitAutograd: aten::linear returning what its aten::addmm made): then it is not
@@ -462,6 +366,8 @@ void check_output(Tls& t, const at::Tensor& x, int64_t index, bool inplace, cons
   else cuda_fns().check(c, device);
 }
 
+}  // namespace
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   Tls& t = tls();
   if (t.busy) return;
@@ -527,109 +433,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* ctx) {
   }
 }
 
-}  // namespace
-
-void start(const at::Tensor& cpu_state, const std::vector<at::Tensor>& cuda_states,
-           const std::vector<std::string>& ignore_ops) {
-  Observer& o = obs();
-  std::lock_guard<std::mutex> lock(o.mu);
-  TORCH_CHECK(!o.installed, "hookstats.detect_nonfinite: another guard is active in this process; exit it first "
-              "(one guard watches every op of the process)");
-  TORCH_CHECK(cpu_state.is_cpu() && cpu_state.scalar_type() == c10::kLong && cpu_state.numel() == kNumSlots &&
-                  cpu_state.is_contiguous(),
-              "hookstats._nf_start: the CPU state must be a contiguous int64 CPU tensor of ", kNumSlots, " slots");
-  o.cpu_state = cpu_state;
-  o.cpu_ptr = cpu_state.data_ptr<int64_t>();
-  for (int d = 0; d < kMaxCudaDevices; ++d) {
-    o.cuda_states[d] = at::Tensor();
-    o.cuda_ptrs[d].store(nullptr);
-  }
-  for (const at::Tensor& s : cuda_states) {
-    TORCH_CHECK(s.is_cuda() && s.scalar_type() == c10::kLong && s.numel() == kNumSlots && s.is_contiguous(),
-                "hookstats._nf_start: a CUDA state must be a contiguous int64 CUDA tensor of ", kNumSlots, " slots");
-    const int d = s.get_device();
-    TORCH_CHECK(d >= 0 && d < kMaxCudaDevices, "hookstats._nf_start: CUDA device ", d, " out of range");
-    o.cuda_states[d] = s;
-    o.cuda_ptrs[d].store(s.data_ptr<int64_t>());
-  }
-  o.names.clear();
-  o.name_ids.clear();
-  o.ignored = std::unordered_set<std::string>(ignore_ops.begin(), ignore_ops.end());
-  {
-    std::lock_guard<std::mutex> seq_lock(o.seq_mu);
-    o.seq_module.clear();
-  }
-  o.order.store(0);
-  o.unchecked.store(0);
-  o.checked.store(0);
-  o.generation.fetch_add(1);
-  o.handle = at::addGlobalCallback(
-      at::RecordFunctionCallback(&on_start, &on_end)
-          .needsInputs(true)
-          .needsOutputs(true)
-          .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION, at::RecordScope::USER_SCOPE}));
-  o.installed = true;
-  o.enabled = true;
-}
-
-void stop() {
-  Observer& o = obs();
-  std::lock_guard<std::mutex> lock(o.mu);
-  if (!o.installed) return;
-  at::removeCallback(o.handle);
-  o.installed = false;
-  o.enabled = false;
-  o.generation.fetch_add(1);
-  std::lock_guard<std::mutex> seq_lock(o.seq_mu);
-  o.seq_module.clear();
-}
-
-void enable(bool on) {
-  Observer& o = obs();
-  std::lock_guard<std::mutex> lock(o.mu);
-  TORCH_CHECK(o.installed, "hookstats._nf_enable: no guard is active");
-  if (on == o.enabled) return;
-  if (on) at::reenableCallback(o.handle);
-  else at::disableCallback(o.handle);
-  o.enabled = on;
-}
-
-void step() {
-  Observer& o = obs();
-  std::lock_guard<std::mutex> lock(o.mu);
-  TORCH_CHECK(o.installed, "hookstats._nf_step: no guard is active");
-  o.cpu_ptr[kStep] += 1;
-  for (int d = 0; d < kMaxCudaDevices; ++d) {
-    int64_t* p = o.cuda_ptrs[d].load();
-    if (p != nullptr && cuda_fns().step != nullptr) cuda_fns().step(p, d);
-  }
-  std::lock_guard<std::mutex> seq_lock(o.seq_mu);
-  o.seq_module.clear();
-}
 
 void set_module(int64_t id) { tls().module = id; }
-
-std::vector<std::string> names() {
-  Observer& o = obs();
-  std::lock_guard<std::mutex> lock(o.mu);
-  return o.names;
-}
-
-std::vector<at::Tensor> states() {
-  Observer& o = obs();
-  std::lock_guard<std::mutex> lock(o.mu);
-  std::vector<at::Tensor> out;
-  if (o.cpu_state.defined()) out.push_back(o.cpu_state);
-  for (int d = 0; d < kMaxCudaDevices; ++d) {
-    if (o.cuda_states[d].defined()) out.push_back(o.cuda_states[d]);
-  }
-  return out;
-}
-
-std::vector<int64_t> counters() {
-  Observer& o = obs();
-  return {o.checked.load(), o.unchecked.load(), o.order.load(), static_cast<int64_t>(kNumSlots)};
-}
 
 }  // namespace anomaly
 }  // namespace hookstats
