@@ -505,3 +505,39 @@ def test_monitor_nonfinite_ops_every_and_failed_construction():
     assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
     with pytest.raises(TypeError, match="nonfinite_ops must be True or False"):
         hookstats.Monitor(model, nonfinite_ops=1)
+
+
+# -- the check itself ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 7, 4097, (1 << 18) + 33])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "strided"])
+def test_counts_and_first_index_match_torch(dtype, n, layout):
+    """Counts and the first index against torch.isnan / isinf, over the formats' special values (max, subnormals,
+    -0) around the non-finite ones, past a scan block (4,096) and the parallel threshold (2^18)."""
+    g = torch.Generator().manual_seed(n)
+    fi = torch.finfo(dtype)
+    x = torch.randn(n, generator=g).to(dtype)
+    specials = torch.tensor([fi.max, -fi.max, fi.tiny, fi.tiny / 4, -0.0], dtype=torch.float64).to(dtype)
+    pos = torch.randint(0, n, (min(n, 5),), generator=g)
+    x[pos] = specials[:len(pos)]
+    if n > 1:
+        bad = torch.randint(n // 2, n, (3,), generator=g)
+        x[bad[0]], x[bad[1]], x[bad[2]] = float("inf"), float("nan"), float("-inf")
+    else:
+        x[0] = float("nan")
+    if layout == "permuted":
+        x = x.reshape(1, n).expand(2, n).clone().t()  # dense, column-major: read in memory order
+    elif layout == "strided":
+        x = x.repeat_interleave(2)[::2]  # a step of 2
+    want_nan, want_inf = int(x.isnan().sum()), int(x.isinf().sum())
+    want_first = int((~x.isfinite()).flatten().nonzero()[0])
+    with hookstats.detect_nonfinite() as guard:
+        if layout == "strided":  # written through out= into a view with a step: read in logical order
+            y = torch.mul(x, 1, out=torch.zeros(2 * n, dtype=dtype)[::2])
+            assert y.stride() == (2,)
+        else:
+            y = torch.mul(x, 1)  # keeps x's layout
+    ev = guard.first()
+    assert (ev["nan"], ev["inf"], ev["flat_index"]) == (want_nan, want_inf, want_first)
+    assert ev["dtype"] == dtype and ev["shape"] == tuple(y.shape)
+    del y

@@ -24,17 +24,28 @@ std::mutex& commit_mutex() {
   return mu;
 }
 
-// The first block of [lo, hi) (memory order) holding a non-finite element, or hi.
+// The first block of [lo, hi) (memory order) holding a non-finite element, or hi (nf_carry: AND, ADD, OR), compiled
+// for AVX2 and for the baseline, chosen at load time.
 template <typename U>
-int64_t first_bad_block(const U* x, int64_t lo, int64_t hi, U exp) {
+inline __attribute__((always_inline)) int64_t first_bad_block_body(const U* x, int64_t lo, int64_t hi, U exp) {
   for (int64_t b = lo; b < hi; b += kBlock) {
     const int64_t e = std::min(hi, b + kBlock);
-    bool any = false;
-    for (int64_t i = b; i < e; ++i) any |= bits_nonfinite(x[i], exp);
-    if (any) return b;
+    U acc = 0;
+    for (int64_t i = b; i < e; ++i) acc |= nf_carry(x[i], exp);
+    if (carry_nonfinite(acc)) return b;
   }
   return hi;
 }
+
+#define HS_BAD_BLOCK(U)                                                                      \
+  __attribute__((target_clones("avx2", "default"))) int64_t first_bad_block(const U* x, int64_t lo, \
+                                                                             int64_t hi, U exp) { \
+    return first_bad_block_body<U>(x, lo, hi, exp);                                         \
+  }
+HS_BAD_BLOCK(uint16_t)
+HS_BAD_BLOCK(uint32_t)
+HS_BAD_BLOCK(uint64_t)
+#undef HS_BAD_BLOCK
 
 // The first memory offset at which a block holds a non-finite element, or n; parallel over fixed tasks.
 template <typename U>

@@ -76,6 +76,21 @@ HS_HD FloatMasks float_masks(int bytes, bool bf16) {
 template <typename U>
 HS_HD bool bits_nonfinite(U b, U exp) { return (b & exp) == exp; }
 
+// The same test, as bits that OR together: with the sign bit cleared, adding the exponent's lowest bit carries
+// into the sign bit exactly when the exponent is all ones. So the OR of nf_carry over a block has its sign bit set
+// iff the block holds a NaN/Inf: AND, ADD and OR only, which vectorise on any SIMD width (the CPU's scan).
+template <typename U>
+HS_HD U nf_carry(U b, U exp) {
+  const U sign = static_cast<U>(U(1) << (8 * sizeof(U) - 1));
+  const U low = static_cast<U>(exp & static_cast<U>(~exp + 1));
+  return static_cast<U>(static_cast<U>(b & static_cast<U>(~sign)) + low);
+}
+
+template <typename U>
+HS_HD bool carry_nonfinite(U acc) {
+  return (acc >> (8 * sizeof(U) - 1)) != 0;
+}
+
 // What one piece of an output gathers: counts and the smallest logical index of a NaN/Inf.
 struct NfAcc {
   int64_t nan;
