@@ -105,16 +105,23 @@ class NonfiniteGuard:
         torch.ops.hookstats._nf_start(cpu, cuda, self.ignore_ops)
         _ACTIVE.append(self)
         self._active = self._on = True
-        if self._step % self.every != 0:
-            torch.ops.hookstats._nf_enable(False)
-            self._on = False
         try:
-            if self.model is not None:
-                self._hook(self.model)
+            self._set_on(self._step % self.every == 0, force=True)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _set_on(self, on: bool, force: bool = False) -> None:
+        """The observer runs on checked steps only. The module hooks stay (adding and removing them would make
+        torch.compile recompile a compiled model at every switch); between checked steps they return at once."""
+        if force and self.model is not None and not self._handles:
+            self._hook(self.model)
+        if on == self._on and not force:
+            return
+        torch.ops.hookstats._nf_enable(on)
+        self._on = on
+        self._tls.stack = []
 
     def stop(self) -> None:
         """Removes the observer and the hooks; first() still reads what was found."""
@@ -185,11 +192,7 @@ class NonfiniteGuard:
         self._step += 1
         torch.ops.hookstats._nf_step()
         on = self._step % self.every == 0
-        if on != self._on:
-            torch.ops.hookstats._nf_enable(on)
-            self._on = on
-            if not on:
-                self._tls.stack = []
+        self._set_on(on)
 
     @property
     def current_step(self) -> int:
