@@ -206,6 +206,17 @@ def test_first_in_execution_order_and_only_first_kept():
     del a, b, c
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_and_inference_mode(mode):
+    model = plain_model(Log())
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx, hookstats.detect_nonfinite(model) as g:
+        model(torch.rand(4, 8)).sum()
+        model(-torch.ones(4, 8) * 100)  # log of negatives in 1.act
+    ev = g.first()
+    assert (ev["phase"], ev["op"], ev["module"], ev["seq"] >= -1) == ("forward", "aten::log", "1.act", True)
+
+
 def test_backward_on_another_thread():
     model = plain_model(SqrtRelu())
     with torch.no_grad():

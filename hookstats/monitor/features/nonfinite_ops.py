@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ...anomaly import _FOUND, NonfiniteGuard, NonfiniteOp
 from ..feature import FeatureContext, register_feature
 
@@ -32,8 +34,6 @@ class NonfiniteOpsFeature:
         if g is None:
             return
         if recorded:
-            import torch
-
             for s in torch.ops.hookstats._nf_states():
                 self._monitor.log("nonfinite_ops/found" + ("" if s.is_cpu else f"/{s.device}"), s[_FOUND:_FOUND + 1])
         g.step()
