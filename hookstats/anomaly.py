@@ -92,13 +92,12 @@ class NonfiniteGuard:
 
     def start(self) -> "NonfiniteGuard":
         """Installs the observer (and the module hooks); refused while another guard is active."""
-        C = extension("hookstats.detect_nonfinite")
+        extension("hookstats.detect_nonfinite")  # a clear error where hookstats._C could not be loaded
         if self._active:
             raise RuntimeError("hookstats.detect_nonfinite: this guard is already active")
         if _ACTIVE:
             raise RuntimeError("hookstats.detect_nonfinite: another guard is active in this process (one observer "
                                "sees every op of the process); exit it first")
-        del C
         self._step = self.start_step
         cpu = self._new_state(torch.device("cpu"), self._step)
         cuda = [self._new_state(torch.device("cuda", d), self._step) for d in self._cuda_devices()]

@@ -24,9 +24,13 @@ __device__ __noinline__ int64_t logical_index(const CheckLaunch* c, int64_t off)
 }
 
 template <typename U>
-__global__ void __launch_bounds__(kThreads) check_kernel(const CheckLaunch c) {
+__global__ void __launch_bounds__(kThreads) check_kernel(const __grid_constant__ CheckLaunch c) {
+  // __grid_constant__: the helpers take the parameter's address without a per-thread copy of its ~1.3 KB.
   unsigned long long* s = reinterpret_cast<unsigned long long*>(c.state);
-  if (*reinterpret_cast<volatile unsigned long long*>(&s[kFound]) != 0ull) return;  // block-uniform
+  __shared__ int done;
+  if (threadIdx.x == 0) done = *reinterpret_cast<volatile unsigned long long*>(&s[kFound]) != 0ull;
+  __syncthreads();
+  if (done) return;  // the device has its first hit (read once, so the whole block leaves together)
   const U exp = static_cast<U>(c.masks.exp), man = static_cast<U>(c.masks.man);
   const U* x = static_cast<const U*>(c.data);
   NfAcc a;
