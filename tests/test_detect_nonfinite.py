@@ -552,3 +552,27 @@ def test_counts_and_first_index_match_torch(dtype, n, layout):
     assert (ev["nan"], ev["inf"], ev["flat_index"]) == (want_nan, want_inf, want_first)
     assert ev["dtype"] == dtype and ev["shape"] == tuple(y.shape)
     del y
+
+
+def test_monitor_nonfinite_ops_names_the_rank(tmp_path):
+    """With a process group (one gloo rank here; tests/test_distributed.py runs two for the Monitor's records) the
+    record carries the rank, and first(across_ranks=True) gathers every rank's."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = plain_model(Log())
+        mon = hookstats.Monitor(model, nonfinite_ops=True, process_group=True)
+        try:
+            model(-torch.ones(2, 8) * 100)
+            mon.step()
+            local = mon.feature("nonfinite_ops").first()
+            both = mon.feature("nonfinite_ops").first(across_ranks=True)
+        finally:
+            mon.detach()
+        assert (local["rank"], local["op"], local["module"]) == (0, "aten::log", "1.act")
+        assert dict(both) == dict(local)
+    finally:
+        dist.destroy_process_group()
