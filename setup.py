@@ -45,14 +45,16 @@ def cuda_wanted() -> tuple[bool, str]:
 
 def extension():
     sources = [os.path.join("csrc", "hookstats.cpp")] + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp"))) \
-        + sorted(glob.glob(os.path.join("csrc", "monitor", "*.cpp")))
+        + sorted(glob.glob(os.path.join("csrc", "monitor", "*.cpp"))) \
+        + sorted(glob.glob(os.path.join("csrc", "anomaly", "*.cpp")))
     cxx = ["-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
     link = ["-fopenmp"]  # at::parallel_for is OpenMP inline code: without it the kernels run on one thread
     want, why = cuda_wanted()
     if want:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"  # else torch would compile every architecture
-        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "**", "*.cu"), recursive=True))
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "**", "*.cu"), recursive=True)) \
+            + sorted(glob.glob(os.path.join("csrc", "anomaly", "*.cu")))
         nvcc = ["-O3", "--expt-relaxed-constexpr", "-Xcompiler", "-fno-math-errno"]
         arches = os.environ.get("TORCH_CUDA_ARCH_LIST") or "the visible GPUs'"
         print(f"hookstats: building CPU and CUDA kernels ({why}; CUDA_HOME={CUDA_HOME}, "

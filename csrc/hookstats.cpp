@@ -11,6 +11,7 @@
 namespace hookstats {
 std::string cpu_isa(const std::string& mode);  // cpu/stats_cpu.cpp
 }
+#include "anomaly/observer.h"  // hookstats.detect_nonfinite's observer: the _nf_* ops below
 
 TORCH_LIBRARY(hookstats, m) {
   // Statistics of x in one read: (values, counts). values holds sum, mean, var, std, l1,
@@ -82,4 +83,16 @@ TORCH_LIBRARY(hookstats, m) {
   // The same, combined into a [7, C] float32/float64 buffer: max for absmax/max, min for min,
   // sums and counts added (calibration over many batches).
   m.def("channel_stats_into(Tensor x, Tensor(a!) out, int dim) -> ()");
+
+  // hookstats.detect_nonfinite (hookstats/anomaly.py; csrc/anomaly/observer.cpp, Note [nonfinite observer]):
+  // install / remove / pause the op observer, advance the devices' step counters, set the calling thread's
+  // module id, and read the name table, the device states and the counters (checked, unchecked, order, slots).
+  m.def("_nf_start(Tensor cpu_state, Tensor[] cuda_states, str[] ignore_ops) -> ()", &hookstats::anomaly::start);
+  m.def("_nf_stop() -> ()", &hookstats::anomaly::stop);
+  m.def("_nf_enable(bool on) -> ()", &hookstats::anomaly::enable);
+  m.def("_nf_step() -> ()", &hookstats::anomaly::step);
+  m.def("_nf_set_module(int id) -> ()", &hookstats::anomaly::set_module);
+  m.def("_nf_names() -> str[]", &hookstats::anomaly::names);
+  m.def("_nf_states() -> Tensor[]", &hookstats::anomaly::states);
+  m.def("_nf_counters() -> int[]", &hookstats::anomaly::counters);
 }

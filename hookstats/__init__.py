@@ -36,6 +36,7 @@ from .channel import CHANNEL_FIELDS, ChannelCalibrator, ChannelStats, channel_st
 from .per_sample import PerSampleGradNorms
 from .hooks import clip_value, fused_clip
 from .monitor import MONITOR_KINDS, Monitor, MonitorConfig, record
+from .anomaly import NonfiniteGuard, NonfiniteOp, detect_nonfinite
 from . import runlog  # hookstats.runlog.read_log, read_run, JSONLWriter, ...: the run log on disk
 from . import export  # hookstats.export.JSONLWriter, TensorBoardWriter, ...: optional packages load on first use
 
@@ -48,6 +49,9 @@ __all__ = [
     "MAX_HIST_BINS",
     "MONITOR_KINDS",
     "Monitor",
+    "NonfiniteGuard",
+    "NonfiniteOp",
+    "detect_nonfinite",
     "MonitorConfig",
     "export",
     "runlog",

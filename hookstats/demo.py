@@ -200,7 +200,8 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
     bar = _progress(steps, f"{model_name} on {device}") if progress else None
     t0 = time.perf_counter()
     mon = hookstats.Monitor(model, kinds=("forward", "backward_pre", "grad"), histogram=histogram,
-                            exporters=exporters, flush_every=flush_every, histogram_every=histogram_every)
+                            exporters=exporters, flush_every=flush_every, histogram_every=histogram_every,
+                            nonfinite_ops=True)  # the injected NaN found down to the op that first read it
     try:
         for step in range(steps):
             x, y = batch_fn(step)
@@ -233,6 +234,7 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
             "model": model_name, "steps": steps, "device": str(device), "seconds": time.perf_counter() - t0,
             "records": sum(r["records"] for r in rows), "summary": mon.summary(), "summary_rows": rows,
             "first_nonfinite": mon.first_nonfinite(), "nan_step": nan_step,
+            "first_nonfinite_op": mon.feature("nonfinite_ops").first(),
             "loss": [s["value"] for s in scalars if s["tag"] == "loss"],
             "grad_norm": [s["value"] for s in scalars if s["tag"] == "grad_norm"],
             "log": log_path, "log_format": log_format, "tensorboard": tb_dir, "out": out,

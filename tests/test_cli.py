@@ -75,7 +75,7 @@ def test_demo_mlp_writes_the_run_directory(demo_run):
         per_step[rec["step"]] = per_step.get(rec["step"], 0) + 1
     assert sorted(per_step) == [0, 1, 2, 3]
     assert len(set(per_step.values())) == 1
-    assert {s["tag"] for s in log.scalars} == {"loss", "grad_norm"}
+    assert {s["tag"] for s in log.scalars} == {"loss", "grad_norm", "nonfinite_ops/found"}  # nonfinite_ops=True
     assert sorted(s["step"] for s in log.scalars if s["tag"] == "loss") == [0, 1, 2, 3]
     assert log.info["kinds"] == ["forward", "backward_pre", "grad"] and log.info["histogram"] == {"kind": "exp"}
     first_bad = next(rec for rec in log.records if rec["stats"]["nan_count"] or rec["stats"]["inf_count"])

@@ -61,6 +61,9 @@ class MonitorConfig:
                                          "statistics accumulated over every call (Monitor.channel_results())")
     per_sample: bool = _opt("payload", False, "each sample's gradient norm per layer, every recorded step "
                             "(Monitor.top_samples(), sample_norms(), coverage())")
+    nonfinite_ops: bool = _opt("payload", False, "also find the first ATen op whose output held a NaN or an Inf "
+                               "(hookstats.detect_nonfinite on the recorded steps: op, phase, module, autograd node, "
+                               "element; mon.feature('nonfinite_ops').first())")
     features: Sequence[Any] = _opt("payload", (), "your own hookstats.monitor.Feature objects, attached after "
                                    "the built-in ones")
     # -- output ---------------------------------------------------------------------------------------------------
@@ -118,7 +121,7 @@ class MonitorConfig:
             raise ValueError(f"hookstats.Monitor: start_step must be an int >= 0, got {self.start_step!r}")
         if not isinstance(self.export_rank, int) or isinstance(self.export_rank, bool) or self.export_rank < 0:
             raise ValueError(f"hookstats.Monitor: export_rank must be an int >= 0, got {self.export_rank!r}")
-        for name in ("keep_records", "locations", "per_sample"):
+        for name in ("keep_records", "locations", "per_sample", "nonfinite_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"hookstats.Monitor: {name} must be True or False, got {getattr(self, name)!r}")
         return dataclasses.replace(
