@@ -496,6 +496,7 @@ def test_monitor_nonfinite_ops(tmp_path):
         assert ev["nan"] == 4 and ev["index"] == [0, 6]
         rec = mon.first_nonfinite()  # the Monitor's own module-level record agrees on step and module
         assert (rec["step"], rec["module"]) == (12, "1.act")
+        assert rec["origin"] == ev and "began at step 12, forward: aten::log in 1.act" in str(rec)
         assert "aten::log in 1.act" in mon.summary()
     finally:
         mon.detach()
@@ -503,6 +504,21 @@ def test_monitor_nonfinite_ops(tmp_path):
     found = {(s["step"], s["value"] > 0) for s in hookstats.runlog.read_run(log).scalars
              if s["tag"] == "nonfinite_ops/found"}
     assert found == {(10, False), (11, False), (12, True)}
+
+
+def test_monitor_first_nonfinite_is_the_origin_when_no_record_holds_it():
+    """A NaN made in the optimizer step reaches no monitored tensor in that step: first_nonfinite() is the op."""
+    model = plain_model(nn.Tanh())
+    mon = hookstats.Monitor(model, nonfinite_ops=True, kinds=("forward",))
+    try:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)  # zero grads: 0 / (sqrt(0) + 0) in the step
+        (model(torch.ones(2, 8)).sum() * 0).backward()
+        opt.step()
+        ev = mon.first_nonfinite()
+        assert ev is not None and ev["phase"] == "optimizer" and ev["step"] == 0
+        assert "origin" not in ev
+    finally:
+        mon.detach()
 
 
 def test_monitor_nonfinite_ops_every_and_failed_construction():

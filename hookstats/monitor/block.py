@@ -123,6 +123,8 @@ class Record(dict):
             out += f", element {tuple(where)}"
             if self.get("location_rank") is not None:
                 out += f" on rank {self['location_rank']}"
+        if self.get("origin") is not None:  # Monitor(nonfinite_ops=True): the op it began at
+            out += f"; began at {self['origin']}"
         return out
 
 

@@ -392,9 +392,21 @@ class Monitor(FeatureAccess):
         """The first record (by step and hook order) whose tensor held a NaN or Inf: NaN hunting without
         torch.autograd.detect_anomaly. None if there was none. With locations=True it names the element too
         (`first_nonfinite_index`; `str(record)` reads "step 90, module embed, kind forward, index 0, element
-        (3, 17, 250)")."""
+        (3, 17, 250)"). A feature that finds where NaN/Inf values began (nonfinite_ops=True: the first ATen op that
+        made one, with its phase, autograd node and element) adds that as the record's "origin"; when no record
+        held one (the op ran in the optimizer step, or in a module not monitored), that origin is returned
+        itself."""
         self._read()
-        return self._buf.first_nonfinite()
+        rec = self._buf.first_nonfinite()
+        for f in self._features:
+            find = getattr(f, "nonfinite_origin", None)
+            origin = find() if find is not None else None
+            if origin is not None:
+                if rec is None:
+                    return origin
+                rec["origin"] = origin
+                break
+        return rec
 
     def summary_rows(self) -> list[dict]:
         """One row per (module, kind): hookstats.monitor.summary_rows() of the records, from their columns."""

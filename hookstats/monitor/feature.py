@@ -11,8 +11,9 @@ is optional; so are run_info() and summary(), below):
   results()          what it measured (Monitor.feature_results() gathers them by name);
   detach()           removes its hooks; called once, by Monitor.detach(), or when construction fails after its
                      attach began (so it must undo a partial attach).
-and, optionally, `run_info() -> dict` (added to the run header exporters get) and `summary() -> str` (appended to
-Monitor.summary()).
+and, optionally, `run_info() -> dict` (added to the run header exporters get), `summary() -> str` (appended to
+Monitor.summary()) and `nonfinite_origin() -> dict | None` (where NaN/Inf values began: Monitor.first_nonfinite()
+adds it to its record as "origin").
 The core knows no feature by name: the built-in ones (hookstats/monitor/features/: channel statistics, per-sample
 gradient norms, element locations) register a factory for their MonitorConfig option with `register_feature`, and a
 user passes their own as `Monitor(features=[...])`.

@@ -67,6 +67,11 @@ class NonfiniteOpsFeature:
     def results(self) -> Optional[NonfiniteOp]:
         return self.first()
 
+    def nonfinite_origin(self) -> Optional[NonfiniteOp]:
+        """What Monitor.first_nonfinite() adds as its record's "origin" (this rank's op; a process group's earliest
+        needs first(across_ranks=True), a collective)."""
+        return self.first()
+
     def run_info(self) -> dict:
         return {"nonfinite_ops": True}
 
