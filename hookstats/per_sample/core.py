@@ -96,6 +96,8 @@ class PerSampleGradNorms:
         self._dead: set = set()  # pids left out because a use of theirs was refused at run time
         self._flush_queued = False
         self._batch: Optional[int] = None
+        self._bwd_batches: set = set()  # batch sizes of the root forwards this backward has reached
+        self._fwd_batches: set = set()  # batch sizes of the root forwards since the last backward's end
         if not self.layers:
             raise ValueError(f"hookstats.PerSampleGradNorms: no Linear, Conv, Embedding, norm or other layer with a "
                              f"per-sample rule matches include={include!r}, exclude={exclude!r}")
@@ -108,12 +110,34 @@ class PerSampleGradNorms:
         if cov.warning:
             warnings.warn(cov.warning, stacklevel=2)
 
-    # -- the model's batch size, while its forward runs ----------------------------------------------------------
+    # -- the model's batch size, while its forward runs and in the backward -------------------------------------
     def _root_pre(self, mod, args, kwargs):
         self._batch = _first_batch(args, kwargs, self.batch_dim)
 
     def _root_post(self, mod, args, output):
-        self._batch = None
+        b, self._batch = self._batch, None
+        if b is None or not torch.is_grad_enabled() or _in_backward():
+            return
+        self._fwd_batches.add(b)
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(lambda g, b=b: self._root_grad(b))
+
+    def _root_grad(self, b: int) -> None:
+        # The backward reaches the model's output before any layer of that forward, in the outermost backward
+        # (Note [checkpointed layers])
+        self._bwd_batches.add(b)
+        self._queue_flush()
+
+    def _recompute_batch(self, name: str) -> Optional[int]:
+        """The model's batch size for a layer run in the backward (Note [checkpointed layers]), or a Refused."""
+        sizes = self._bwd_batches or self._fwd_batches
+        if len(sizes) == 1:
+            return next(iter(sizes))
+        raise Refused(f"it was recomputed in the backward (reentrant activation checkpointing) through forwards of "
+                      f"{'different batch sizes ' + str(sorted(sizes)) if sizes else 'an unknown batch size'}: the "
+                      "recomputed call cannot be matched to its samples; run one backward per forward, or "
+                      "use_reentrant=False")
 
     # -- forward: keep what the backward needs -------------------------------------------------------------------
     def _forward_hook(self, name: str, mod: nn.Module):
@@ -125,6 +149,17 @@ class PerSampleGradNorms:
             out = rule.output(mod, output)
             if out is None or not out.requires_grad or _is_functorch(out):
                 return None
+            recompute = _in_backward()
+            replay = recompute and _nonreentrant_recompute()
+            b = self._batch
+            if recompute and b is None:
+                try:
+                    b = self._recompute_batch(name)
+                except Refused as e:
+                    if replay:
+                        return None
+                    self._refuse(name, str(e))
+                    return None
             # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
             active = [(a, pid) for a, pid in self._attrs[name] if mod._parameters.get(a) is self._param[pid]
                       and self._param[pid].requires_grad and pid not in self._dead]
@@ -138,17 +173,25 @@ class PerSampleGradNorms:
                 x = x.unsqueeze(0)
             elif bd:
                 x = x.movedim(bd, 0)
-            rows, b, k, expand = x.shape[0], self._batch, 1, False
+            rows, k, expand = x.shape[0], 1, False
             if batched and b is not None and rows != b:
                 if rows == 1 and rule.expands(mod, x) and out is output and out.dim() > bd and out.shape[bd] == 1:
                     expand = True  # broadcast over the batch: make it happen at this output (Note [broadcast layers])
                     x = x.expand(b, *x.shape[1:])
                 elif bd == 0 and rows % b == 0 and _flattened(x0, b):
                     k = rows // b
+                elif replay:
+                    return None
                 else:
                     self._refuse(name, f"its input's dim {bd} holds {rows} rows where the model's batch has {b} "
                                        "samples (routed tokens, or a table shared by every sample)")
                     return None
+            if replay:  # the gradient comes through the first forward's call; the graph must be the same
+                if expand:
+                    shape = list(out.shape)
+                    shape[bd] = b
+                    return out.expand(shape)
+                return None
             try:
                 kept = rule.keep(mod, x, args, kwargs)
             except Refused as e:
@@ -170,8 +213,22 @@ class PerSampleGradNorms:
             call = _Call(kept, active, batched, bd, k, target.shape if expand else out.shape)
             self._pending.setdefault(name, []).append(call)
             target.register_hook(lambda g, name=name, call=call, mod=mod: self._grad_hook(name, mod, call, g))
+            if recompute:
+                self._queue_flush()  # on the backward running the recompute, if the model's output did not
             return ret
         return hook
+
+    # Note [checkpointed layers]: with activation checkpointing a layer's forward also runs inside the backward.
+    # - Non-reentrant (use_reentrant=False): the first forward's outputs get the gradients; the recompute (run while
+    #   checkpoint's recomputation saved-tensor hook is on top) only refills saved tensors, so it is replayed with
+    #   the same graph (the same expand, Note [broadcast layers]) and nothing is recorded.
+    # - Reentrant (use_reentrant=True): the first forward runs without grad and is not seen; the recompute's outputs
+    #   get their gradients in a nested backward, one per checkpointed segment. The clip must wait for the end of
+    #   the outermost backward, when every segment's terms are in: the model's output tensors get a hook that
+    #   queues the flush there (autograd reaches them first), with a recompute's own backward as the fallback.
+    # The model's forward is not running during a recompute: its batch size is the one of the forwards whose output
+    # this backward has reached (a recompute of forward k runs only after autograd has gone through forward k's
+    # output), refused when those differ.
 
     # Note [broadcast layers]: a layer fed a batch of 1 whose output is broadcast over the batch afterwards (GPT-2 /
     # BERT position embeddings on [1, T] ids) gets the batch's gradient summed by the broadcast's backward before
@@ -247,6 +304,8 @@ class PerSampleGradNorms:
 
     def _flush_all(self) -> None:
         self._flush_queued = False
+        self._bwd_batches.clear()
+        self._fwd_batches.clear()
         for pid in list(self._terms):
             self._finalize(pid)
         if self._clip:
@@ -385,6 +444,28 @@ class PerSampleGradNorms:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _nonreentrant_recompute() -> bool:
+    """Whether torch.utils.checkpoint(use_reentrant=False) is recomputing (its saved-tensor hook is on top)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
+
+
+def _tensors(out, depth: int = 0):
+    """The tensors of a model's output: a tensor, or those in a tuple / list / dict (HF ModelOutput), two deep."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif depth < 2 and isinstance(out, (tuple, list)):
+        for v in out:
+            yield from _tensors(v, depth + 1)
+    elif depth < 2 and isinstance(out, dict):
+        for v in out.values():
+            yield from _tensors(v, depth + 1)
 
 
 def _is_functorch(t: torch.Tensor) -> bool:
