@@ -190,3 +190,112 @@ def test_gpt2_lora_frozen_head_checkpointed(reentrant):
     assert not model.base_model.model.lm_head.weight.requires_grad
     ids = lambda s: torch.randint(0, 40, (B, 6), generator=torch.Generator().manual_seed(20 + s))  # noqa: E731
     clip_check(model, lambda m, x: m(input_ids=x).logits, ids, twin=twin)
+
+
+# -- with max_norm, a trainable parameter that cannot be clipped is refused -------------------------------------------
+
+class Scaled(nn.Linear):  # its own forward, no rule: not covered
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def scaled_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), Scaled(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def test_uncovered_trainable_parameter_refused_with_max_norm():
+    model = scaled_model()
+    with pytest.raises(ValueError, match=r"2\.weight \(Scaled is a subclass of torch\.nn\.modules\.linear\.Linear with "
+                                         r"its own forward.*2\.bias.*allow_unclipped=True"):
+        hookstats.PerSampleGradNorms(model, max_norm=1.0)
+    with pytest.warns(UserWarning, match=r"2\.weight"):  # norms only: a warning, as before
+        hookstats.PerSampleGradNorms(model).remove()
+
+
+def test_explicit_opt_outs_clip_what_is_covered():
+    """Freezing the layer or excluding it: no error, and the covered parameters are clipped exactly; with
+    allow_unclipped=True the uncovered layer keeps its unclipped gradient (warned at construction)."""
+    x = torch.randn(B, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    frozen = scaled_model()
+    frozen[2].requires_grad_(False)
+    clip_check(frozen, lambda m, x: m(x), x, steps=1)
+
+    for how in ("exclude", "allow_unclipped"):
+        model = scaled_model()
+        twin = copy.deepcopy(model)
+        twin[2].requires_grad_(False)  # the reference: the clip over the other parameters
+        kw = dict(exclude="2") if how == "exclude" else dict(allow_unclipped=True)
+        out = model(x)
+        r = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        names, per = per_sample_grads(twin, lambda m, x: m(x), x, r)
+        norms = torch.stack([torch.stack([g.square().sum() for g in gs]).sum().sqrt() for gs in per])
+        c = float(norms.median())
+        coef = torch.clamp(c / (norms + 1e-6), max=1.0)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            psn = hookstats.PerSampleGradNorms(model, max_norm=c, **kw)
+        assert any("2.weight" in str(w.message) for w in rec) == (how == "allow_unclipped")
+        model.zero_grad()
+        (model(x) * r).sum().backward()
+        params = dict(model.named_parameters())
+        for i, k in enumerate(names):
+            torch.testing.assert_close(params[k].grad, sum(coef[b] * per[b][i] for b in range(B)), rtol=1e-9,
+                                       atol=1e-15, msg=lambda m: f"{how}, {k}: {m}")
+        twin[2].requires_grad_(True)
+        twin.zero_grad()
+        (twin(x) * r).sum().backward()
+        assert torch.equal(params["2.weight"].grad, twin[2].weight.grad)  # left unclipped, as asked
+        psn.remove()
+
+
+class TableModel(nn.Module):
+    """`table` is fed a [T, d] table shared by every sample: refused at run time."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.table = nn.Linear(4, 4)
+
+    def forward(self, x):  # x [B, T, 4]
+        return self.fc(x) + self.table(torch.ones(x.shape[1], 4, dtype=x.dtype))
+
+
+def test_layer_refused_at_run_time_with_max_norm():
+    m = TableModel().double()
+    hookstats.PerSampleGradNorms(m, max_norm=1.0)
+    with pytest.raises(RuntimeError, match=r"layer table cannot be split per sample: .*5 rows.*allow_unclipped=True"):
+        m(torch.randn(3, 5, 4, dtype=torch.float64))
+    m = TableModel().double()
+    psn = hookstats.PerSampleGradNorms(m, max_norm=1.0, allow_unclipped=True)
+    with pytest.warns(UserWarning, match="layer table is refused"):
+        m(torch.randn(3, 5, 4, dtype=torch.float64)).sum().backward()
+    assert psn.clip_coef().shape == (3,) and sorted(psn.per_param()) == ["fc.bias", "fc.weight"]
+
+
+def test_gradient_without_a_per_sample_term_refused_with_max_norm():
+    """fc's weight is applied by the model itself (F.linear), not through fc's forward: autograd changes its .grad
+    with no per-sample term; with max_norm the backward raises, naming it."""
+    class Direct(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(4, 4)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.tanh(self.inp(x)), self.fc.weight, self.fc.bias)
+
+    m = Direct().double()
+    psn = hookstats.PerSampleGradNorms(m, max_norm=1.0)
+    with pytest.raises(RuntimeError, match=r"fc\.bias, fc\.weight got a gradient in this backward but no per-sample "
+                                           r"term"):
+        m(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    psn.remove()
+    m = Direct().double()
+    psn = hookstats.PerSampleGradNorms(m, max_norm=1.0, allow_unclipped=True)
+    with pytest.warns(UserWarning, match=r"fc\.bias, fc\.weight got a gradient"):
+        m(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    assert psn.clip_coef().shape == (3,) and psn.coverage().not_seen == ["fc.weight", "fc.bias"]
+    psn.remove()

@@ -62,18 +62,24 @@ class PerSampleGradNorms:
     - Gradient accumulation: each backward appends its samples ([B_1 + B_2 + ...] a step). Calls of one layer with
       the same batch size before one backward are the same samples and are summed per sample.
     - `max_norm=C`: per-sample clipping of every covered parameter's `.grad` when the backward is done (`clip_coef()`);
-      the norms read afterwards are the unclipped ones.
+      the norms read afterwards are the unclipped ones. The per-sample bound must hold for every trainable
+      parameter (Note [clipping refuses what it cannot bound]): a trainable parameter in scope that is not covered
+      raises a ValueError naming it and why, and so does, in the backward, a layer refused at run time or a parameter
+      whose gradient arrived without a per-sample term; freeze it, leave it out with include/exclude, or pass
+      `allow_unclipped=True` to clip what is covered and leave the rest unclipped (warned, not DP).
     - `step()` clears the current vectors; nothing is copied to the host until `top_samples` /
       `first_nonfinite_sample` / `summary` / `.tolist()`.
     """
 
     def __init__(self, model: nn.Module, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
-                 batch_dim: int = 0, max_norm: Optional[float] = None, eps: float = 1e-6):
+                 batch_dim: int = 0, max_norm: Optional[float] = None, eps: float = 1e-6,
+                 allow_unclipped: bool = False):
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm >= 0):
             raise ValueError(f"hookstats.PerSampleGradNorms: max_norm must be a number >= 0 or None, got {max_norm!r}")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"hookstats.PerSampleGradNorms: batch_dim must be an int >= 0, got {batch_dim!r}")
         self.max_norm = None if max_norm is None else float(max_norm)
+        self.allow_unclipped = bool(allow_unclipped)
         self.eps = float(eps)
         self.batch_dim = batch_dim
         in_scope = Selection(include, exclude).matches
@@ -98,6 +104,14 @@ class PerSampleGradNorms:
         self._batch: Optional[int] = None
         self._bwd_batches: set = set()  # batch sizes of the root forwards this backward has reached
         self._fwd_batches: set = set()  # batch sizes of the root forwards since the last backward's end
+        self._accumulated: set = set()  # pids whose .grad autograd changed in this backward (max_norm)
+        self._termed: set = set()  # pids that got a per-sample term in this backward
+        if self.max_norm is not None and cov.in_scope_uncovered and not self.allow_unclipped:
+            items = [f"{self._pname[pid]} ({cov.why[pid]})" for pid in cov.in_scope_uncovered]
+            shown = "; ".join(items[:12]) + (f"; and {len(items) - 12} more" if len(items) > 12 else "")
+            raise ValueError(f"hookstats.PerSampleGradNorms(max_norm=...): {len(items)} trainable parameters have no "
+                             f"per-sample rule, so their gradients could not be clipped and the per-sample bound "
+                             f"would not hold: {shown}. {_OPT_OUT}")
         if not self.layers:
             raise ValueError(f"hookstats.PerSampleGradNorms: no Linear, Conv, Embedding, norm or other layer with a "
                              f"per-sample rule matches include={include!r}, exclude={exclude!r}")
@@ -105,6 +119,11 @@ class PerSampleGradNorms:
         for name in self.layers:
             self._handles.append(mods[name].register_forward_hook(self._forward_hook(name, mods[name]),
                                                                   with_kwargs=True))
+        if self.max_norm is not None:  # Note [clipping refuses what it cannot bound]
+            for pid, p in self._param.items():
+                if p.requires_grad and cov.why.get(pid) != "outside include/exclude":
+                    self._handles.append(p.register_post_accumulate_grad_hook(
+                        lambda p, pid=pid: self._on_accumulate(pid)))
         self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
         if cov.warning:
@@ -243,9 +262,9 @@ class PerSampleGradNorms:
     # refused, as is a layer whose batch dim is something else (T5's [T, T] relative-bias table, routed tokens).
 
     def _refuse(self, name: str, reason: str) -> None:
-        if self.max_norm is not None:
+        if self.max_norm is not None and not self.allow_unclipped:
             raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): layer {name or '<model>'} cannot be split "
-                               f"per sample: {reason}; exclude it (its gradient would not be clipped)")
+                               f"per sample: {reason}; its parameters' gradients could not be clipped. {_OPT_OUT}")
         self._refused[name] = reason
         self._pending.pop(name, None)
         for _, pid in self._attrs[name]:  # a shared parameter missing one use's part would be wrong: drop it
@@ -275,6 +294,7 @@ class PerSampleGradNorms:
             for a, pid in call.active:
                 if pid in self._dead:
                     continue
+                self._termed.add(pid)
                 self._terms.setdefault(pid, []).append(terms[a].rows_to_samples(call.k))
                 if all(not self._pending.get(layer) for layer in self._holders[pid]):
                     self._finalize(pid)
@@ -302,14 +322,37 @@ class PerSampleGradNorms:
                 if self.max_norm is not None:  # kept until the end of this backward (Note: per-sample clipping)
                     self._clip.append((pid, n, sq, ts))
 
+    def _on_accumulate(self, pid: int) -> None:
+        self._accumulated.add(pid)
+        self._queue_flush()
+
     def _flush_all(self) -> None:
         self._flush_queued = False
         self._bwd_batches.clear()
         self._fwd_batches.clear()
         for pid in list(self._terms):
             self._finalize(pid)
+        unclipped = sorted(self._pname[pid] for pid in self._accumulated - self._termed if pid not in self._dead)
+        self._accumulated.clear()
+        self._termed.clear()
+        if unclipped:
+            msg = (f"hookstats.PerSampleGradNorms(max_norm=...): {', '.join(unclipped)} got a gradient in this "
+                   f"backward but no per-sample term (used outside the layer whose rule covers it, or that layer's "
+                   f"hook did not see the call): its gradient is not clipped")
+            if not self.allow_unclipped:
+                self._clip.clear()
+                raise RuntimeError(f"{msg}. {_OPT_OUT}")
+            warnings.warn(msg, stacklevel=2)
         if self._clip:
             self._apply_clip()
+
+    # Note [clipping refuses what it cannot bound]: DP-SGD needs every sample's whole gradient scaled to at most
+    # max_norm. A trainable parameter with no per-sample term would keep its unclipped gradient, and the bound would
+    # silently fail for the optimizer's update (Opacus refuses unsupported trainable layers for the same reason).
+    # So with max_norm, a trainable parameter in scope that is not covered is an error at construction; a layer
+    # refused at run time is an error in its forward; and a covered parameter whose .grad autograd changed in a
+    # backward (a post-accumulate-grad hook) without a per-sample term of that backward is an error when the
+    # backward ends. The opt-outs are explicit: requires_grad=False, include/exclude, or allow_unclipped=True.
 
     # Per-sample clipping: each sample's gradient (over the covered parameters) scaled to at most max_norm before the
     # batch sum. Autograd has summed the unclipped per-sample gradients into .grad; this adds sum_b (coef_b - 1)
@@ -317,7 +360,9 @@ class PerSampleGradNorms:
     # backward) + sum_b coef_b grad_b. No second backward, no per-sample gradients. A tied parameter's uses each add
     # their part: the coefficient is the one of the sample's whole gradient, norm of the sum.
     def _apply_clip(self) -> None:
-        entries, self._clip = self._clip, []
+        entries, self._clip = [e for e in self._clip if e[0] not in self._dead], []
+        if not entries:
+            return
         batches = {n for _, n, _, _ in entries}
         if len(batches) > 1:
             raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): one backward saw batches of sizes "
@@ -444,6 +489,11 @@ class PerSampleGradNorms:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+_OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...), register a rule for it "
+            "(hookstats.per_sample.register_rule), or pass allow_unclipped=True to clip only the covered parameters "
+            "(the others keep their unclipped gradients: the per-sample bound, and DP, then do not hold for them)")
 
 
 def _in_backward() -> bool:
