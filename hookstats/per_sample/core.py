@@ -106,6 +106,7 @@ class PerSampleGradNorms:
         self._fwd_batches: set = set()  # batch sizes of the root forwards since the last backward's end
         self._accumulated: set = set()  # pids whose .grad autograd changed in this backward (max_norm)
         self._termed: set = set()  # pids that got a per-sample term in this backward
+        self._rows: dict = {}  # autograd node -> (batch, rows per sample): outputs proved batch-major flattened
         if self.max_norm is not None and cov.in_scope_uncovered and not self.allow_unclipped:
             items = [f"{self._pname[pid]} ({cov.why[pid]})" for pid in cov.in_scope_uncovered]
             shown = "; ".join(items[:12]) + (f"; and {len(items) - 12} more" if len(items) > 12 else "")
@@ -135,6 +136,7 @@ class PerSampleGradNorms:
 
     def _root_post(self, mod, args, output):
         b, self._batch = self._batch, None
+        self._rows.clear()
         if b is None or not torch.is_grad_enabled() or _in_backward():
             return
         self._fwd_batches.add(b)
@@ -170,21 +172,21 @@ class PerSampleGradNorms:
                 return None
             recompute = _in_backward()
             replay = recompute and _nonreentrant_recompute()
+            # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
+            active = [(a, pid) for a, pid in self._attrs[name] if _param_at(mod, a) is self._param[pid]
+                      and self._param[pid].requires_grad and pid not in self._dead]
             b = self._batch
             if recompute and b is None:
                 try:
                     b = self._recompute_batch(name)
                 except Refused as e:
-                    if replay:
+                    if replay or not active:
                         return None
                     self._refuse(name, str(e))
                     return None
-            # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
-            active = [(a, pid) for a, pid in self._attrs[name] if mod._parameters.get(a) is self._param[pid]
-                      and self._param[pid].requires_grad and pid not in self._dead]
-            if not active or not isinstance(args[0], torch.Tensor):
+            x0 = rule.input(mod, args, kwargs)
+            if not isinstance(x0, torch.Tensor):
                 return None
-            x0 = args[0]
             x = x0.detach()
             batched = rule.is_batched(mod, x)
             bd = self.batch_dim if rule.batch_dim_applies else 0
@@ -197,14 +199,21 @@ class PerSampleGradNorms:
                 if rows == 1 and rule.expands(mod, x) and out is output and out.dim() > bd and out.shape[bd] == 1:
                     expand = True  # broadcast over the batch: make it happen at this output (Note [broadcast layers])
                     x = x.expand(b, *x.shape[1:])
-                elif bd == 0 and rows % b == 0 and _flattened(x0, b):
+                elif bd == 0 and rows % b == 0 and (_flattened(x0, b) or self._proved_rows(x0, b, rows // b)):
                     k = rows // b
-                elif replay:
+                    if rule.rowwise and out.shape[0] == rows and out.grad_fn is not None:
+                        self._rows[out.grad_fn] = (b, k)  # Note [flattened batches]
+                elif replay or not active:
                     return None
                 else:
                     self._refuse(name, f"its input's dim {bd} holds {rows} rows where the model's batch has {b} "
-                                       "samples (routed tokens, or a table shared by every sample)")
+                                       f"samples, and they are not provably the batch's samples flattened batch-major "
+                                       f"(Note [flattened batches]: a view of a contiguous [B, ...] tensor, or such "
+                                       f"rows through row-wise layers and elementwise ops): routed tokens, attention "
+                                       f"windows, or a table shared by every sample")
                     return None
+            if not active:
+                return None
             if replay:  # the gradient comes through the first forward's call; the graph must be the same
                 if expand:
                     shape = list(out.shape)
@@ -260,6 +269,42 @@ class PerSampleGradNorms:
     # move after its backward; broadcast over tokens too, the sum would be split in two. So only the rules that
     # know their use expand (Rule.expands: Embedding on [1, T] position ids); other layers fed a batch of 1 are
     # refused, as is a layer whose batch dim is something else (T5's [T, T] relative-bias table, routed tokens).
+
+    # Note [flattened batches]: a layer fed [B * k, ...] rows (tokens flattened before an MLP: OPT's fc1 / fc2, the
+    # shared expert of Qwen2-MoE, a router) is split per sample, k consecutive rows each, only when that layout is
+    # proved, never because the row count divides: routed tokens or windows could have any count. Proved are (1) a
+    # view of a contiguous [B, ...] tensor with the same storage and size; (2) the output of a row-wise layer (Rule.
+    # rowwise: output row r is computed from input row r alone, Linear, the norms over the last dim, embeddings) fed
+    # proved rows, recorded by its autograd node for the rest of the forward; (3) the result of elementwise autograd
+    # nodes (_ROWWISE_UNARY / _ROWWISE_BINARY) whose inputs are proved rows of the same layout, parameters, or
+    # constants (no gradient edge). Anything else (a matmul between activations, a gather, a permute) is not
+    # followed, and the layer is refused with that reason.
+    def _proved_rows(self, x: torch.Tensor, b: int, k: int) -> bool:
+        node = x.grad_fn
+        if node is None or not self._rows:
+            return False
+        seen: Dict[object, bool] = {}
+
+        def proved(n, depth: int) -> bool:
+            if n in self._rows:
+                return self._rows[n] == (b, k)
+            if depth > 24 or type(n).__name__ not in _ROWWISE:
+                return False
+            if n in seen:
+                return seen[n]
+            seen[n] = False
+            ok, any_rows = True, False
+            for nxt, _ in n.next_functions:
+                if nxt is None or _params_only(nxt, 0):
+                    continue
+                if not proved(nxt, depth + 1):
+                    ok = False
+                    break
+                any_rows = True
+            seen[n] = ok and any_rows
+            return seen[n]
+
+        return proved(node, 0)
 
     def _refuse(self, name: str, reason: str) -> None:
         if self.max_norm is not None and not self.allow_unclipped:
@@ -330,6 +375,7 @@ class PerSampleGradNorms:
         self._flush_queued = False
         self._bwd_batches.clear()
         self._fwd_batches.clear()
+        self._rows.clear()
         for pid in list(self._terms):
             self._finalize(pid)
         unclipped = sorted(self._pname[pid] for pid in self._accumulated - self._termed if pid not in self._dead)
@@ -494,6 +540,37 @@ class PerSampleGradNorms:
 _OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...), register a rule for it "
             "(hookstats.per_sample.register_rule), or pass allow_unclipped=True to clip only the covered parameters "
             "(the others keep their unclipped gradients: the per-sample bound, and DP, then do not hold for them)")
+
+
+# Autograd nodes of elementwise ops: output row r depends on row r of each input (and on constants / parameters,
+# broadcast over the rows). Note [flattened batches].
+_ROWWISE = frozenset("""
+    AbsBackward0 AddBackward0 AddBackward1 ClampBackward1 CloneBackward0 DivBackward0 DivBackward1 EluBackward0
+    ExpBackward0 GeluBackward0 HardsigmoidBackward0 HardswishBackward0 HardtanhBackward0 LeakyReluBackward0
+    LogSigmoidBackward0 MishBackward0 MulBackward0 MulBackward1 NativeDropoutBackward0 NegBackward0 PowBackward0
+    ReluBackward0 RsqrtBackward0 SigmoidBackward0 SiluBackward0 SoftplusBackward0 SqrtBackward0 SubBackward0
+    SubBackward1 TanhBackward0 ThresholdBackward0 ToCopyBackward0
+""".split())
+
+
+def _params_only(node, depth: int) -> bool:
+    """Whether an autograd node computes from parameters alone (AccumulateGrad, or a few ops on them)."""
+    if type(node).__name__ == "AccumulateGrad":
+        return True
+    if depth >= 3:
+        return False
+    nxt = [n for n, _ in node.next_functions if n is not None]
+    return bool(nxt) and all(_params_only(n, depth + 1) for n in nxt)
+
+
+def _param_at(mod: nn.Module, path: str):
+    if "." not in path:
+        return mod._parameters.get(path)
+    owner, _, attr = path.rpartition(".")
+    try:
+        return mod.get_submodule(owner)._parameters.get(attr)
+    except AttributeError:
+        return None
 
 
 def _in_backward() -> bool:
