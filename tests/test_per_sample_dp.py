@@ -266,7 +266,7 @@ def test_layer_refused_at_run_time_with_max_norm():
     m = TableModel().double()
     hookstats.PerSampleGradNorms(m, max_norm=1.0)
     with pytest.raises(RuntimeError, match=r"layer table cannot be split per sample: .*5 rows.*allow_unclipped=True"):
-        m(torch.randn(3, 5, 4, dtype=torch.float64))
+        m(torch.randn(3, 5, 4, dtype=torch.float64)).sum().backward()
     m = TableModel().double()
     psn = hookstats.PerSampleGradNorms(m, max_norm=1.0, allow_unclipped=True)
     with pytest.warns(UserWarning, match="layer table is refused"):

@@ -206,11 +206,17 @@ class PerSampleGradNorms:
                 elif replay or not active:
                     return None
                 else:
-                    self._refuse(name, f"its input's dim {bd} holds {rows} rows where the model's batch has {b} "
-                                       f"samples, and they are not provably the batch's samples flattened batch-major "
-                                       f"(Note [flattened batches]: a view of a contiguous [B, ...] tensor, or such "
-                                       f"rows through row-wise layers and elementwise ops): routed tokens, attention "
-                                       f"windows, or a table shared by every sample")
+                    why = (f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples: a value "
+                           f"broadcast over the batch after the layer has its gradient summed over the samples before "
+                           f"the layer sees it (Note [broadcast layers]: only rules that know the broadcast, such as "
+                           f"position embeddings, expand)" if rows < b else
+                           f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples, and they "
+                           f"are not provably the batch's samples flattened batch-major (Note [flattened batches]: a "
+                           f"view of a contiguous [B, ...] tensor, or such rows through row-wise layers and "
+                           f"elementwise ops): routed tokens, attention windows, or a table shared by every sample")
+                    # refused when a gradient reaches this output: a side computation whose result is detached
+                    # (DoRA's lora_B(lora_A(eye)) for its weight norm) leaves the layer's other calls covered
+                    out.register_hook(lambda g, name=name, why=why: self._refuse(name, why))
                     return None
             if not active:
                 return None
@@ -307,6 +313,8 @@ class PerSampleGradNorms:
         return proved(node, 0)
 
     def _refuse(self, name: str, reason: str) -> None:
+        if name in self._refused:
+            return
         if self.max_norm is not None and not self.allow_unclipped:
             raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): layer {name or '<model>'} cannot be split "
                                f"per sample: {reason}; its parameters' gradients could not be clipped. {_OPT_OUT}")
@@ -457,8 +465,10 @@ class PerSampleGradNorms:
         device."""
         sq = self.per_param_sq()
         if not sq:
-            raise RuntimeError("hookstats.PerSampleGradNorms: no gradient has been seen since the last step(); run a "
-                               "backward first")
+            refused = f" ({len(self._refused)} layers refused at run time)" if self._refused else ""
+            raise RuntimeError(f"hookstats.PerSampleGradNorms: no per-sample gradient since the last step(): no "
+                               f"backward ran, or none reached a covered parameter through its layer{refused}; see "
+                               f"coverage()")
         return _sum_same_length(list(sq.values()), "the covered parameters").sqrt()
 
     def coverage(self) -> Coverage:

@@ -138,8 +138,22 @@ def same_code(fn, ref) -> bool:
     """Whether the function `fn` has the bytecode, names, constants and arguments of `ref`: the same computation,
     read from its code (the HF "Copied from" classes are such copies)."""
     a, b = getattr(fn, "__code__", None), getattr(ref, "__code__", None)
-    return a is not None and b is not None and all(getattr(a, k) == getattr(b, k) for k in (
-        "co_code", "co_names", "co_consts", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_freevars"))
+    return a is not None and b is not None and _same_code_object(a, b)
+
+
+def _same_code_object(a, b) -> bool:
+    if not all(getattr(a, k) == getattr(b, k) for k in (
+            "co_code", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_freevars")):
+        return False
+    if len(a.co_consts) != len(b.co_consts):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):  # nested code (a comprehension) by its code, not its file and line
+        if hasattr(x, "co_code") and hasattr(y, "co_code"):
+            if not _same_code_object(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
 
 
 def methods_match(cls: type, **refs) -> bool:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..registry import Rule, register_pattern, same_code
-from ..terms import Index, Outer, compute_dtype
+from ..terms import Dense, Index, Outer, compute_dtype
 from .refused import Refused
 
 VARIANT_KWARG_KEYS = ()  # a name the reference's code reads; never called
@@ -119,6 +119,9 @@ class LoraEmbeddingRule(Rule):
     def is_batched(self, mod, x):
         return x.dim() > 0
 
+    def expands(self, mod, x):  # LoRA on position embeddings fed [1, T] ids (Note [broadcast layers])
+        return x.dim() > 1
+
     def keep(self, mod, x, args=(), kwargs=None):
         base = mod.get_base_layer()
         why = ("its adapters are disabled" if mod.disable_adapters else "its adapters are merged" if mod.merged else
@@ -168,3 +171,92 @@ def _match(mod: nn.Module) -> bool:
 
 
 register_pattern("peft LoRA Embedding", _match, LoraEmbeddingRule())
+
+
+# -- DoRA's magnitude (peft.tuners.lora.dora.DoraLinearLayer) ----------------------------------------------------------
+
+class _DoraRef(nn.Module):  # the reference is defined in a class body, like the code it is compared with
+    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default"):
+        """
+        For DoRA, calculate the extra output from LoRA with DoRA applied. This should be added on top of the base layer
+        output.
+        """
+        lora_weight = self.get_lora_weight(lora_A=lora_A, lora_B=lora_B, adapter_name=adapter_name)
+        lora_weight = lora_weight.to(x.dtype)
+
+        magnitude = self.weight
+        weight = dequantize_module_weight(base_layer)  # noqa: F821  (resolved in peft's module)
+        weight = weight.to(x.dtype)
+        weight_norm = self.get_weight_norm(
+            weight=weight, lora_weight=lora_weight.detach(), scaling=scaling, adapter_name=adapter_name
+        )
+        # see section 4.3 of DoRA (https://huggingface.co/papers/2402.09353)
+        # "[...] we suggest treating ||V +∆V ||_c in
+        # Eq. (5) as a constant, thereby detaching it from the gradient
+        # graph. This means that while ||V + ∆V ||_c dynamically
+        # reflects the updates of ∆V , it won’t receive any gradient
+        # during backpropagation"
+        weight_norm = weight_norm.detach()
+        mag_norm_scale = (magnitude / weight_norm).view(1, -1)
+
+        lora_result = lora_B(lora_A(x))
+
+        bias = None
+        if base_result is not None:
+            bias = base_layer.bias
+            if bias is not None:
+                base_result = base_result - bias
+        else:
+            base_result = F.linear(x, transpose(weight, self.fan_in_fan_out))  # noqa: F821
+
+        result_dora = (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * scaling
+        return result_dora
+
+
+class DoraMagnitudeRule(Rule):
+    """result = (m / n - 1) * base + (m / n) * lora_B(lora_A(x)) * scaling, with n the detached weight norm: grad m_b =
+    (sum_t g_bt * base_bt + sum_t (g_bt * scaling) * lora_bt) / n (Dense), base and lora recomputed from the call's
+    arguments by the module's own functions (no gradient kept)."""
+
+    params = ("weight",)
+    rowwise = True
+
+    def keep(self, mod, x, args=(), kwargs=None):
+        import sys
+
+        kw = kwargs or {}
+        peft_mod = sys.modules[type(mod).__module__]
+        lora_a, lora_b, base_layer = kw["lora_A"], kw["lora_B"], kw["base_layer"]
+        adapter = kw.get("adapter_name", "default")
+        x0 = args[0]
+        with torch.no_grad():
+            lora_weight = mod.get_lora_weight(lora_A=lora_a, lora_B=lora_b, adapter_name=adapter).to(x0.dtype)
+            weight = peft_mod.dequantize_module_weight(base_layer).to(x0.dtype)
+            norm = mod.get_weight_norm(weight=weight, lora_weight=lora_weight, scaling=kw["scaling"],
+                                       adapter_name=adapter)
+            lora = lora_b(lora_a(x0))
+            base = kw.get("base_result")
+            if base is not None:
+                base = base.detach()
+                if base_layer.bias is not None:
+                    base = base - base_layer.bias
+            else:
+                base = F.linear(x0, peft_mod.transpose(weight, mod.fan_in_fan_out))
+        return base, lora, kw["scaling"], norm
+
+    def terms(self, mod, kept, g, attrs):
+        base, lora, scaling, norm = kept
+        b = g.shape[0]
+        dt = compute_dtype(g)
+        g = g.reshape(b, -1, g.shape[-1])
+        d = ((g * base.reshape(g.shape)).to(dt).sum(1) + ((g * scaling) * lora.reshape(g.shape)).to(dt).sum(1))
+        return {"weight": Dense(d / norm.to(dt))}
+
+
+def _dora_match(mod: nn.Module) -> bool:
+    cls = type(mod)
+    return (cls.__module__ == "peft.tuners.lora.dora" and cls.__name__ == "DoraLinearLayer"
+            and same_code(cls.forward, _DoraRef.forward))
+
+
+register_pattern("peft DoRA magnitude (DoraLinearLayer)", _dora_match, DoraMagnitudeRule())
