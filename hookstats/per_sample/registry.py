@@ -4,8 +4,10 @@ other libraries' classes, without importing them) or by a pattern, and the layer
 Note [exact-type rules]: a rule is chosen by the module's exact type, never by isinstance: timm's StdConv2d is an
 nn.Conv2d that standardises its weight, LayerNorm2d an nn.LayerNorm over dim 1; a rule written for the base class
 would give a plausible, wrong number. A subclass that does not override `forward` computes what its base computes
-and gets the base's rule; one with its own `forward` and no rule of its own is refused, named in a warning and
-left out of the total.
+and gets the base's rule; one with its own `forward` gets a rule only by proof: a pattern (register_pattern) whose
+match compares the class's forward with a reference copy in the rule's file by its code (same_code: bytecode, names,
+constants, arguments, nested code), as for FalconLinear, the HF RMSNorms and embeddings, peft's LoRA Embedding. Any
+other is refused, named in a warning and left out of the total.
 """
 from __future__ import annotations
 
