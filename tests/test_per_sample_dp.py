@@ -164,7 +164,7 @@ def test_reentrant_recompute_through_forwards_of_different_batch_sizes_is_refuse
     psn.remove()
 
 
-# -- GPT-2 + peft LoRA, frozen head, HF gradient checkpointing -----------------------------------------------------------
+# -- GPT-2 + peft LoRA, frozen head, HF gradient checkpointing ---------------------------------------------------------
 
 def gpt2_lora():
     peft = pytest.importorskip("peft")

@@ -570,7 +570,7 @@ def test_against_opacus_convs_and_norms():
     gsm.remove_hooks()
 
 
-# -- the models people fine-tune (issue #35): every trainable value covered, or refused with its true reason ------------
+# -- the models people fine-tune (issue #35): every trainable value covered, or refused with its true reason -----------
 
 def family(name: str):
     """(model, forward) of a tiny random-weight model of the family, built from its library."""

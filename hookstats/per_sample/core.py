@@ -10,6 +10,8 @@ from torch import nn
 
 from . import rules as _rules  # noqa: F401  (registers the shipped rules)
 from .._select import Selection
+from .batch import first_batch, flattened, in_backward, nonreentrant_recompute, output_tensors, proved_rows
+from .clip import OPT_OUT, apply_clip
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused
 from .terms import sum_sq
@@ -22,20 +24,6 @@ class _Call:
 
     def __init__(self, kept, active, batched, bd, k, shape):
         self.kept, self.active, self.batched, self.bd, self.k, self.shape = kept, active, batched, bd, k, shape
-
-
-def _first_batch(args, kwargs, bd: int) -> Optional[int]:
-    for v in list(args) + list((kwargs or {}).values()):
-        if isinstance(v, torch.Tensor) and v.dim() > bd:
-            return int(v.shape[bd])
-    return None
-
-
-def _flattened(x: torch.Tensor, b: int) -> bool:
-    """x [B * k, ...] is a batch-major flattening of a contiguous [B, ...] tensor: rows b*k .. b*k+k-1 are sample b."""
-    base = x._base
-    return (base is not None and base.dim() >= 2 and base.shape[0] == b and base.is_contiguous()
-            and x.is_contiguous() and x.data_ptr() == base.data_ptr() and x.numel() == base.numel())
 
 
 class PerSampleGradNorms:
@@ -112,7 +100,7 @@ class PerSampleGradNorms:
             shown = "; ".join(items[:12]) + (f"; and {len(items) - 12} more" if len(items) > 12 else "")
             raise ValueError(f"hookstats.PerSampleGradNorms(max_norm=...): {len(items)} trainable parameters have no "
                              f"per-sample rule, so their gradients could not be clipped and the per-sample bound "
-                             f"would not hold: {shown}. {_OPT_OUT}")
+                             f"would not hold: {shown}. {OPT_OUT}")
         if not self.layers:
             raise ValueError(f"hookstats.PerSampleGradNorms: no Linear, Conv, Embedding, norm or other layer with a "
                              f"per-sample rule matches include={include!r}, exclude={exclude!r}")
@@ -122,7 +110,7 @@ class PerSampleGradNorms:
                                                                   with_kwargs=True))
         if self.max_norm is not None:  # Note [clipping refuses what it cannot bound]
             for pid, p in self._param.items():
-                if p.requires_grad and cov.why.get(pid) != "outside include/exclude":
+                if p.requires_grad and pid not in cov.why:  # the uncovered ones raised above, or were allowed
                     self._handles.append(p.register_post_accumulate_grad_hook(
                         lambda p, pid=pid: self._on_accumulate(pid)))
         self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
@@ -132,15 +120,15 @@ class PerSampleGradNorms:
 
     # -- the model's batch size, while its forward runs and in the backward -------------------------------------
     def _root_pre(self, mod, args, kwargs):
-        self._batch = _first_batch(args, kwargs, self.batch_dim)
+        self._batch = first_batch(args, kwargs, self.batch_dim)
 
     def _root_post(self, mod, args, output):
         b, self._batch = self._batch, None
         self._rows.clear()
-        if b is None or not torch.is_grad_enabled() or _in_backward():
+        if b is None or not torch.is_grad_enabled() or in_backward():
             return
         self._fwd_batches.add(b)
-        for t in _tensors(output):
+        for t in output_tensors(output):
             if t.requires_grad:
                 t.register_hook(lambda g, b=b: self._root_grad(b))
 
@@ -170,8 +158,8 @@ class PerSampleGradNorms:
             out = rule.output(mod, output)
             if out is None or not out.requires_grad or _is_functorch(out):
                 return None
-            recompute = _in_backward()
-            replay = recompute and _nonreentrant_recompute()
+            recompute = in_backward()
+            replay = recompute and nonreentrant_recompute()
             # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
             active = [(a, pid) for a, pid in self._attrs[name] if _param_at(mod, a) is self._param[pid]
                       and self._param[pid].requires_grad and pid not in self._dead]
@@ -199,7 +187,7 @@ class PerSampleGradNorms:
                 if rows == 1 and rule.expands(mod, x) and out is output and out.dim() > bd and out.shape[bd] == 1:
                     expand = True  # broadcast over the batch: make it happen at this output (Note [broadcast layers])
                     x = x.expand(b, *x.shape[1:])
-                elif bd == 0 and rows % b == 0 and (_flattened(x0, b) or self._proved_rows(x0, b, rows // b)):
+                elif bd == 0 and rows % b == 0 and (flattened(x0, b) or proved_rows(self._rows, x0, b, rows // b)):
                     k = rows // b
                     if rule.rowwise and out.shape[0] == rows and out.grad_fn is not None:
                         self._rows[out.grad_fn] = (b, k)  # Note [flattened batches]
@@ -252,18 +240,6 @@ class PerSampleGradNorms:
             return ret
         return hook
 
-    # Note [checkpointed layers]: with activation checkpointing a layer's forward also runs inside the backward.
-    # - Non-reentrant (use_reentrant=False): the first forward's outputs get the gradients; the recompute (run while
-    #   checkpoint's recomputation saved-tensor hook is on top) only refills saved tensors, so it is replayed with
-    #   the same graph (the same expand, Note [broadcast layers]) and nothing is recorded.
-    # - Reentrant (use_reentrant=True): the first forward runs without grad and is not seen; the recompute's outputs
-    #   get their gradients in a nested backward, one per checkpointed segment. The clip must wait for the end of
-    #   the outermost backward, when every segment's terms are in: the model's output tensors get a hook that
-    #   queues the flush there (autograd reaches them first), with a recompute's own backward as the fallback.
-    # The model's forward is not running during a recompute: its batch size is the one of the forwards whose output
-    # this backward has reached (a recompute of forward k runs only after autograd has gone through forward k's
-    # output), refused when those differ.
-
     # Note [broadcast layers]: a layer fed a batch of 1 whose output is broadcast over the batch afterwards (GPT-2 /
     # BERT position embeddings on [1, T] ids) gets the batch's gradient summed by the broadcast's backward before
     # its own output sees it: no per-sample split is left. Returning output.expand(B, ...) from the forward hook
@@ -276,48 +252,12 @@ class PerSampleGradNorms:
     # know their use expand (Rule.expands: Embedding on [1, T] position ids); other layers fed a batch of 1 are
     # refused, as is a layer whose batch dim is something else (T5's [T, T] relative-bias table, routed tokens).
 
-    # Note [flattened batches]: a layer fed [B * k, ...] rows (tokens flattened before an MLP: OPT's fc1 / fc2, the
-    # shared expert of Qwen2-MoE, a router) is split per sample, k consecutive rows each, only when that layout is
-    # proved, never because the row count divides: routed tokens or windows could have any count. Proved are (1) a
-    # view of a contiguous [B, ...] tensor with the same storage and size; (2) the output of a row-wise layer (Rule.
-    # rowwise: output row r is computed from input row r alone, Linear, the norms over the last dim, embeddings) fed
-    # proved rows, recorded by its autograd node for the rest of the forward; (3) the result of elementwise autograd
-    # nodes (_ROWWISE_UNARY / _ROWWISE_BINARY) whose inputs are proved rows of the same layout, parameters, or
-    # constants (no gradient edge). Anything else (a matmul between activations, a gather, a permute) is not
-    # followed, and the layer is refused with that reason.
-    def _proved_rows(self, x: torch.Tensor, b: int, k: int) -> bool:
-        node = x.grad_fn
-        if node is None or not self._rows:
-            return False
-        seen: Dict[object, bool] = {}
-
-        def proved(n, depth: int) -> bool:
-            if n in self._rows:
-                return self._rows[n] == (b, k)
-            if depth > 24 or type(n).__name__ not in _ROWWISE:
-                return False
-            if n in seen:
-                return seen[n]
-            seen[n] = False
-            ok, any_rows = True, False
-            for nxt, _ in n.next_functions:
-                if nxt is None or _params_only(nxt, 0):
-                    continue
-                if not proved(nxt, depth + 1):
-                    ok = False
-                    break
-                any_rows = True
-            seen[n] = ok and any_rows
-            return seen[n]
-
-        return proved(node, 0)
-
     def _refuse(self, name: str, reason: str) -> None:
         if name in self._refused:
             return
         if self.max_norm is not None and not self.allow_unclipped:
             raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): layer {name or '<model>'} cannot be split "
-                               f"per sample: {reason}; its parameters' gradients could not be clipped. {_OPT_OUT}")
+                               f"per sample: {reason}; its parameters' gradients could not be clipped. {OPT_OUT}")
         self._refused[name] = reason
         self._pending.pop(name, None)
         for _, pid in self._attrs[name]:  # a shared parameter missing one use's part would be wrong: drop it
@@ -372,7 +312,7 @@ class PerSampleGradNorms:
             for n, ts in groups.items():
                 sq = sum_sq(ts)
                 self._sq.setdefault(self._pname[pid], []).append(sq)
-                if self.max_norm is not None:  # kept until the end of this backward (Note: per-sample clipping)
+                if self.max_norm is not None:  # kept until the end of this backward (Note [per-sample clipping])
                     self._clip.append((pid, n, sq, ts))
 
     def _on_accumulate(self, pid: int) -> None:
@@ -395,42 +335,16 @@ class PerSampleGradNorms:
                    f"hook did not see the call): its gradient is not clipped")
             if not self.allow_unclipped:
                 self._clip.clear()
-                raise RuntimeError(f"{msg}. {_OPT_OUT}")
+                raise RuntimeError(f"{msg}. {OPT_OUT}")
             warnings.warn(msg, stacklevel=2)
         if self._clip:
             self._apply_clip()
 
-    # Note [clipping refuses what it cannot bound]: DP-SGD needs every sample's whole gradient scaled to at most
-    # max_norm. A trainable parameter with no per-sample term would keep its unclipped gradient, and the bound would
-    # silently fail for the optimizer's update (Opacus refuses unsupported trainable layers for the same reason).
-    # So with max_norm, a trainable parameter in scope that is not covered is an error at construction; a layer
-    # refused at run time is an error in its forward; and a covered parameter whose .grad autograd changed in a
-    # backward (a post-accumulate-grad hook) without a per-sample term of that backward is an error when the
-    # backward ends. The opt-outs are explicit: requires_grad=False, include/exclude, or allow_unclipped=True.
-
-    # Per-sample clipping: each sample's gradient (over the covered parameters) scaled to at most max_norm before the
-    # batch sum. Autograd has summed the unclipped per-sample gradients into .grad; this adds sum_b (coef_b - 1)
-    # grad_b, from the same terms (one weighted product per use), so .grad becomes (what it held before this
-    # backward) + sum_b coef_b grad_b. No second backward, no per-sample gradients. A tied parameter's uses each add
-    # their part: the coefficient is the one of the sample's whole gradient, norm of the sum.
-    def _apply_clip(self) -> None:
+    def _apply_clip(self) -> None:  # Note [per-sample clipping]
         entries, self._clip = [e for e in self._clip if e[0] not in self._dead], []
-        if not entries:
-            return
-        batches = {n for _, n, _, _ in entries}
-        if len(batches) > 1:
-            raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): one backward saw batches of sizes "
-                               f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
-        with torch.no_grad():
-            sq = torch.stack([v.to(torch.float64) for _, _, v, _ in entries]).sum(0)
-            coef = torch.clamp(self.max_norm / (sq.sqrt() + self.eps), max=1.0)
+        coef = apply_clip(entries, self.max_norm, self.eps, self._param)
+        if coef is not None:
             self._coef.append(coef)
-            for pid, _, _, ts in entries:
-                p = self._param[pid]
-                if p.grad is None:
-                    continue
-                for t in ts:
-                    p.grad.add_(t.delta(coef - 1.0, p.shape).to(p.grad.dtype))
 
     def clip_coef(self) -> torch.Tensor:
         """The per-sample clipping coefficients min(1, max_norm / (norm + eps)) of this step, [samples] float64."""
@@ -547,32 +461,6 @@ class PerSampleGradNorms:
         self.remove()
 
 
-_OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...), register a rule for it "
-            "(hookstats.per_sample.register_rule), or pass allow_unclipped=True to clip only the covered parameters "
-            "(the others keep their unclipped gradients: the per-sample bound, and DP, then do not hold for them)")
-
-
-# Autograd nodes of elementwise ops: output row r depends on row r of each input (and on constants / parameters,
-# broadcast over the rows). Note [flattened batches].
-_ROWWISE = frozenset("""
-    AbsBackward0 AddBackward0 AddBackward1 ClampBackward1 CloneBackward0 DivBackward0 DivBackward1 EluBackward0
-    ExpBackward0 GeluBackward0 HardsigmoidBackward0 HardswishBackward0 HardtanhBackward0 LeakyReluBackward0
-    LogSigmoidBackward0 MishBackward0 MulBackward0 MulBackward1 NativeDropoutBackward0 NegBackward0 PowBackward0
-    ReluBackward0 RsqrtBackward0 SigmoidBackward0 SiluBackward0 SoftplusBackward0 SqrtBackward0 SubBackward0
-    SubBackward1 TanhBackward0 ThresholdBackward0 ToCopyBackward0
-""".split())
-
-
-def _params_only(node, depth: int) -> bool:
-    """Whether an autograd node computes from parameters alone (AccumulateGrad, or a few ops on them)."""
-    if type(node).__name__ == "AccumulateGrad":
-        return True
-    if depth >= 3:
-        return False
-    nxt = [n for n, _ in node.next_functions if n is not None]
-    return bool(nxt) and all(_params_only(n, depth + 1) for n in nxt)
-
-
 def _param_at(mod: nn.Module, path: str):
     if "." not in path:
         return mod._parameters.get(path)
@@ -581,28 +469,6 @@ def _param_at(mod: nn.Module, path: str):
         return mod.get_submodule(owner)._parameters.get(attr)
     except AttributeError:
         return None
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _nonreentrant_recompute() -> bool:
-    """Whether torch.utils.checkpoint(use_reentrant=False) is recomputing (its saved-tensor hook is on top)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
-
-
-def _tensors(out, depth: int = 0):
-    """The tensors of a model's output: a tensor, or those in a tuple / list / dict (HF ModelOutput), two deep."""
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif depth < 2 and isinstance(out, (tuple, list)):
-        for v in out:
-            yield from _tensors(v, depth + 1)
-    elif depth < 2 and isinstance(out, dict):
-        for v in out.values():
-            yield from _tensors(v, depth + 1)
 
 
 def _is_functorch(t: torch.Tensor) -> bool:
