@@ -5,9 +5,11 @@
       gradient times the scale, as the product's backward computes it;
   learned positional embeddings with an offset (OPTLearnedPositionalEmbedding: positions from the attention mask's
       cumulative sum; BartLearnedPositionalEmbedding: arange over the input's length): the positions the forward
-      computes, recomputed by the same code from the same arguments, plus the offset, through the Embedding rule.
+      computes, recomputed by the same code from the same arguments, plus the offset, through the Embedding rule;
+  WhisperPositionalEmbedding: weight[position_ids], the Embedding rule on the ids.
 
-Each class's forward must have the code of the reference below, and `super().forward` must be nn.Embedding's.
+Each class's forward must have the code of the reference below, and `super().forward`, where it calls it, must be
+nn.Embedding's.
 """
 from __future__ import annotations
 
@@ -63,13 +65,21 @@ class _BartPositions(nn.Embedding):
         return super().forward(position_ids + self.offset)
 
 
+class _WhisperPositions(nn.Embedding):
+    def forward(self, input_ids, cache_length=0, position_ids=None):
+        if position_ids is None:
+            return self.weight[cache_length : cache_length + input_ids.shape[1]]
+        else:
+            return self.weight[position_ids]
+
+
 _gemma_scaled, _bart_scaled = _GemmaScaled.forward, _BartScaled.forward
 _opt_positions, _bart_positions = _OPTPositions.forward, _BartPositions.forward
 
 
-def _embedding_like(mod: nn.Module, ref) -> bool:
+def _embedding_like(mod: nn.Module, ref, via_super: bool = True) -> bool:
     return (isinstance(mod, nn.Embedding) and same_code(type(mod).forward, ref)
-            and super_forward_is(type(mod), nn.Embedding))
+            and (not via_super or super_forward_is(type(mod), nn.Embedding)))
 
 
 class ScaledEmbeddingRule(EmbeddingRule):
@@ -115,6 +125,27 @@ class PositionsRule(EmbeddingRule):
             return position_ids + mod.offset
 
 
+class WhisperPositionsRule(EmbeddingRule):
+    """weight[position_ids] (Whisper's decoder passes [B, T] ids); without position_ids the forward returns the
+    [T, d] rows with no batch dim, broadcast over the batch after the layer: refused (Note [broadcast layers])."""
+
+    def expands(self, mod, x):
+        return False
+
+    def input(self, mod, args, kwargs):
+        kwargs = dict(kwargs or {})
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        rest = list(args[1:])
+        cache_length = rest.pop(0) if rest else kwargs.pop("cache_length", 0)
+        position_ids = rest.pop(0) if rest else kwargs.pop("position_ids", None)
+        if position_ids is None:
+            return torch.arange(cache_length, cache_length + args[0].shape[1], device=mod.weight.device)[None]
+        return position_ids
+
+
+register_pattern("HF Whisper positional embedding (weight[position_ids])",
+                 lambda m: _embedding_like(m, _WhisperPositions.forward, via_super=False), WhisperPositionsRule())
 register_pattern("HF scaled word embedding (Gemma: * embed_scale in the weight's dtype)",
                  lambda m: _embedding_like(m, _gemma_scaled), ScaledEmbeddingRule())
 register_pattern("HF scaled word embedding (BART: * embed_scale)",
