@@ -706,3 +706,26 @@ def test_peft_adapters(kind):
         assert any("lora_embedding_A" in n for n in trainable)
     psn = check(model, lm, ids(), covered=trainable)
     assert psn.coverage().fraction == 1.0
+
+
+def test_swin_refusals_state_their_reasons():
+    """HF Swin: the relative-position table (one bias broadcast over every window and sample) and the attention
+    output projection (fed window rows out of the attention product, which the row proof does not follow) are
+    refused with those reasons; every other parameter is covered and exact."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.SwinForImageClassification(T.SwinConfig(embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=2,
+                                                      image_size=16, patch_size=4, num_labels=3))
+    table = [n for n, _ in model.named_parameters() if n.endswith("relative_position_bias_table")]
+    # stage 0 has 4 windows per sample; stage 1 one (its rows are the samples: covered)
+    proj = [n for n, _ in model.named_parameters() if ".attention.o_proj." in n and ".layers.0." in n]
+    assert table and proj
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        psn = check(model, lambda m, x: m(pixel_values=x).logits, _vision(),
+                    covered=[n for n, _ in model.named_parameters() if n not in table + proj],
+                    not_covered=table + proj)
+    why = psn.coverage().not_covered
+    assert "added to the attention scores of every window of every sample" in why[table[0]]
+    assert "not provably the batch's samples flattened batch-major" in why[proj[0]]

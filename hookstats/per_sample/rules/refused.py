@@ -1,6 +1,8 @@
 """Layers refused by default, with the reason (hookstats.per_sample.register_refusal adds others)."""
 from __future__ import annotations
 
+import torch
+
 from ..registry import register_refusal
 
 
@@ -20,3 +22,10 @@ register_refusal("*relative_attention_bias",
                  "T5-style relative position bias: fed a [T, T] table shared by every sample and broadcast over the "
                  "batch after the layer, so its output gradient is already summed over the samples: left out of the "
                  "total")
+_REL_POS = ("a relative-position bias table: gathered into one [heads, N, N] bias that is added to the attention "
+            "scores of every window of every sample, so its gradient is summed over the samples by that broadcast "
+            "before any module output carries it: no per-sample split is left; left out of the total")
+register_refusal(lambda name, mod: type(mod).__name__.endswith("RelativePositionBias")
+                 and "relative_position_bias_table" in mod._parameters, _REL_POS)
+register_refusal(lambda name, mod: type(mod).__module__.startswith("timm.")
+                 and isinstance(mod._parameters.get("relative_position_bias_table"), torch.nn.Parameter), _REL_POS)
