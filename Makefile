@@ -20,7 +20,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
 TEST_DEPS ?= ninja pytest pytest-benchmark numpy expecttest setuptools wheel tensorboard matplotlib tqdm pyarrow pandas wandb
 # real models, per-sample references and the training-framework integrations (tests only; hookstats imports none)
-MODEL_DEPS ?= transformers==5.24.0 timm==1.0.31 torchvision==0.29.1 opacus==1.6.0 accelerate==1.15.0 lightning==2.6.6 duckdb==2.0.1 polars==2.1.0
+MODEL_DEPS ?= transformers==5.24.0 timm==1.0.31 torchvision==0.29.1 opacus==1.6.0 accelerate==1.15.0 lightning==2.6.6 duckdb==2.0.1 polars==2.1.0 peft==0.21.2
 PYTEST_ARGS ?=
 
 ifeq ($(wildcard /usr/local/cuda/bin/nvcc),)

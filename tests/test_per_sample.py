@@ -169,7 +169,7 @@ def test_gradient_accumulation_appends_samples():
         torch.testing.assert_close(got[k], torch.cat([w[k] for w in wants]), rtol=1e-9, atol=1e-12)
     psn.step()
     assert psn.samples == 0 and psn.per_layer() == {}
-    with pytest.raises(RuntimeError, match="no gradient"):
+    with pytest.raises(RuntimeError, match="no per-sample gradient since the last step"):
         psn.total()
 
 

@@ -11,6 +11,8 @@ from torch import nn
 from . import rules as _rules  # noqa: F401  (registers the shipped rules)
 from .._owned_hooks import register
 from .._select import Selection
+from .batch import first_batch, flattened, in_backward, nonreentrant_recompute, output_tensors, proved_rows
+from .clip import OPT_OUT, apply_clip
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused
 from .terms import sum_sq
@@ -23,20 +25,6 @@ class _Call:
 
     def __init__(self, kept, active, batched, bd, k, shape):
         self.kept, self.active, self.batched, self.bd, self.k, self.shape = kept, active, batched, bd, k, shape
-
-
-def _first_batch(args, kwargs, bd: int) -> Optional[int]:
-    for v in list(args) + list((kwargs or {}).values()):
-        if isinstance(v, torch.Tensor) and v.dim() > bd:
-            return int(v.shape[bd])
-    return None
-
-
-def _flattened(x: torch.Tensor, b: int) -> bool:
-    """x [B * k, ...] is a batch-major flattening of a contiguous [B, ...] tensor: rows b*k .. b*k+k-1 are sample b."""
-    base = x._base
-    return (base is not None and base.dim() >= 2 and base.shape[0] == b and base.is_contiguous()
-            and x.is_contiguous() and x.data_ptr() == base.data_ptr() and x.numel() == base.numel())
 
 
 class PerSampleGradNorms:
@@ -63,18 +51,24 @@ class PerSampleGradNorms:
     - Gradient accumulation: each backward appends its samples ([B_1 + B_2 + ...] a step). Calls of one layer with
       the same batch size before one backward are the same samples and are summed per sample.
     - `max_norm=C`: per-sample clipping of every covered parameter's `.grad` when the backward is done (`clip_coef()`);
-      the norms read afterwards are the unclipped ones.
+      the norms read afterwards are the unclipped ones. The per-sample bound must hold for every trainable
+      parameter (Note [clipping refuses what it cannot bound]): a trainable parameter in scope that is not covered
+      raises a ValueError naming it and why, and so does, in the backward, a layer refused at run time or a parameter
+      whose gradient arrived without a per-sample term; freeze it, leave it out with include/exclude, or pass
+      `allow_unclipped=True` to clip what is covered and leave the rest unclipped (warned, not DP).
     - `step()` clears the current vectors; nothing is copied to the host until `top_samples` /
       `first_nonfinite_sample` / `summary` / `.tolist()`.
     """
 
     def __init__(self, model: nn.Module, include: Sequence[str] | str = "*", exclude: Sequence[str] | str = (),
-                 batch_dim: int = 0, max_norm: Optional[float] = None, eps: float = 1e-6):
+                 batch_dim: int = 0, max_norm: Optional[float] = None, eps: float = 1e-6,
+                 allow_unclipped: bool = False):
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm >= 0):
             raise ValueError(f"hookstats.PerSampleGradNorms: max_norm must be a number >= 0 or None, got {max_norm!r}")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"hookstats.PerSampleGradNorms: batch_dim must be an int >= 0, got {batch_dim!r}")
         self.max_norm = None if max_norm is None else float(max_norm)
+        self.allow_unclipped = bool(allow_unclipped)
         self.eps = float(eps)
         self.batch_dim = batch_dim
         in_scope = Selection(include, exclude).matches
@@ -97,6 +91,17 @@ class PerSampleGradNorms:
         self._dead: set = set()  # pids left out because a use of theirs was refused at run time
         self._flush_queued = False
         self._batch: Optional[int] = None
+        self._bwd_batches: set = set()  # batch sizes of the root forwards this backward has reached
+        self._fwd_batches: set = set()  # batch sizes of the root forwards since the last backward's end
+        self._accumulated: set = set()  # pids whose .grad autograd changed in this backward (max_norm)
+        self._termed: set = set()  # pids that got a per-sample term in this backward
+        self._rows: dict = {}  # autograd node -> (batch, rows per sample): outputs proved batch-major flattened
+        if self.max_norm is not None and cov.in_scope_uncovered and not self.allow_unclipped:
+            items = [f"{self._pname[pid]} ({cov.why[pid]})" for pid in cov.in_scope_uncovered]
+            shown = "; ".join(items[:12]) + (f"; and {len(items) - 12} more" if len(items) > 12 else "")
+            raise ValueError(f"hookstats.PerSampleGradNorms(max_norm=...): {len(items)} trainable parameters have no "
+                             f"per-sample rule, so their gradients could not be clipped and the per-sample bound "
+                             f"would not hold: {shown}. {OPT_OUT}")
         if not self.layers:
             raise ValueError(f"hookstats.PerSampleGradNorms: no Linear, Conv, Embedding, norm or other layer with a "
                              f"per-sample rule matches include={include!r}, exclude={exclude!r}")
@@ -104,17 +109,45 @@ class PerSampleGradNorms:
         for name in self.layers:
             self._handles.append(register(mods[name], "register_forward_hook", self._forward_hook(name, mods[name]),
                                           with_kwargs=True))
+        if self.max_norm is not None:  # Note [clipping refuses what it cannot bound]
+            for pid, p in self._param.items():
+                if p.requires_grad and pid not in cov.why:  # the uncovered ones raised above, or were allowed
+                    self._handles.append(p.register_post_accumulate_grad_hook(
+                        lambda p, pid=pid: self._on_accumulate(pid)))
         self._handles.append(register(model, "register_forward_pre_hook", self._root_pre, with_kwargs=True))
         self._handles.append(register(model, "register_forward_hook", self._root_post, always_call=True))
         if cov.warning:
             warnings.warn(cov.warning, stacklevel=2)
 
-    # -- the model's batch size, while its forward runs ----------------------------------------------------------
+    # -- the model's batch size, while its forward runs and in the backward -------------------------------------
     def _root_pre(self, mod, args, kwargs):
-        self._batch = _first_batch(args, kwargs, self.batch_dim)
+        self._batch = first_batch(args, kwargs, self.batch_dim)
 
     def _root_post(self, mod, args, output):
-        self._batch = None
+        b, self._batch = self._batch, None
+        self._rows.clear()
+        if b is None or not torch.is_grad_enabled() or in_backward():
+            return
+        self._fwd_batches.add(b)
+        for t in output_tensors(output):
+            if t.requires_grad:
+                t.register_hook(lambda g, b=b: self._root_grad(b))
+
+    def _root_grad(self, b: int) -> None:
+        # The backward reaches the model's output before any layer of that forward, in the outermost backward
+        # (Note [checkpointed layers])
+        self._bwd_batches.add(b)
+        self._queue_flush()
+
+    def _recompute_batch(self, name: str) -> Optional[int]:
+        """The model's batch size for a layer run in the backward (Note [checkpointed layers]), or a Refused."""
+        sizes = self._bwd_batches or self._fwd_batches
+        if len(sizes) == 1:
+            return next(iter(sizes))
+        raise Refused(f"it was recomputed in the backward (reentrant activation checkpointing) through forwards of "
+                      f"{'different batch sizes ' + str(sorted(sizes)) if sizes else 'an unknown batch size'}: the "
+                      "recomputed call cannot be matched to its samples; run one backward per forward, or "
+                      "use_reentrant=False")
 
     # -- forward: keep what the backward needs -------------------------------------------------------------------
     def _forward_hook(self, name: str, mod: nn.Module):
@@ -126,12 +159,23 @@ class PerSampleGradNorms:
             out = rule.output(mod, output)
             if out is None or not out.requires_grad or _is_functorch(out):
                 return None
+            recompute = in_backward()
+            replay = recompute and nonreentrant_recompute()
             # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
-            active = [(a, pid) for a, pid in self._attrs[name] if mod._parameters.get(a) is self._param[pid]
+            active = [(a, pid) for a, pid in self._attrs[name] if _param_at(mod, a) is self._param[pid]
                       and self._param[pid].requires_grad and pid not in self._dead]
-            if not active or not isinstance(args[0], torch.Tensor):
+            b = self._batch
+            if recompute and b is None:
+                try:
+                    b = self._recompute_batch(name)
+                except Refused as e:
+                    if replay or not active:
+                        return None
+                    self._refuse(name, str(e))
+                    return None
+            x0 = rule.input(mod, args, kwargs)
+            if not isinstance(x0, torch.Tensor):
                 return None
-            x0 = args[0]
             x = x0.detach()
             batched = rule.is_batched(mod, x)
             bd = self.batch_dim if rule.batch_dim_applies else 0
@@ -139,17 +183,38 @@ class PerSampleGradNorms:
                 x = x.unsqueeze(0)
             elif bd:
                 x = x.movedim(bd, 0)
-            rows, b, k, expand = x.shape[0], self._batch, 1, False
+            rows, k, expand = x.shape[0], 1, False
             if batched and b is not None and rows != b:
                 if rows == 1 and rule.expands(mod, x) and out is output and out.dim() > bd and out.shape[bd] == 1:
                     expand = True  # broadcast over the batch: make it happen at this output (Note [broadcast layers])
                     x = x.expand(b, *x.shape[1:])
-                elif bd == 0 and rows % b == 0 and _flattened(x0, b):
+                elif bd == 0 and rows % b == 0 and (flattened(x0, b) or proved_rows(self._rows, x0, b, rows // b)):
                     k = rows // b
-                else:
-                    self._refuse(name, f"its input's dim {bd} holds {rows} rows where the model's batch has {b} "
-                                       "samples (routed tokens, or a table shared by every sample)")
+                    if rule.rowwise and out.shape[0] == rows and out.grad_fn is not None:
+                        self._rows[out.grad_fn] = (b, k)  # Note [flattened batches]
+                elif replay or not active:
                     return None
+                else:
+                    why = (f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples: a value "
+                           f"broadcast over the batch after the layer has its gradient summed over the samples before "
+                           f"the layer sees it (Note [broadcast layers]: only rules that know the broadcast, such as "
+                           f"position embeddings, expand)" if rows < b else
+                           f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples, and they "
+                           f"are not provably the batch's samples flattened batch-major (Note [flattened batches]: a "
+                           f"view of a contiguous [B, ...] tensor, or such rows through row-wise layers and "
+                           f"elementwise ops): routed tokens, attention windows, or a table shared by every sample")
+                    # refused when a gradient reaches this output: a side computation whose result is detached
+                    # (DoRA's lora_B(lora_A(eye)) for its weight norm) leaves the layer's other calls covered
+                    out.register_hook(lambda g, name=name, why=why: self._refuse(name, why))
+                    return None
+            if not active:
+                return None
+            if replay:  # the gradient comes through the first forward's call; the graph must be the same
+                if expand:
+                    shape = list(out.shape)
+                    shape[bd] = b
+                    return out.expand(shape)
+                return None
             try:
                 kept = rule.keep(mod, x, args, kwargs)
             except Refused as e:
@@ -171,6 +236,8 @@ class PerSampleGradNorms:
             call = _Call(kept, active, batched, bd, k, target.shape if expand else out.shape)
             self._pending.setdefault(name, []).append(call)
             target.register_hook(lambda g, name=name, call=call, mod=mod: self._grad_hook(name, mod, call, g))
+            if recompute:
+                self._queue_flush()  # on the backward running the recompute, if the model's output did not
             return ret
         return hook
 
@@ -187,9 +254,11 @@ class PerSampleGradNorms:
     # refused, as is a layer whose batch dim is something else (T5's [T, T] relative-bias table, routed tokens).
 
     def _refuse(self, name: str, reason: str) -> None:
-        if self.max_norm is not None:
+        if name in self._refused:
+            return
+        if self.max_norm is not None and not self.allow_unclipped:
             raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): layer {name or '<model>'} cannot be split "
-                               f"per sample: {reason}; exclude it (its gradient would not be clipped)")
+                               f"per sample: {reason}; its parameters' gradients could not be clipped. {OPT_OUT}")
         self._refused[name] = reason
         self._pending.pop(name, None)
         for _, pid in self._attrs[name]:  # a shared parameter missing one use's part would be wrong: drop it
@@ -219,6 +288,7 @@ class PerSampleGradNorms:
             for a, pid in call.active:
                 if pid in self._dead:
                     continue
+                self._termed.add(pid)
                 self._terms.setdefault(pid, []).append(terms[a].rows_to_samples(call.k))
                 if all(not self._pending.get(layer) for layer in self._holders[pid]):
                     self._finalize(pid)
@@ -243,37 +313,39 @@ class PerSampleGradNorms:
             for n, ts in groups.items():
                 sq = sum_sq(ts)
                 self._sq.setdefault(self._pname[pid], []).append(sq)
-                if self.max_norm is not None:  # kept until the end of this backward (Note: per-sample clipping)
+                if self.max_norm is not None:  # kept until the end of this backward (Note [per-sample clipping])
                     self._clip.append((pid, n, sq, ts))
+
+    def _on_accumulate(self, pid: int) -> None:
+        self._accumulated.add(pid)
+        self._queue_flush()
 
     def _flush_all(self) -> None:
         self._flush_queued = False
+        self._bwd_batches.clear()
+        self._fwd_batches.clear()
+        self._rows.clear()
         for pid in list(self._terms):
             self._finalize(pid)
+        unclipped = sorted(self._pname[pid] for pid in self._accumulated - self._termed if pid not in self._dead)
+        self._accumulated.clear()
+        self._termed.clear()
+        if unclipped:
+            msg = (f"hookstats.PerSampleGradNorms(max_norm=...): {', '.join(unclipped)} got a gradient in this "
+                   f"backward but no per-sample term (used outside the layer whose rule covers it, or that layer's "
+                   f"hook did not see the call): its gradient is not clipped")
+            if not self.allow_unclipped:
+                self._clip.clear()
+                raise RuntimeError(f"{msg}. {OPT_OUT}")
+            warnings.warn(msg, stacklevel=2)
         if self._clip:
             self._apply_clip()
 
-    # Per-sample clipping: each sample's gradient (over the covered parameters) scaled to at most max_norm before the
-    # batch sum. Autograd has summed the unclipped per-sample gradients into .grad; this adds sum_b (coef_b - 1)
-    # grad_b, from the same terms (one weighted product per use), so .grad becomes (what it held before this
-    # backward) + sum_b coef_b grad_b. No second backward, no per-sample gradients. A tied parameter's uses each add
-    # their part: the coefficient is the one of the sample's whole gradient, norm of the sum.
-    def _apply_clip(self) -> None:
-        entries, self._clip = self._clip, []
-        batches = {n for _, n, _, _ in entries}
-        if len(batches) > 1:
-            raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): one backward saw batches of sizes "
-                               f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
-        with torch.no_grad():
-            sq = torch.stack([v.to(torch.float64) for _, _, v, _ in entries]).sum(0)
-            coef = torch.clamp(self.max_norm / (sq.sqrt() + self.eps), max=1.0)
+    def _apply_clip(self) -> None:  # Note [per-sample clipping]
+        entries, self._clip = [e for e in self._clip if e[0] not in self._dead], []
+        coef = apply_clip(entries, self.max_norm, self.eps, self._param)
+        if coef is not None:
             self._coef.append(coef)
-            for pid, _, _, ts in entries:
-                p = self._param[pid]
-                if p.grad is None:
-                    continue
-                for t in ts:
-                    p.grad.add_(t.delta(coef - 1.0, p.shape).to(p.grad.dtype))
 
     def clip_coef(self) -> torch.Tensor:
         """The per-sample clipping coefficients min(1, max_norm / (norm + eps)) of this step, [samples] float64."""
@@ -308,8 +380,10 @@ class PerSampleGradNorms:
         device."""
         sq = self.per_param_sq()
         if not sq:
-            raise RuntimeError("hookstats.PerSampleGradNorms: no gradient has been seen since the last step(); run a "
-                               "backward first")
+            refused = f" ({len(self._refused)} layers refused at run time)" if self._refused else ""
+            raise RuntimeError(f"hookstats.PerSampleGradNorms: no per-sample gradient since the last step(): no "
+                               f"backward ran, or none reached a covered parameter through its layer{refused}; see "
+                               f"coverage()")
         return _sum_same_length(list(sq.values()), "the covered parameters").sqrt()
 
     def coverage(self) -> Coverage:
@@ -386,6 +460,16 @@ class PerSampleGradNorms:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _param_at(mod: nn.Module, path: str):
+    if "." not in path:
+        return mod._parameters.get(path)
+    owner, _, attr = path.rpartition(".")
+    try:
+        return mod.get_submodule(owner)._parameters.get(attr)
+    except AttributeError:
+        return None
 
 
 def _is_functorch(t: torch.Tensor) -> bool:

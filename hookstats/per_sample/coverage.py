@@ -75,6 +75,12 @@ class StaticCoverage:
         return cov
 
 
+def _may_claim(mod: nn.Module) -> bool:
+    """A module without parameters of its own may still apply a child's (a ParameterDict's): ask the registry only
+    for modules with parameter-holding children that are not modules with rules of their own."""
+    return any(isinstance(c, (nn.ParameterDict, nn.ParameterList)) for c in mod.children())
+
+
 def _is_ancestor(a: str, b: str) -> bool:
     return a == "" or b.startswith(a + ".")
 
@@ -90,27 +96,34 @@ def build_coverage(model: nn.Module, in_scope) -> StaticCoverage:
         st.numel[id(p)] = p.numel()
     holders: Dict[int, list] = {}
     rule_of: Dict[str, tuple] = {}
+    claims: Dict[tuple, str] = {}  # (holder module, attr) -> (layer whose rule covers it, its path from the layer)
     for name, mod in model.named_modules():
         own = [(a, p) for a, p in mod._parameters.items() if p is not None]
-        if not own:
-            continue
         scope = in_scope(name, mod)
-        if scope:
+        rule = None
+        if scope and (own or _may_claim(mod)):
             rule_of[name] = rule_for(name, mod)
+            rule = rule_of[name][0]
+        if rule is not None:
+            for path in rule.param_paths(mod):
+                owner, _, attr = path.rpartition(".")
+                holder = f"{name}.{owner}" if name and owner else (owner or name)
+                claims.setdefault((holder, attr), (name, path))
         for a, p in own:
             holders.setdefault(id(p), []).append((name, mod, a, scope))
     for pid, hs in holders.items():
-        ruled = [(n, a) for n, m, a, s in hs if s and rule_of[n][0] is not None and a in rule_of[n][0].params]
+        ruled = [claims[(n, a)] for n, m, a, s in hs if s and (n, a) in claims]
         why = None
         for n, m, a, s in hs:
-            if (n, a) in ruled or any(_is_ancestor(n, r) for r, _ in ruled):
+            if (n, a) in claims and claims[(n, a)] in ruled or any(_is_ancestor(n, r) for r, _ in ruled):
                 continue
             if not s:
                 why = (f"used by {n or '<model>'}, outside include/exclude" if ruled else
                        "outside include/exclude")
             else:
-                rule, reason = rule_of[n]
-                reason = reason or f"{type(m).__name__}'s rule does not cover {a!r}"
+                rule, reason = rule_of.get(n, (None, None))
+                reason = reason or (f"{type(m).__name__}'s rule does not cover {a!r}" if rule is not None else
+                                    f"no per-sample rule for {type(m).__name__}")
                 why = (f"also used by {n or '<model>'}: {reason}" if ruled else reason)
             break
         if why is None and not ruled:

@@ -4,8 +4,10 @@ other libraries' classes, without importing them) or by a pattern, and the layer
 Note [exact-type rules]: a rule is chosen by the module's exact type, never by isinstance: timm's StdConv2d is an
 nn.Conv2d that standardises its weight, LayerNorm2d an nn.LayerNorm over dim 1; a rule written for the base class
 would give a plausible, wrong number. A subclass that does not override `forward` computes what its base computes
-and gets the base's rule; one with its own `forward` and no rule of its own is refused, named in a warning and
-left out of the total.
+and gets the base's rule; one with its own `forward` gets a rule only by proof: a pattern (register_pattern) whose
+match compares the class's forward with a reference copy in the rule's file by its code (same_code: bytecode, names,
+constants, arguments, nested code), as for FalconLinear, the HF RMSNorms and embeddings, peft's LoRA Embedding. Any
+other is refused, named in a warning and left out of the total.
 """
 from __future__ import annotations
 
@@ -24,9 +26,16 @@ class Rule:
     A rule is stateless; subclass it and register an instance with `register_rule`:
 
     - `params`: the parameter attributes the rule covers (those the module holds as nn.Parameter and that require
-      grad are computed).
+      grad are computed); `param_paths(mod)` returns them for a given module (default `params`), and may name a
+      child's parameter by a dotted path ("lora_embedding_A.default": a parameter the module applies itself but a
+      ParameterDict holds).
     - `batch_dim_applies`: True when the inputs are [B, T..., features] (Linear, Embedding, norms over the last
       dims), so that `PerSampleGradNorms(batch_dim=1)` moves dim 1 to the front; False for [B, C, ...] (conv).
+    - `rowwise`: True when output row r (dim 0) is computed from input row r alone (Linear, norms over the last
+      dims, embeddings): a batch-major flattened input then makes a batch-major flattened output (Note [flattened
+      batches] in core.py).
+    - `input(mod, args, kwargs)`: the tensor whose batch dim is checked and that keep() receives (default: the
+      first argument).
     - `check(mod)`: a reason to refuse this module (an option the rule does not cover), or None.
     - `is_batched(mod, x)`: whether the input has a batch dim (False: one sample, the input gets a leading 1).
     - `expands(mod, x)`: whether a call fed a batch of 1 gets its output expanded to the batch (default False:
@@ -43,6 +52,14 @@ class Rule:
 
     params: Tuple[str, ...] = ("weight", "bias")
     batch_dim_applies: bool = True
+    rowwise: bool = False
+
+    def input(self, mod: nn.Module, args: tuple, kwargs: Optional[dict]):
+        """The tensor whose dim 0 (dim batch_dim) is the batch and that keep() receives: the first argument."""
+        return args[0] if args else None
+
+    def param_paths(self, mod: nn.Module) -> Sequence[str]:
+        return self.params
 
     def check(self, mod: nn.Module) -> Optional[str]:
         return None
@@ -117,6 +134,44 @@ def register_refusal(match: Union[str, Callable[[str, nn.Module], bool]], reason
     (name, module) -> bool. Their parameters are reported as not covered and left out of the total."""
     pred = match if callable(match) else (lambda name, mod, g=match: fnmatch.fnmatchcase(name, g))
     _REFUSALS.append((str(match), pred, reason))
+
+
+def same_code(fn, ref) -> bool:
+    """Whether the function `fn` has the bytecode, names, constants and arguments of `ref`: the same computation,
+    read from its code (the HF "Copied from" classes are such copies)."""
+    a, b = getattr(fn, "__code__", None), getattr(ref, "__code__", None)
+    return a is not None and b is not None and _same_code_object(a, b)
+
+
+def _same_code_object(a, b) -> bool:
+    if not all(getattr(a, k) == getattr(b, k) for k in (
+            "co_code", "co_names", "co_varnames", "co_argcount", "co_kwonlyargcount", "co_freevars")):
+        return False
+    if len(a.co_consts) != len(b.co_consts):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):  # nested code (a comprehension) by its code, not its file and line
+        if hasattr(x, "co_code") and hasattr(y, "co_code"):
+            if not _same_code_object(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def methods_match(cls: type, **refs) -> bool:
+    """Whether each method of `cls` named in `refs` (the one its MRO resolves) has the code of the given reference
+    function (same_code): a proof, from the class's code, that it computes what the reference computes."""
+    return all(same_code(getattr(cls, name, None), ref) for name, ref in refs.items())
+
+
+def super_forward_is(cls: type, base: type) -> bool:
+    """Whether `super().forward` called from the class that defines cls's forward resolves to base.forward."""
+    mro = cls.__mro__
+    owner = next((i for i, k in enumerate(mro) if "forward" in vars(k)), None)
+    if owner is None:
+        return False
+    nxt = next((k for k in mro[owner + 1:] if "forward" in vars(k)), None)
+    return nxt is base
 
 
 def _has_own_forward(cls: type, base: type) -> bool:

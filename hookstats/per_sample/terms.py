@@ -8,7 +8,8 @@ its natural form:
                                           viewed as [G * m, n] (Linear: L = output grad, R = input; conv: R = patches,
                                           G = groups; HF Conv1D: L = input, R = output grad)
   Index(idx [B, T], R [B, T, n], V)       grad_b = sum_t onehot(idx_bt) R_bt^T, the parameter viewed as [V, n]
-                                          (embedding rows: the one-hot left factor is never built)
+                                          (embedding rows: the one-hot left factor is never built), or as [n, V]
+                                          with transposed=True (peft's lora_embedding_A)
   Dense(D [B, n])                         grad_b = D_b, the parameter flattened (biases, norm weights)
 
 A parameter's per-sample gradient is the sum of the terms of all its uses (a layer called twice, weights tied
@@ -92,17 +93,18 @@ class Outer(Term):
 
 
 class Index(Term):
-    __slots__ = ("idx", "R", "V")
+    __slots__ = ("idx", "R", "V", "transposed")
 
-    def __init__(self, idx: torch.Tensor, R: torch.Tensor, V: int):
-        self.idx, self.R, self.V = idx, R, V  # idx [B, T] long, R [B, T, n] (rows that get no gradient are zero)
+    def __init__(self, idx: torch.Tensor, R: torch.Tensor, V: int, transposed: bool = False):
+        # idx [B, T] long, R [B, T, n] (rows that get no gradient are zero); transposed: the parameter is [n, V]
+        self.idx, self.R, self.V, self.transposed = idx, R, V, transposed
         self.samples = idx.shape[0]
 
     def rows_to_samples(self, k):
         if k == 1:
             return self
         b = self.idx.shape[0] // k
-        return Index(self.idx.reshape(b, -1), self.R.reshape(b, -1, self.R.shape[-1]), self.V)
+        return Index(self.idx.reshape(b, -1), self.R.reshape(b, -1, self.R.shape[-1]), self.V, self.transposed)
 
     def sq(self):
         # A row's gradient is the sum over the sample's positions holding that index: a sort of (sample, index) keys
@@ -122,8 +124,8 @@ class Index(Term):
     def delta(self, w, shape):
         d = self.R.shape[-1]
         rw = (self.R * w.to(self.R.dtype).reshape(-1, 1, 1)).reshape(-1, d)
-        return torch.zeros(self.V, d, dtype=self.R.dtype, device=self.R.device).index_add_(
-            0, self.idx.reshape(-1), rw).reshape(shape)
+        out = torch.zeros(self.V, d, dtype=self.R.dtype, device=self.R.device).index_add_(0, self.idx.reshape(-1), rw)
+        return (out.t() if self.transposed else out).reshape(shape)
 
 
 class Dense(Term):
@@ -159,7 +161,11 @@ def _cat(terms: Sequence[Term]) -> Optional[Term]:
                                f"{sorted(shapes)}; sharing it that way has no per-sample rule")
         return Outer(torch.cat([t.L.to(dt) for t in terms], 2), torch.cat([t.R.to(dt) for t in terms], 2))
     if isinstance(t0, Index):
-        return Index(torch.cat([t.idx for t in terms], 1), torch.cat([t.R.to(dt) for t in terms], 1), t0.V)
+        if len({t.transposed for t in terms}) > 1:
+            raise RuntimeError("hookstats.PerSampleGradNorms: one parameter used as an embedding table both ways "
+                               "([V, n] and [n, V]) has no per-sample rule")
+        return Index(torch.cat([t.idx for t in terms], 1), torch.cat([t.R.to(dt) for t in terms], 1), t0.V,
+                     t0.transposed)
     return Dense(sum(t.D.to(dt) for t in terms))
 
 
@@ -175,6 +181,9 @@ def combine(terms: List[Term]) -> List[Term]:
 
 def cross(a: Term, b: Term) -> torch.Tensor:
     """<grad_a, grad_b> per sample, for two terms of different forms (combine() has merged those of one form)."""
+    if any(isinstance(t, Index) and t.transposed for t in (a, b)):
+        raise RuntimeError("hookstats.PerSampleGradNorms: a transposed embedding table ([n, V]) used by another kind "
+                           "of layer too has no per-sample rule")
     if isinstance(a, Dense):
         a, b = b, a
     dt = torch.promote_types(_dtype(a), _dtype(b))

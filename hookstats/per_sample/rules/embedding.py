@@ -10,6 +10,7 @@ from ..terms import Index, compute_dtype
 
 @register_rule(nn.Embedding)
 class EmbeddingRule(Rule):
+    rowwise = True
     params = ("weight",)
 
     def check(self, mod):

@@ -24,6 +24,7 @@ def affine_terms(xhat, g, attrs, b, d):
 
 @register_rule([nn.LayerNorm, "timm.layers.norm.LayerNorm"])
 class LayerNormRule(Rule):
+    rowwise = True
     def is_batched(self, mod, x):
         return x.dim() > len(mod.normalized_shape)
 

@@ -1,7 +1,7 @@
 """Layers refused by default, with the reason (hookstats.per_sample.register_refusal adds others)."""
 from __future__ import annotations
 
-from torch import nn
+import torch
 
 from ..registry import register_refusal
 
@@ -11,8 +11,10 @@ class Refused(Exception):
     warning, and left out of the total."""
 
 
-_MOE = ("mixture-of-experts experts see the tokens routed to them, not samples (a per-sample gradient of an expert "
-        "is not defined by a layer rule): left out of the total")
+_MOE = ("mixture-of-experts experts: each expert's weights are applied, inside the experts module, to the token rows "
+        "the router sends that expert; a per-sample gradient needs each expert's own output gradient per token, "
+        "which only the module's internal graph holds (its output is the routing-weighted sum over the experts), "
+        "and hookstats has no rule that replays the routing: left out of the total")
 register_refusal("*.experts", _MOE)
 register_refusal("*.experts.*", _MOE)
 register_refusal(lambda name, mod: type(mod).__name__.endswith("Experts"), _MOE)
@@ -20,6 +22,10 @@ register_refusal("*relative_attention_bias",
                  "T5-style relative position bias: fed a [T, T] table shared by every sample and broadcast over the "
                  "batch after the layer, so its output gradient is already summed over the samples: left out of the "
                  "total")
-register_refusal(lambda name, mod: isinstance(mod, nn.modules.batchnorm._BatchNorm),
-                 "BatchNorm mixes the samples through its batch statistics in training (GroupNorm or LayerNorm keep "
-                 "them independent): no per-sample rule")
+_REL_POS = ("a relative-position bias table: gathered into one [heads, N, N] bias that is added to the attention "
+            "scores of every window of every sample, so its gradient is summed over the samples by that broadcast "
+            "before any module output carries it: no per-sample split is left; left out of the total")
+register_refusal(lambda name, mod: type(mod).__name__.endswith("RelativePositionBias")
+                 and "relative_position_bias_table" in mod._parameters, _REL_POS)
+register_refusal(lambda name, mod: type(mod).__module__.startswith("timm.")
+                 and isinstance(mod._parameters.get("relative_position_bias_table"), torch.nn.Parameter), _REL_POS)

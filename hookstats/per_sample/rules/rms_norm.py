@@ -13,6 +13,7 @@ from .layer_norm import affine_terms
 
 @register_rule(nn.RMSNorm)
 class RMSNormRule(Rule):
+    rowwise = True
     params = ("weight",)
 
     def is_batched(self, mod, x):

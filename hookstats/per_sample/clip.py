@@ -1,0 +1,48 @@
+"""Per-sample clipping from the terms, and what it refuses."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...), register a rule for it "
+           "(hookstats.per_sample.register_rule), or pass allow_unclipped=True to clip only the covered parameters "
+           "(the others keep their unclipped gradients: the per-sample bound, and DP, then do not hold for them)")
+
+# Note [clipping refuses what it cannot bound]: DP-SGD needs every sample's whole gradient scaled to at most
+# max_norm. A trainable parameter with no per-sample term would keep its unclipped gradient, and the bound would
+# silently fail for the optimizer's update (Opacus refuses unsupported trainable layers for the same reason). So with
+# max_norm, a trainable parameter in scope that is not covered is an error at construction; a layer refused at run
+# time is an error when it is refused (in its forward, or when a gradient reaches a call whose rows are not the
+# batch); and a covered parameter whose .grad autograd changed in a backward (a post-accumulate-grad hook) without a
+# per-sample term of that backward is an error when the backward ends. The opt-outs are explicit: requires_grad=False,
+# include/exclude, or allow_unclipped=True.
+
+# Note [per-sample clipping]: each sample's gradient (over the covered parameters) scaled to at most max_norm before
+# the batch sum. Autograd has summed the unclipped per-sample gradients into .grad; this adds sum_b (coef_b - 1)
+# grad_b, from the same terms (one weighted product per use), so .grad becomes (what it held before this backward) +
+# sum_b coef_b grad_b. No second backward, no per-sample gradients. A tied parameter's uses each add their part: the
+# coefficient is the one of the sample's whole gradient, norm of the sum. It runs once, when the outermost backward
+# is done (Note [checkpointed layers]).
+
+
+def apply_clip(entries: List[tuple], max_norm: float, eps: float,
+               params: Dict[int, torch.nn.Parameter]) -> Optional[torch.Tensor]:
+    """Clips the .grad of each entry's parameter (entries: (pid, samples, squared norm, terms) of this backward);
+    returns the [samples] float64 coefficients min(1, max_norm / (norm + eps)), or None without entries."""
+    if not entries:
+        return None
+    batches = {n for _, n, _, _ in entries}
+    if len(batches) > 1:
+        raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): one backward saw batches of sizes "
+                           f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
+    with torch.no_grad():
+        sq = torch.stack([v.to(torch.float64) for _, _, v, _ in entries]).sum(0)
+        coef = torch.clamp(max_norm / (sq.sqrt() + eps), max=1.0)
+        for pid, _, _, ts in entries:
+            p = params[pid]
+            if p.grad is None:
+                continue
+            for t in ts:
+                p.grad.add_(t.delta(coef - 1.0, p.shape).to(p.grad.dtype))
+    return coef

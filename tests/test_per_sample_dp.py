@@ -1,0 +1,319 @@
+"""hookstats.PerSampleGradNorms for DP-SGD (issue #35): per-sample clipping exact under reentrant and non-reentrant
+activation checkpointing (with and without a covered layer after the last segment, GPT-2 + peft LoRA with a frozen
+head), against a per-sample loop in float64 on a twin without hooks or checkpointing."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import hookstats
+
+B = 3
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def per_sample_grads(twin: nn.Module, fwd, x, r: torch.Tensor):
+    """([name], [B lists of per-parameter gradients]) of sample b's terms of sum(out * r), one backward per sample on
+    the twin, over its trainable parameters."""
+    params = {k: p for k, p in twin.named_parameters() if p.requires_grad}
+    out = fwd(twin, x)
+    per = []
+    for b in range(r.shape[0]):
+        rb = torch.zeros_like(r)
+        rb[b] = r[b]
+        gs = torch.autograd.grad((out * rb).sum(), list(params.values()), retain_graph=True, allow_unused=True)
+        per.append([torch.zeros_like(p) if g is None else g for g, p in zip(gs, params.values())])
+    return list(params), per
+
+
+def clip_check(model: nn.Module, fwd, x, twin: nn.Module | None = None, twin_fwd=None, steps: int = 2,
+               rtol: float = 1e-9, **kw):
+    """max_norm = the median per-sample norm: after each backward, every trainable .grad == its value before +
+    sum_b min(1, C / (||g_b|| + eps)) g_b, clip_coef() has one entry per sample, total() is the unclipped norm; the
+    clipped gradient of every sample is at most C. `twin` (default: a deepcopy) computes the reference without
+    hooks, with `twin_fwd` (default `fwd`)."""
+    twin = copy.deepcopy(model) if twin is None else twin
+    twin_fwd = twin_fwd or fwd
+    psn = None
+    for step in range(steps):
+        xs = x(step) if callable(x) else x
+        with torch.no_grad():
+            out = twin_fwd(twin, xs)
+        r = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(step + 1))
+        names, per = per_sample_grads(twin, twin_fwd, xs, r)
+        norms = torch.stack([torch.stack([g.square().sum() for g in gs]).sum().sqrt() for gs in per])
+        c = float(norms.median())
+        coef = torch.clamp(c / (norms + 1e-6), max=1.0)
+        assert (coef < 1).any() and (coef == 1).any()
+        if psn is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # every trainable parameter covered: no warning
+                psn = hookstats.PerSampleGradNorms(model, max_norm=c, **kw)
+        else:
+            psn.max_norm = c
+        params = dict(model.named_parameters())
+        before = {k: (params[k].grad.clone() if params[k].grad is not None else torch.zeros_like(params[k]))
+                  for k in names}
+        (fwd(model, xs) * r).sum().backward()
+        assert psn.clip_coef().shape == (xs.shape[0],)
+        torch.testing.assert_close(psn.clip_coef(), coef, rtol=rtol, atol=0)
+        torch.testing.assert_close(psn.total(), norms, rtol=rtol, atol=0)
+        wants = {k: before[k] + sum(coef[b] * per[b][i] for b in range(len(per))) for i, k in enumerate(names)}
+        scale = max(float(w.abs().max()) for w in wants.values())  # attention's key bias: 0 but for rounding
+        for k, want in wants.items():
+            torch.testing.assert_close(params[k].grad, want, rtol=rtol, atol=1e-14 * scale,
+                                       msg=lambda m: f"step {step}, {k}: {m}")
+        psn.step()
+    psn.remove()
+    return psn
+
+
+# -- activation checkpointing ------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.out(torch.tanh(self.fc(self.ln(x))))
+
+
+class Stack(nn.Module):
+    """inp -> blocks (each checkpointed: None, "reentrant" or "non_reentrant") -> final LayerNorm -> head."""
+
+    def __init__(self, mode, d=6, n=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for blk in self.blocks:
+            h = blk(h) if self.mode is None else checkpoint(blk, h, use_reentrant=self.mode == "reentrant")
+        return self.head(self.norm(h))
+
+
+def _frozen(model: nn.Module, head: bool) -> nn.Module:
+    """head=False: everything after the last block and before the first frozen (a LoRA-like setup: no covered
+    layer after the last checkpointed segment, nor before the first)."""
+    if not head:
+        for m in (model.inp, model.norm, model.head):
+            m.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("head", [True, False], ids=["covered_head", "frozen_head"])
+def test_clipping_under_checkpointing(mode, head):
+    model = _frozen(Stack(mode).double(), head)
+    twin = copy.deepcopy(model)
+    twin.mode = None
+    if not head:  # reentrant checkpoint needs an input that requires grad to backpropagate into its segment
+        x = lambda s: torch.randn(B, 4, 5, dtype=torch.float64,  # noqa: E731
+                                  generator=torch.Generator().manual_seed(10 + s)).requires_grad_()
+    else:
+        x = lambda s: torch.randn(B, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + s))
+    clip_check(model, lambda m, x: m(x), x, twin=twin)
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_norms_under_checkpointing_with_gradient_accumulation(mode):
+    """Two micro-batches of different sizes, each one forward and one backward, norms only: the recomputed calls
+    are matched to their batch (per_param of B_1 + B_2 samples), nothing is left waiting."""
+    model = Stack(mode).double()
+    twin = copy.deepcopy(model)
+    twin.mode = None
+    psn = hookstats.PerSampleGradNorms(model)
+    wants = []
+    for s, b in enumerate((3, 2)):
+        x = torch.randn(b, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(s)).requires_grad_()
+        r = torch.randn(b, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7 + s))
+        (model(x) * r).sum().backward()
+        names, per = per_sample_grads(twin, lambda m, x: m(x), x, r)
+        wants.append({k: torch.stack([per[i][j].square().sum() for i in range(b)]) for j, k in enumerate(names)})
+    got = psn.per_param_sq()
+    assert sorted(got) == sorted(wants[0]) and not any(psn._pending.values())
+    for k in got:
+        torch.testing.assert_close(got[k], torch.cat([w[k] for w in wants]), rtol=1e-9, atol=1e-300)
+    psn.remove()
+
+
+def test_reentrant_recompute_through_forwards_of_different_batch_sizes_is_refused():
+    """One backward through two forwards of different batch sizes: a recomputed call cannot be matched to its
+    samples (rows could also be a flattened batch); refused by name, never split wrong."""
+    model = _frozen(Stack("reentrant").double(), head=False)
+    psn = hookstats.PerSampleGradNorms(model)
+    x1 = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    x2 = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"recomputed in the backward .* different batch sizes \[2, 3\]"):
+        (model(x1).sum() + model(x2).sum()).backward()
+    assert any("different batch sizes" in why for why in psn.coverage().not_covered.values())
+    psn.remove()
+
+
+# -- GPT-2 + peft LoRA, frozen head, HF gradient checkpointing ---------------------------------------------------------
+
+def gpt2_lora():
+    peft = pytest.importorskip("peft")
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0,
+                       attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    base = T.GPT2LMHeadModel(cfg).double()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
+                                                      lora_dropout=0.0, fan_in_fan_out=True, init_lora_weights=False))
+    return model
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_gpt2_lora_frozen_head_checkpointed(reentrant):
+    model = gpt2_lora()
+    twin = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.enable_input_require_grads()  # what peft / the HF Trainer do for reentrant checkpointing
+    model.train()
+    twin.eval()
+    assert not model.base_model.model.lm_head.weight.requires_grad
+    ids = lambda s: torch.randint(0, 40, (B, 6), generator=torch.Generator().manual_seed(20 + s))  # noqa: E731
+    clip_check(model, lambda m, x: m(input_ids=x).logits, ids, twin=twin)
+
+
+# -- with max_norm, a trainable parameter that cannot be clipped is refused -------------------------------------------
+
+class Scaled(nn.Linear):  # its own forward, no rule: not covered
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def scaled_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), Scaled(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def test_uncovered_trainable_parameter_refused_with_max_norm():
+    model = scaled_model()
+    with pytest.raises(ValueError, match=r"2\.weight \(Scaled is a subclass of torch\.nn\.modules\.linear\.Linear with "
+                                         r"its own forward.*2\.bias.*allow_unclipped=True"):
+        hookstats.PerSampleGradNorms(model, max_norm=1.0)
+    with pytest.warns(UserWarning, match=r"2\.weight"):  # norms only: a warning, as before
+        hookstats.PerSampleGradNorms(model).remove()
+
+
+def test_explicit_opt_outs_clip_what_is_covered():
+    """Freezing the layer or excluding it: no error, and the covered parameters are clipped exactly; with
+    allow_unclipped=True the uncovered layer keeps its unclipped gradient (warned at construction)."""
+    x = torch.randn(B, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    frozen = scaled_model()
+    frozen[2].requires_grad_(False)
+    clip_check(frozen, lambda m, x: m(x), x, steps=1)
+
+    for how in ("exclude", "allow_unclipped"):
+        model = scaled_model()
+        twin = copy.deepcopy(model)
+        twin[2].requires_grad_(False)  # the reference: the clip over the other parameters
+        kw = dict(exclude="2") if how == "exclude" else dict(allow_unclipped=True)
+        out = model(x)
+        r = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        names, per = per_sample_grads(twin, lambda m, x: m(x), x, r)
+        norms = torch.stack([torch.stack([g.square().sum() for g in gs]).sum().sqrt() for gs in per])
+        c = float(norms.median())
+        coef = torch.clamp(c / (norms + 1e-6), max=1.0)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            psn = hookstats.PerSampleGradNorms(model, max_norm=c, **kw)
+        assert any("2.weight" in str(w.message) for w in rec) == (how == "allow_unclipped")
+        model.zero_grad()
+        (model(x) * r).sum().backward()
+        params = dict(model.named_parameters())
+        for i, k in enumerate(names):
+            torch.testing.assert_close(params[k].grad, sum(coef[b] * per[b][i] for b in range(B)), rtol=1e-9,
+                                       atol=1e-15, msg=lambda m: f"{how}, {k}: {m}")
+        twin[2].requires_grad_(True)
+        twin.zero_grad()
+        (twin(x) * r).sum().backward()
+        assert torch.equal(params["2.weight"].grad, twin[2].weight.grad)  # left unclipped, as asked
+        psn.remove()
+
+
+class TableModel(nn.Module):
+    """`table` is fed a [T, d] table shared by every sample: refused at run time."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.table = nn.Linear(4, 4)
+
+    def forward(self, x):  # x [B, T, 4]
+        return self.fc(x) + self.table(torch.ones(x.shape[1], 4, dtype=x.dtype))
+
+
+def test_layer_refused_at_run_time_with_max_norm():
+    m = TableModel().double()
+    hookstats.PerSampleGradNorms(m, max_norm=1.0)
+    with pytest.raises(RuntimeError, match=r"layer table cannot be split per sample: .*5 rows.*allow_unclipped=True"):
+        m(torch.randn(3, 5, 4, dtype=torch.float64)).sum().backward()
+    m = TableModel().double()
+    psn = hookstats.PerSampleGradNorms(m, max_norm=1.0, allow_unclipped=True)
+    with pytest.warns(UserWarning, match="layer table is refused"):
+        m(torch.randn(3, 5, 4, dtype=torch.float64)).sum().backward()
+    assert psn.clip_coef().shape == (3,) and sorted(psn.per_param()) == ["fc.bias", "fc.weight"]
+
+
+def test_gradient_without_a_per_sample_term_refused_with_max_norm():
+    """fc's weight is applied by the model itself (F.linear), not through fc's forward: autograd changes its .grad
+    with no per-sample term; with max_norm the backward raises, naming it."""
+    class Direct(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(4, 4)
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.tanh(self.inp(x)), self.fc.weight, self.fc.bias)
+
+    m = Direct().double()
+    psn = hookstats.PerSampleGradNorms(m, max_norm=1.0)
+    with pytest.raises(RuntimeError, match=r"fc\.bias, fc\.weight got a gradient in this backward but no per-sample "
+                                           r"term"):
+        m(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    psn.remove()
+    m = Direct().double()
+    psn = hookstats.PerSampleGradNorms(m, max_norm=1.0, allow_unclipped=True)
+    with pytest.warns(UserWarning, match=r"fc\.bias, fc\.weight got a gradient"):
+        m(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    assert psn.clip_coef().shape == (3,) and psn.coverage().not_seen == ["fc.weight", "fc.bias"]
+    psn.remove()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_opt_checkpointed_flattened_rows(reentrant):
+    """OPT's fc1 / fc2 on [B*T, d] rows proved batch-major, in a recompute too: the clip under checkpointing."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.OPTForCausalLM(T.OPTConfig(hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2,
+                                         vocab_size=40, max_position_embeddings=16, word_embed_proj_dim=16,
+                                         pad_token_id=1, bos_token_id=0, eos_token_id=0, dropout=0.0,
+                                         attn_implementation="eager")).double()
+    twin = copy.deepcopy(model).eval()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ids = lambda s: torch.randint(2, 40, (B, 6), generator=torch.Generator().manual_seed(30 + s))  # noqa: E731
+    clip_check(model, lambda m, x: m(input_ids=x).logits, ids, twin=twin)
