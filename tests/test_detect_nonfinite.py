@@ -4,6 +4,7 @@ finite runs of the real-model matrix; gradients bitwise unchanged with the guard
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -592,3 +593,35 @@ def test_monitor_nonfinite_ops_names_the_rank(tmp_path):
         assert dict(both) == dict(local)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("writer", ["jsonl", "parquet"])
+def test_monitor_nonfinite_op_reaches_the_run_log(tmp_path, writer):
+    """The op detail is in the run log too: the writers' end(info) at detach(), read back as info["end"]."""
+    pytest.importorskip("pyarrow")
+    model = plain_model(nn.Tanh())
+    path = tmp_path / ("log.jsonl" if writer == "jsonl" else "log.parquet")
+    w = hookstats.runlog.JSONLWriter(path) if writer == "jsonl" else hookstats.runlog.ParquetWriter(path)
+    mon = hookstats.Monitor(model, nonfinite_ops=True, flush_every=1, exporters=[w])
+    x = torch.ones(2, 8)
+    model(x).sum().backward()
+    mon.step()
+    x[0, 3] = float("nan")
+    model(x).sum().backward()
+    mon.step()
+    ev = mon.feature("nonfinite_ops").first()
+    mon.detach()
+    end = hookstats.runlog.read_run(path).info["end"]["nonfinite_op"]
+    assert ev is not None and end is not None
+    assert (end["step"], end["phase"], end["op"], end["module"]) == (ev["step"], ev["phase"], ev["op"], ev["module"])
+    assert end["step"] == 1 and end["dtype"] == str(ev["dtype"])
+
+
+def test_monitor_finite_run_logs_no_nonfinite_op(tmp_path):
+    model = plain_model(nn.Tanh())
+    mon = hookstats.Monitor(model, nonfinite_ops=True, exporters=[hookstats.runlog.JSONLWriter(tmp_path / "l.jsonl")])
+    model(torch.ones(2, 8)).sum().backward()
+    mon.step()
+    mon.detach()
+    assert hookstats.runlog.read_run(tmp_path / "l.jsonl").info["end"] == {"nonfinite_op": None,
+                                                                        "time": pytest.approx(time.time(), abs=60)}

@@ -3,7 +3,9 @@ form a user's own exporter may take instead.
 
 A Monitor hands each flush to its exporters on its export thread (Note [export off the training thread] in
 hookstats/monitor/export_thread.py): `begin(run_info)` once when the Monitor attaches, `write_block(block, scalars)`
-per flush, `close()` at detach. A `Block` is the flush's columns (hookstats.monitor.block.Block: `len(block)`,
+per flush, and at detach, on the training thread after the last flush was written, the optional `end(info)` (what
+the run learned by its end: the features' run_end_info(), e.g. nonfinite_ops=True's first non-finite op) then
+`close()`. A `Block` is the flush's columns (hookstats.monitor.block.Block: `len(block)`,
 `block.stats` [rows, 13], `block.column("module")`, `block.iter_records()` for record dicts); `scalars` are dicts
 with seq, step, tag and value.
 """
@@ -27,6 +29,10 @@ class Exporter(Protocol):
 
     def close(self) -> None:
         """The Monitor detached: write what is buffered and release files."""
+
+    # Optional: `end(info: dict) -> None`, called by detach() before close() when a feature reported something at
+    # the run's end (JSONLWriter writes a "run_end" line, ParquetWriter the header's "end"; both read back as
+    # read_run(path).info["end"]). Not part of the runtime check, so exporters without it stay Exporters.
 
 
 @runtime_checkable

@@ -436,10 +436,24 @@ class Monitor(FeatureAccess):
                 self._flush_block()
         finally:  # even when the flush fails (a rank mismatch), the queue drains, the hooks go and writers close
             if self._model is not None:  # each exporter closed whatever another raises; raised once, below
-                close_errors = _lifecycle.close_exporters(exp, self._active_exporters())
+                end_info, end_errors = self._run_end_info()
+                close_errors = end_errors + _lifecycle.close_exporters(exp, self._active_exporters(), end_info)
             _lifecycle.unregister(self)
             self._detach_hooks()
         _lifecycle.raise_detach_errors(exp, close_errors)
+
+    def _run_end_info(self) -> tuple:
+        """({name: value} of every feature's optional run_end_info(), [(feature, error)]): what the run learned by
+        its end, which detach() hands to the exporters' end(info) before closing them."""
+        info, errors = {}, []
+        for f in self._features:
+            end = getattr(f, "run_end_info", None)
+            if end is not None:
+                try:
+                    info.update(end() or {})
+                except Exception as ex:  # noqa: BLE001 -- raised once by detach(), after everything is closed
+                    errors.append((f, ex))
+        return info, errors
 
     def _detach_hooks(self) -> None:
         for h in self._handles:

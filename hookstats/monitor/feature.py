@@ -13,7 +13,9 @@ is optional; so are run_info() and summary(), below):
                      attach began (so it must undo a partial attach).
 and, optionally, `run_info() -> dict` (added to the run header exporters get), `summary() -> str` (appended to
 Monitor.summary()) and `nonfinite_origin() -> dict | None` (where NaN/Inf values began: Monitor.first_nonfinite()
-adds it to its record as "origin").
+adds it to its record as "origin") and `run_end_info() -> dict` (JSON-able; at detach() the Monitor hands what
+every feature returns to each exporter's optional end(info) before closing it: the run log keeps it as the
+header's "end").
 The core knows no feature by name: the built-in ones (hookstats/monitor/features/: channel statistics, per-sample
 gradient norms, element locations) register a factory for their MonitorConfig option with `register_feature`, and a
 user passes their own as `Monitor(features=[...])`.

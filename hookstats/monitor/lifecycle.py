@@ -35,6 +35,7 @@ import sys
 import threading
 import traceback
 import weakref
+from typing import Optional
 
 from .export_thread import ExportError, ExportThread
 
@@ -160,9 +161,10 @@ def _at_exit() -> None:  # registered after export_thread's: runs before it (ate
         _save(mon, close=True)
 
 
-def close_exporters(thread, exporters) -> list:
-    """Stops the export thread (after it wrote what it had) and closes every exporter, each whatever the others
-    raise; returns [(exporter, error)] of the close() calls that failed."""
+def close_exporters(thread, exporters, end_info: Optional[dict] = None) -> list:
+    """Stops the export thread (after it wrote what it had), hands `end_info` (what the run learned by its end, from
+    the features' run_end_info()) to every exporter that has an end(info) method, and closes every exporter, each
+    whatever the others raise; returns [(exporter, error)] of the end() / close() calls that failed."""
     errors = []
     if thread is not None:
         try:
@@ -170,6 +172,12 @@ def close_exporters(thread, exporters) -> list:
         except BaseException as ex:  # noqa: BLE001 -- raised once, after the rest is closed
             errors.append((thread, ex))
     for e in exporters:
+        end = getattr(e, "end", None) if end_info else None
+        if end is not None:
+            try:
+                end(end_info)
+            except BaseException as ex:  # noqa: BLE001
+                errors.append((e, ex))
         close = getattr(e, "close", None)
         if close is None:
             continue

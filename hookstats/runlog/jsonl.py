@@ -172,6 +172,11 @@ class JSONLWriter:
         self._emit([head])
         self._began = True
 
+    def end(self, info: dict) -> None:
+        """What the run learned by its end (Monitor.detach(), before close(): nonfinite_ops=True's first non-finite
+        op), as a "run_end" line; read_jsonl puts the last one into the header as "end"."""
+        self._emit([{"type": "run_end", **info, "time": time.time()}])
+
     def write_block(self, block, scalars: list[dict] = ()) -> None:
         """One Monitor flush (a columnar Block): the same lines as write(block's records), formatted from the
         columns (a template per row, the site's part encoded once per site), without a dict per record."""
@@ -251,6 +256,7 @@ class RunLog(NamedTuple):
 def read_jsonl(path: str | os.PathLike) -> RunLog:
     """Reads a JSONLWriter file back: records with dense histograms and floats restored, in file order."""
     info: dict[str, Any] = {}
+    end: Optional[dict] = None  # the last run_end line's (JSONLWriter.end)
     records, scalars, bad = [], [], 0
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -269,6 +275,10 @@ def read_jsonl(path: str | os.PathLike) -> RunLog:
                 scalars.append({"seq": d["seq"], "step": d["step"], "tag": d["tag"], "value": _dec_float(d["value"])})
             elif t == "run" and not info:
                 info = {k: v for k, v in d.items() if k != "type"}
+            elif t == "run_end":
+                end = {k: v for k, v in d.items() if k != "type"}
+    if end is not None:
+        info = {**info, "end": end}
     return RunLog(info, records, scalars, bad)
 
 

@@ -264,6 +264,9 @@ class ParquetWriter:
             head = {**old, "resumed": list(old.get("resumed", [])) + [
                 {k: head[k] for k in ("hookstats", "torch", "time", "start_step", "every", "histogram_every")
                  if k in head}]}
+        self._write_head(head)
+
+    def _write_head(self, head: dict) -> None:
         tmp = self._tmp("run.json")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(head, f, default=str)
@@ -271,6 +274,13 @@ class ParquetWriter:
             if self.fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, self.paths.run)
+
+    def end(self, info: dict) -> None:
+        """What the run learned by its end (Monitor.detach(), before close(): nonfinite_ops=True's first non-finite
+        op), put into the run header as "end" (read back as read_run(path).info["end"]); a resumed run's replaces
+        it."""
+        self._check()
+        self._write_head({**read_run_info(self.path), "end": info})
 
     def _check(self) -> None:
         if self._closed:
