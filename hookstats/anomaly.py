@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from ._kernels import extension
+from ._owned_hooks import register
 from ._types import unravel
 
 # The slots of a device state: csrc/anomaly/nonfinite_ops.h (enum Slot), which _nf_counters() reports the size of.
@@ -179,8 +180,10 @@ class NonfiniteGuard:
         for name, mod in model.named_modules():
             mid = len(self._modules)
             self._modules.append(name)
-            self._handles.append(mod.register_forward_pre_hook(pre(mid)))
-            self._handles.append(mod.register_forward_hook(post(mid), always_call=True))
+            # owned: saving or copying the model while a guard is on leaves them out (Note [hooks that stay with
+            # their owner])
+            self._handles.append(register(mod, "register_forward_pre_hook", pre(mid)))
+            self._handles.append(register(mod, "register_forward_hook", post(mid), always_call=True))
 
     # -- steps ------------------------------------------------------------------------------------------------------
     def step(self) -> None:

@@ -130,6 +130,21 @@ def test_demo_train_each_model(tmp_path, model, modules):
         assert len(event_files(res2["tensorboard"])) == 1
 
 
+def test_demo_rerun_replaces_a_parquet_log_and_its_sidecars(tmp_path):
+    """A Parquet log is a records directory, a scalars directory and a header file (Note [one run per log]): a
+    rerun replaces all three, so the log holds the new run's scalars only and is not refused as another run's."""
+    pytest.importorskip("pyarrow")
+    from hookstats.demo import train
+    from hookstats.runlog import read_run
+
+    out = str(tmp_path / "run")
+    runs = [train("mlp", steps=3, out=out, progress=False, log_format="parquet", tensorboard=False) for _ in range(2)]
+    log = read_run(out)
+    assert log.format == "parquet" and log.records.num_rows == runs[1]["records"] == runs[0]["records"]
+    assert len(log.scalars) == len({(s["step"], s["tag"]) for s in log.scalars}) > 0  # no step logged twice
+    assert "resumed" not in log.info
+
+
 def test_default_demo_prints_the_example_tensors(tmp_path, capsys, monkeypatch):
     """The default demo (example tensors on, default model) with --steps 2, in-process with the report stubbed out:
     the report is what costs time here, and the other tests make it (the subprocess demo above, `report`)."""

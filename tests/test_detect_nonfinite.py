@@ -615,6 +615,14 @@ def test_monitor_nonfinite_op_reaches_the_run_log(tmp_path, writer):
     assert ev is not None and end is not None
     assert (end["step"], end["phase"], end["op"], end["module"]) == (ev["step"], ev["phase"], ev["op"], ev["module"])
     assert end["step"] == 1 and end["dtype"] == str(ev["dtype"])
+    # a resume of that run continues the log (the old run's "end" is no difference), and reports its own end
+    w2 = hookstats.runlog.JSONLWriter(path) if writer == "jsonl" else hookstats.runlog.ParquetWriter(path)
+    model.zero_grad(set_to_none=True)  # the NaN batch's grads would be summed into (an add_ of a NaN: reported)
+    mon = hookstats.Monitor(model, nonfinite_ops=True, flush_every=1, start_step=2, exporters=[w2])
+    model(torch.ones(2, 8)).sum().backward()
+    mon.step()
+    mon.detach()
+    assert hookstats.runlog.read_run(path).info["end"]["nonfinite_op"] is None
 
 
 def test_monitor_finite_run_logs_no_nonfinite_op(tmp_path):
@@ -625,3 +633,14 @@ def test_monitor_finite_run_logs_no_nonfinite_op(tmp_path):
     mon.detach()
     assert hookstats.runlog.read_run(tmp_path / "l.jsonl").info["end"] == {"nonfinite_op": None,
                                                                         "time": pytest.approx(time.time(), abs=60)}
+
+
+def test_model_saved_and_copied_under_a_guard_carries_no_hook(tmp_path):
+    import copy
+
+    model = plain_model(nn.Tanh())
+    with hookstats.detect_nonfinite(model):
+        torch.save(model, tmp_path / "m.pt")
+        twin = copy.deepcopy(model)
+    for m in (torch.load(tmp_path / "m.pt", weights_only=False), twin, model):
+        assert sum(len(x._forward_hooks) + len(x._forward_pre_hooks) for x in m.modules()) == 0

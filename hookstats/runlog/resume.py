@@ -6,7 +6,7 @@ A log holds one run. A writer opening a log that already holds records continues
 (Monitor.run_info()) says it is the same run: the same histogram spec, statistics fields, kinds, modules and
 features (what decides the columns and what they mean), and the same stats_dtype (a Parquet log's column types), and
 the new run does not start again at step 0 (a resume starts at the step of its checkpoint: start_step). What may
-differ: the versions, `every`, `histogram_every` and the time. Anything else is refused with a ValueError that says
+differ: the versions, `every`, `histogram_every`, the time and what the old run reported at its end ("end"). Anything else is refused with a ValueError that says
 which field differs and what to do, raised by the writer's begin() (so by the Monitor's constructor, before a step
 runs). The header of every writer that continued the log is kept beside the first (JSONL: one "run" line each;
 Parquet: log.run.json's "resumed" list).
@@ -17,7 +17,7 @@ import json
 from typing import Optional
 
 MAY_DIFFER = frozenset({"hookstats", "torch", "time", "every", "histogram_every", "start_step", "stats_dtype",
-                        "resumed"})
+                        "resumed", "end"})  # end: what the previous run reported at its detach()
 
 
 def _plain(info: dict) -> dict:
