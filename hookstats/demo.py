@@ -231,7 +231,11 @@ def train(model_name: str = "transformer", steps: int = 200, device: str | torch
             if bar is not None:
                 bar.update(1)
                 if mon.flush_every and (step + 1) % mon.flush_every == 0:
-                    last = {s["tag"]: s["value"] for s in mon.scalars()[-2:]}  # flushed by step(): no copy
+                    last = {}  # the last flushed loss and grad_norm (flushed by step(): no copy); the features log
+                    for s in reversed(mon.scalars()):  # scalars of their own after them (nonfinite_ops/found)
+                        last.setdefault(s["tag"], s["value"])
+                        if "loss" in last and "grad_norm" in last:
+                            break
                     bar.set_postfix(loss=f"{last.get('loss', math.nan):.3f}",
                                     grad_norm=f"{last.get('grad_norm', math.nan):.3g}", refresh=False)
         scalars = mon.scalars()

@@ -331,3 +331,14 @@ def test_demo_log_parquet_and_report_of_it(tmp_path, capsys):
     assert main(["demo", "--model", "mlp", "--steps", "2", "--log", "jsonl", "--no-bench", "--no-examples",
                  "--no-progress", "--out", str(out)]) == 0
     assert not (out / "log.parquet").exists() and len({r["step"] for r in read_jsonl(out / "log.jsonl").records}) == 2
+
+
+def test_demo_progress_bar_shows_the_last_loss(tmp_path, capsys):
+    """The bar's loss and grad_norm are the last flushed ones, whatever the features log after them
+    (nonfinite_ops/found): a finite run never shows loss=nan."""
+    pytest.importorskip("tqdm")
+    from hookstats.demo import train
+
+    train("mlp", steps=8, out=str(tmp_path / "run"), progress=True, nan_step=None, flush_every=2)
+    out = capsys.readouterr().out
+    assert "loss=" in out and "loss=nan" not in out and "grad_norm=nan" not in out
