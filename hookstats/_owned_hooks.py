@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["OwnedHandle", "recomputing", "register"]
+__all__ = ["OwnedHandle", "in_backward", "register"]
 
 # Every dict of nn.Module that holds hooks keyed by RemovableHandle.id (the *_with_kwargs / always_called dicts are
 # the extra dicts of the same ids).
@@ -103,11 +103,12 @@ def register(module: torch.nn.Module, how: str, hook, **kwargs) -> OwnedHandle:
     return OwnedHandle(handle, st)
 
 
-def recomputing() -> bool:
-    """Whether a forward (pre-)hook is running inside the autograd engine, which is activation checkpointing
-    recomputing a forward during the backward (torch.utils.checkpoint with either use_reentrant, HF's
-    gradient_checkpointing_enable(), a reversible block): the call was already seen in the forward, and seeing it
-    again would count it twice. (The Monitor's C++ hooks ask the same of the engine: csrc/monitor/monitor_py.cpp.)"""
+def in_backward() -> bool:
+    """Whether the autograd engine is running this call: a backward hook or node, or a forward hook of a forward that
+    activation checkpointing recomputes during the backward (torch.utils.checkpoint with either use_reentrant, HF's
+    gradient_checkpointing_enable(), a reversible block). For a forward hook that is a call the first forward already
+    saw, and seeing it again would count it twice. (The Monitor's C++ hooks ask the engine the same:
+    csrc/monitor/monitor_py.cpp, recomputing().)"""
     return _graph_task_id() != -1
 
 

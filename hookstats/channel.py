@@ -8,7 +8,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ._kernels import reference_checked, use_kernels
-from ._owned_hooks import recomputing, register
+from ._owned_hooks import in_backward, register
 from ._select import Selection, Site
 from ._types import CHANNEL_FIELDS, ChannelStats, check_tensor  # noqa: F401  (CHANNEL_FIELDS: re-exported)
 
@@ -133,7 +133,7 @@ class ChannelCalibrator:
                              f"exclude={exclude!r}")
 
     def _record(self, name: str, t: Optional[torch.Tensor]) -> None:
-        if t is None or (not torch.compiler.is_compiling() and recomputing()):  # a checkpointed block's recompute
+        if t is None or (not torch.compiler.is_compiling() and in_backward()):  # a checkpointed block's recompute
             return
         buf = self.buffers.get(name)
         c = t.shape[self.dim] if t.dim() else 0

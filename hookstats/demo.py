@@ -16,7 +16,7 @@ from torch import nn
 import hookstats
 from .export import LOG_NAME, REPORT_DIR, TENSORBOARD_DIR, JSONLWriter, TensorBoardWriter
 from .runlog import PARQUET_NAME, ParquetWriter
-from .runlog.parquet import log_paths
+from .runlog.parquet import remove_log
 
 MODELS = ("transformer", "mlp", "cnn", "deep")
 DEEP_BLOCKS = 500  # the "deep" model: 500 x (Linear, ReLU), 1,001 modules with the model itself
@@ -147,17 +147,14 @@ def prepare_out(out: str) -> None:
     """The demo's files in `out` are replaced (the Parquet log's sidecars and what a killed writer left too: a log
     holds one run, Note [one run per log]); anything else there is left alone."""
     os.makedirs(out, exist_ok=True)
-    lp = log_paths(os.path.join(out, PARQUET_NAME))
-    for p in (os.path.join(out, LOG_NAME), lp.run):
-        if os.path.exists(p):
-            os.remove(p)
-    hidden = tuple(f".{os.path.basename(d)}." for d in (lp.records, lp.scalars))  # temporary, staged, old
-    leftovers = [os.path.join(out, n) for n in os.listdir(out) if n.startswith(hidden)]
-    for p in [os.path.join(out, TENSORBOARD_DIR), os.path.join(out, REPORT_DIR), lp.records, lp.scalars] + leftovers:
+    remove_log(os.path.join(out, PARQUET_NAME))
+    log = os.path.join(out, LOG_NAME)
+    if os.path.exists(log):
+        os.remove(log)
+    for name in (TENSORBOARD_DIR, REPORT_DIR):
+        p = os.path.join(out, name)
         if os.path.isdir(p):
             shutil.rmtree(p)
-        elif os.path.exists(p):
-            os.remove(p)
 
 
 def train(model_name: str = "transformer", steps: int = 200, device: str | torch.device = "cpu",

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from ._ops import SUPPORTED_DTYPES, clamp_count_op, clip_norm_op, norms_op
+from ._owned_hooks import in_backward
 from .clip import CLIP_EPS, _bounds, _eps, _max_norm, _norm_type, _policy, _POLICY_CODE, get_total_norm
 from .reference import clip_coef
 
@@ -66,12 +67,6 @@ def _is_dataclass_instance(obj) -> bool:
     return hasattr(type(obj), "__dataclass_fields__")
 
 
-def _in_backward() -> bool:
-    """Whether the autograd engine is running this call (module backward hooks run inside it; forward hooks not)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return True if task is None else task() != -1
-
-
 def _rebuild(obj, it):
     """obj with each tensor replaced by the next item of it (same structure and container types)."""
     if isinstance(obj, torch.Tensor):
@@ -108,7 +103,7 @@ class _Forms:
                 "(module, grad_input, grad_output); for other hook kinds use its forms "
                 ".tensor, .post_accumulate, .forward_pre, .forward or .backward_pre"
             )
-        if not _in_backward() and not isinstance(args[2], tuple):
+        if not in_backward() and not isinstance(args[2], tuple):
             # A full backward hook always gets a tuple grad_output, inside the autograd engine; (module, args,
             # tensor) outside it is a forward hook's call.
             raise TypeError(

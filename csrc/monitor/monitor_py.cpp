@@ -231,7 +231,7 @@ py::object hook_outputs(const std::shared_ptr<Recorder>& r, int32_t hook, const 
 // Whether a forward hook runs inside the autograd engine: activation checkpointing recomputing a forward during the
 // backward (torch.utils.checkpoint with either use_reentrant, HF's gradient checkpointing). That call's inputs and
 // output were recorded by the first forward; recording them again would count every checkpointed call twice.
-// (hookstats._owned_hooks.recomputing() is the Python side's same question.)
+// (hookstats._owned_hooks.in_backward() is the Python side's same question.)
 bool recomputing() { return torch::autograd::get_current_graph_task_id() != -1; }
 
 // forward pre-hook of a module whose grad_output is recorded: the call's start (take_start).

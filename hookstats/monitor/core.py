@@ -54,7 +54,7 @@ class Monitor(FeatureAccess):
     nothing; `pause()` / `resume()` record nothing in between (an evaluation pass). Non-floating and meta tensors are
     skipped and counted (`skipped`); a model whose parameters are on the meta device is refused (materialize it
     first). A forward that activation checkpointing recomputes during the backward is recorded once, by its first
-    run (hookstats._owned_hooks.recomputing()); pickling or copying the model leaves the hooks out (Note [hooks that
+    run (hookstats._owned_hooks.in_backward()); pickling or copying the model leaves the hooks out (Note [hooks that
     stay with their owner]). The "grad" kind records each parameter's .grad after each accumulation, or, with
     `optimizer=`, once per step at the optimizer's step, or, with `optimizer="manual"`, when `record_grads()` is
     called (a framework's callback, after it clipped the grads: hookstats.integrations).

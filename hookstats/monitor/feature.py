@@ -13,7 +13,7 @@ is optional; so are run_info() and summary(), below):
                      attach began (so it must undo a partial attach).
 and, optionally, `run_info() -> dict` (added to the run header exporters get), `summary() -> str` (appended to
 Monitor.summary()) and `nonfinite_origin() -> dict | None` (where NaN/Inf values began: Monitor.first_nonfinite()
-adds it to its record as "origin") and `run_end_info() -> dict` (JSON-able; at detach() the Monitor hands what
+adds it to its record as "origin") and `run_end_info() -> dict` (written as JSON, other values as their str; at detach() the Monitor hands what
 every feature returns to each exporter's optional end(info) before closing it: the run log keeps it as the
 header's "end").
 The core knows no feature by name: the built-in ones (hookstats/monitor/features/: channel statistics, per-sample

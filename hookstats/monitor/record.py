@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .._owned_hooks import recomputing
+from .._owned_hooks import in_backward
 from ..hooks import _Forms
 from .buffers import Buffers
 from .compile import is_compiling, record_traced
@@ -53,7 +53,7 @@ class record(_Forms):
         return None
 
     def _process(self, kind, obj, extra=None):
-        if kind in ("forward", "forward_pre") and not is_compiling() and recomputing():
+        if kind in ("forward", "forward_pre") and not is_compiling() and in_backward():
             return None  # activation checkpointing's recomputation: the first forward recorded this call
         if kind == "backward":
             self._add("backward:grad_input", obj)

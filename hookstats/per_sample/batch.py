@@ -96,10 +96,6 @@ def proved_rows(rows: dict, x: torch.Tensor, b: int, k: int) -> bool:
     return proved(node, 0)
 
 
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 def nonreentrant_recompute() -> bool:
     """Whether torch.utils.checkpoint(use_reentrant=False) is recomputing (its saved-tensor hook is on top)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from . import rules as _rules  # noqa: F401  (registers the shipped rules)
-from .._owned_hooks import register
+from .._owned_hooks import in_backward, register
 from .._select import Selection
-from .batch import first_batch, flattened, in_backward, nonreentrant_recompute, output_tensors, proved_rows
+from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows
 from .clip import OPT_OUT, apply_clip
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused

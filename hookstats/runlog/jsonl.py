@@ -24,7 +24,7 @@ from typing import Any, Iterable, NamedTuple, Optional
 import numpy as np
 
 from .._ops import COUNT_FIELDS, STATS_FIELDS
-from .resume import check_resume
+from .resume import check_resume, plain
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -175,7 +175,7 @@ class JSONLWriter:
     def end(self, info: dict) -> None:
         """What the run learned by its end (Monitor.detach(), before close(): nonfinite_ops=True's first non-finite
         op), as a "run_end" line; read_jsonl puts the last one into the header as "end"."""
-        self._emit([{"type": "run_end", **info, "time": time.time()}])
+        self._emit([{"type": "run_end", **plain(info), "time": time.time()}])
 
     def write_block(self, block, scalars: list[dict] = ()) -> None:
         """One Monitor flush (a columnar Block): the same lines as write(block's records), formatted from the

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from typing import NamedTuple, Optional, Sequence
 
@@ -408,6 +409,22 @@ def _log_stats_dtype(lp: LogPaths) -> Optional[str]:
     return read_run_info(lp.records).get("stats_dtype")
 
 
+def remove_log(path) -> None:
+    """Removes a Parquet log whole: its records and scalars datasets, its header, and what a killed writer left beside
+    them (temporary files, staging and old directories, Note [compaction a kill cannot break]), so that a new run can
+    take the path (Note [one run per log]). A path that holds none of these is left as it is."""
+    lp = log_paths(path)
+    parent = os.path.dirname(lp.records) or "."
+    hidden = (os.path.basename(lp.tmp),) + tuple(f".{os.path.basename(d)}." for d in (lp.records, lp.scalars))
+    names = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(hidden)] if os.path.isdir(parent) \
+        else []
+    for p in [lp.records, lp.scalars, lp.run] + names:
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        elif os.path.exists(p):
+            os.remove(p)
+
+
 def read_run_info(path) -> dict:
     """The run header of a Parquet log ({} when it has none): RUN_DIR/log.run.json, or run.json inside the records
     directory (the old layout)."""
@@ -433,5 +450,5 @@ def read_parquet_log(path: str | os.PathLike, columns: Optional[Sequence[str]] =
     return info, _t.with_run_info(records, info), scalars
 
 
-__all__ = ["ParquetWriter", "read_parquet_log", "read_run_info", "log_paths", "LogPaths", "parts", "is_parquet_log",
+__all__ = ["ParquetWriter", "read_parquet_log", "read_run_info", "remove_log", "log_paths", "LogPaths", "parts", "is_parquet_log",
            "records_schema"]

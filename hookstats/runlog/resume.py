@@ -20,7 +20,8 @@ MAY_DIFFER = frozenset({"hookstats", "torch", "time", "every", "histogram_every"
                         "resumed", "end"})  # end: what the previous run reported at its detach()
 
 
-def _plain(info: dict) -> dict:
+def plain(info: dict) -> dict:
+    """info as JSON holds it (tuples as lists; a dtype, a device, anything else as its str)."""
     return json.loads(json.dumps(info, default=str))
 
 
@@ -31,7 +32,7 @@ def check_resume(writer: str, path: str, old: dict, new: dict, has_records: bool
     what = ("write this run to a new path, or remove the old log first; to resume the run the log holds, use the "
             "options it was written with and its checkpoint's step as start_step")
     if old:
-        a, b = _plain(old), _plain(new)
+        a, b = plain(old), plain(new)
         diff = [k for k in sorted(set(a) | set(b)) if k not in MAY_DIFFER and a.get(k) != b.get(k)]
         if diff:
             k = diff[0]
@@ -55,4 +56,4 @@ def check_stats_dtype(writer: str, path: str, asked: Optional[str], found: Optio
     return found
 
 
-__all__ = ["check_resume", "check_stats_dtype", "MAY_DIFFER"]
+__all__ = ["check_resume", "check_stats_dtype", "MAY_DIFFER", "plain"]

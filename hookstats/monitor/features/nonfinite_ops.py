@@ -68,10 +68,10 @@ class NonfiniteOpsFeature:
         return self.first()
 
     def run_end_info(self) -> dict:
-        """{"nonfinite_op": the first non-finite op output (JSON-able), or None}: what the run log keeps at its end
-        (read_run(path).info["end"]["nonfinite_op"])."""
+        """{"nonfinite_op": the first non-finite op output, or None}: what the run log keeps at its end
+        (read_run(path).info["end"]["nonfinite_op"]; its dtype and device as strings)."""
         ev = self.first()
-        return {"nonfinite_op": None if ev is None else _jsonable(ev)}
+        return {"nonfinite_op": None if ev is None else dict(ev)}
 
     def nonfinite_origin(self) -> Optional[NonfiniteOp]:
         """What Monitor.first_nonfinite() adds as its record's "origin" (this rank's op; a process group's earliest
@@ -93,16 +93,6 @@ class NonfiniteOpsFeature:
             if self._final is not None:
                 self._final["rank"] = self._rank
             self._read = True
-
-
-def _jsonable(v):
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple, torch.Size)):
-        return [_jsonable(x) for x in v]
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return str(v)  # a dtype, a device
 
 
 register_feature("nonfinite_ops", lambda v: NonfiniteOpsFeature() if v else None, "nonfinite_ops=True")
