@@ -32,6 +32,7 @@ from ._types import (  # noqa: F401  (re-exported: the names other modules impor
     as_histogram,
     check_tensor,
     exp_layout,
+    from_parts,
     hist_length,
     result_dtype,
     unravel,
@@ -84,15 +85,9 @@ def bump_version(xs) -> None:
         torch.autograd.graph.increment_version(xs)
 
 
-def _stats_from_parts(values: torch.Tensor, counts: torch.Tensor) -> Stats:
-    v = values.unbind(0)
-    c = counts.unbind(0)
-    return Stats(c[0], v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], c[1], c[2], c[3])
-
-
 def _located(values: torch.Tensor, counts: torch.Tensor, loc: torch.Tensor, shape) -> LocatedStats:
     a, f = loc.unbind(0)
-    return LocatedStats(*_stats_from_parts(values, counts), argmax_abs_index=a, first_nonfinite_index=f, shape=shape)
+    return LocatedStats(*from_parts(Stats, values, counts), argmax_abs_index=a, first_nonfinite_index=f, shape=shape)
 
 
 def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
@@ -130,11 +125,11 @@ def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
             reference = reference_checked((x,), "stats")
             return reference.stats(x), reference.histogram_of(x, h)
         values, counts, hist = torch.ops.hookstats.stats_hist.default(x.detach(), h.mode, h.bins, h.lo, h.hi)
-        return _stats_from_parts(values, counts), hist
+        return from_parts(Stats, values, counts), hist
     if not use_kernels(x, "stats"):
         return reference_checked((x,), "stats").stats(x)
     values, counts = torch.ops.hookstats.stats.default(x.detach())
-    return _stats_from_parts(values, counts)
+    return from_parts(Stats, values, counts)
 
 
 def histogram(x: torch.Tensor, bins: int = 64, *, range) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The op layer's result types and input checks (the leaf of the package: it imports only torch and numpy).
+"""The op layer's result types and input checks (the leaf of the package: it imports only torch and the torch-free
+field specification `_fields`).
 
 `_kernels` loads the compiled library and chooses between it and `reference`; `_ops` and `channel` are the thin
 public wrappers; `reference` is the pure-PyTorch oracle. All of them take their types from here.
@@ -10,35 +11,32 @@ from typing import NamedTuple, Optional
 
 import torch
 
-# Note [stats row layout] (csrc/core/stats_ops.h): the order of Stats' fields and of a stats_into row.
-STATS_FIELDS = (
-    "numel", "sum", "mean", "var", "std", "l1", "l2", "linf", "min", "max",
-    "nan_count", "inf_count", "zero_count",
-)
-COUNT_FIELDS = ("numel", "nan_count", "inf_count", "zero_count")
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+from ._fields import COUNT_FIELDS, DTYPES, STAT_PARTS, STATS_FIELDS, exp_hist_length, parts_of, range_hist_length
+from ._fields import unravel_many  # noqa: F401  (re-exported: the op layer's name for it)
 
 
-class Stats(NamedTuple):
+
+_BY_NAME = {d.name: getattr(torch, d.name) for d in DTYPES}
+SUPPORTED_DTYPES = tuple(_BY_NAME.values())
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a record's "dtype" name ("float32", ...); KeyError for one the kernels do not take."""
+    return _BY_NAME[name]
+
+# Note [record fields] (_fields.py): the statistics, in the order of Note [stats row layout] (csrc/core/stats_ops.h).
+_StatsRow = NamedTuple("Stats", [(name, torch.Tensor) for name in STATS_FIELDS])
+
+
+class Stats(_StatsRow):
     """Statistics of one tensor, each a 0-d tensor on the tensor's device (nothing is copied to the host).
 
     Float fields are float32 (float64 for float64 inputs); numel and the counts are int64 when returned by
     `hookstats.stats`, and of the buffer's dtype when read from a `stats_into` row.
     """
 
-    numel: torch.Tensor
-    sum: torch.Tensor
-    mean: torch.Tensor
-    var: torch.Tensor
-    std: torch.Tensor
-    l1: torch.Tensor
-    l2: torch.Tensor
-    linf: torch.Tensor
-    min: torch.Tensor
-    max: torch.Tensor
-    nan_count: torch.Tensor
-    inf_count: torch.Tensor
-    zero_count: torch.Tensor
+    __slots__ = ()
+    _PARTS = STAT_PARTS  # where each field is in the stats ops' (values, counts): from_parts
 
     @classmethod
     def from_row(cls, row: torch.Tensor) -> "Stats":
@@ -96,29 +94,6 @@ def unravel(index, shape) -> Optional[tuple]:
     return tuple(reversed(out))
 
 
-def unravel_many(flat, ndim, dims):
-    """`unravel` of many records at once (records of different ndim): flat[i] in record i's shape, its ndim[i]
-    sizes at dims[off[i]:off[i + 1]] (off: the running sum of ndim). Returns (coords, valid, off): coords laid out
-    like dims (int64; zeros where flat[i] is -1), valid = flat >= 0."""
-    import numpy as np
-
-    flat = np.asarray(flat, dtype=np.int64)
-    ndim = np.asarray(ndim, dtype=np.int64)
-    dims = np.asarray(dims, dtype=np.int64)
-    off = np.zeros(len(ndim) + 1, dtype=np.int64)
-    np.cumsum(ndim, out=off[1:])
-    valid = flat >= 0
-    coords = np.zeros(len(dims), dtype=np.int64)
-    rest = np.where(valid, flat, 0)
-    for k in range(int(ndim.max()) if len(ndim) else 0):  # row-major: the last dim first
-        has = valid & (ndim > k)  # (a record without a location may have a 0-size dim)
-        pos = off[:-1][has] + ndim[has] - 1 - k
-        d = dims[pos]
-        coords[pos] = rest[has] % d
-        rest[has] //= d
-    return coords, valid, off
-
-
 def result_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -138,19 +113,18 @@ def check_tensor(x, op: str) -> None:
         )
 
 
-_EXP_BITS = {torch.float32: (8, 23), torch.bfloat16: (8, 7), torch.float16: (5, 10), torch.float64: (11, 52)}
+_EXP_BITS = {_BY_NAME[d.name]: (d.exponent_bits, d.mantissa_bits) for d in DTYPES}
 MAX_HIST_BINS = 8192
 _MODE_RANGE, _MODE_EXP = 1, 2
 
 
 def hist_length(dtype: torch.dtype, mode: int, bins: int) -> int:
     if mode == _MODE_RANGE:
-        return bins + 3
+        return range_hist_length(bins)
     if dtype not in _EXP_BITS:
         raise TypeError(f"hookstats: no exponent histogram for {dtype}; supported: float32, float64, float16, "
                         "bfloat16")
-    e, _ = _EXP_BITS[dtype]
-    return 2 * (2**e - 2) + 6
+    return exp_hist_length(str(dtype).removeprefix("torch."))
 
 
 class ExpLayout(NamedTuple):
@@ -255,6 +229,7 @@ def as_histogram(spec) -> Histogram:
 
 # Note [channel stats] (csrc/core/channel_ops.h): the rows of a channel_stats_into buffer.
 CHANNEL_FIELDS = ("absmax", "sum_abs", "sum_sq", "min", "max", "nonfinite", "count")
+CHANNEL_COUNT_FIELDS = ("nonfinite", "count")  # int64 in channel_stats' (values, counts)
 
 
 class ChannelStats(NamedTuple):
@@ -273,6 +248,8 @@ class ChannelStats(NamedTuple):
     max: torch.Tensor
     nonfinite: torch.Tensor
     count: torch.Tensor
+
+    _PARTS = parts_of(CHANNEL_FIELDS, CHANNEL_COUNT_FIELDS)
 
     @classmethod
     def from_buffer(cls, buf: torch.Tensor) -> "ChannelStats":
@@ -298,3 +275,10 @@ class ChannelStats(NamedTuple):
         """Python lists, one host copy (do it when you read results, not in a hook)."""
         packed = torch.stack([t.to(torch.float64) for t in self]).cpu()
         return {f: packed[i].tolist() for i, f in enumerate(CHANNEL_FIELDS)}
+
+
+def from_parts(cls, values: torch.Tensor, counts: torch.Tensor):
+    """A `Stats` or `ChannelStats` from its op's (values, counts) outputs (views, no copy): each field where the
+    type's _PARTS puts it (Note [record fields]; Note [channel stats])."""
+    parts = {"values": values.unbind(0), "counts": counts.unbind(0)}
+    return cls(*(parts[p][j] for p, j in cls._PARTS))

@@ -10,12 +10,7 @@ import torch
 from ._kernels import reference_checked, use_kernels
 from ._owned_hooks import in_backward, register
 from ._select import Selection, Site
-from ._types import CHANNEL_FIELDS, ChannelStats, check_tensor  # noqa: F401  (CHANNEL_FIELDS: re-exported)
-
-def _stats_from_parts(values: torch.Tensor, counts: torch.Tensor) -> ChannelStats:
-    v = values.unbind(0)
-    c = counts.unbind(0)
-    return ChannelStats(v[0], v[1], v[2], v[3], v[4], c[0], c[1])
+from ._types import CHANNEL_FIELDS, ChannelStats, check_tensor, from_parts  # noqa: F401  (CHANNEL_FIELDS: re-exported)
 
 
 def _check_dim(x: torch.Tensor, dim, op: str) -> int:
@@ -39,7 +34,7 @@ def channel_stats(x: torch.Tensor, dim: int = -1) -> ChannelStats:
     if not use_kernels(x, "channel_stats"):
         return reference_checked((x,), "channel_stats").channel_stats(x, dim)
     values, counts = torch.ops.hookstats.channel_stats.default(x.detach(), dim)
-    return _stats_from_parts(values, counts)
+    return from_parts(ChannelStats, values, counts)
 
 
 def channel_stats_buffer(channels: int, device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -28,12 +28,18 @@
 
 namespace hookstats {
 
-// Note [stats row layout]: the order of the fields of hookstats.Stats, of a row of a
-// stats_into buffer, and of hookstats._types.STATS_FIELDS. Change all three together.
+// Note [stats row layout]: the order of the fields of hookstats.Stats and of a row of a
+// stats_into buffer. hookstats/_fields.py (the record's field specification) lists them in
+// this order; tests/test_fields.py checks it against kStatFieldNames (hookstats._C.STAT_FIELD_NAMES).
 enum StatField : int {
   kNumel = 0, kSum, kMean, kVar, kStd, kL1, kL2, kLinf, kMin, kMax,
   kNanCount, kInfCount, kZeroCount, kNumStatFields
 };
+inline constexpr const char* kStatFieldNames[] = {
+    "numel", "sum", "mean", "var", "std", "l1", "l2", "linf", "min", "max",
+    "nan_count", "inf_count", "zero_count"};
+static_assert(sizeof(kStatFieldNames) / sizeof(kStatFieldNames[0]) == kNumStatFields,
+              "kStatFieldNames needs one name per StatField");
 // hookstats::stats returns (values, counts): values are fields kSum..kMax (9, result
 // dtype), counts are numel, nan, inf, zero (int64).
 constexpr int kNumValueFields = kMax - kSum + 1;  // 9

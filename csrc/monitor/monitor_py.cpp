@@ -494,6 +494,9 @@ PYBIND11_MODULE(_C, m) {
         "makes a recorder reachable by id from hookstats::_monitor_record (held weakly)");
   m.def("set_local_part", [](py::object fn) { local_part_fn() = std::move(fn); },
         "the function that maps a tensor subclass (DTensor) to the plain tensor to record");
+  py::tuple stat_names(static_cast<size_t>(hookstats::kNumStatFields));  // Note [stats row layout]; checked by tests/test_fields.py
+  for (int i = 0; i < hookstats::kNumStatFields; ++i) stat_names[i] = py::str(hookstats::kStatFieldNames[i]);
+  m.attr("STAT_FIELD_NAMES") = stat_names;
 }
 
 TORCH_LIBRARY_IMPL(hookstats, CompositeExplicitAutograd, m) {

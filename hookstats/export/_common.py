@@ -5,14 +5,12 @@ import math
 from collections import defaultdict
 from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
-import torch
 
-from .._ops import exp_layout
+from .._types import dtype_of, exp_layout
 
 # Statistics written as scalars by default: the ones people chart (norms, range, moments, non-finite counts).
 DEFAULT_STATS = ("l2", "linf", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_count")
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def tensor_name(r: dict) -> str:
@@ -121,7 +119,7 @@ def buckets(r: dict, info: Optional[dict]) -> Optional[Buckets]:
                 prev = lim
             _, s, ss = _moments(pairs)
         return Buckets(lo_edge, hi_edge, num, s, ss, limits, counts)
-    lay = exp_layout(_DTYPES[r["dtype"]])
+    lay = exp_layout(dtype_of(r["dtype"]))
     per_exp = [a + b for a, b in zip(h[lay.neg], h[lay.pos])]
     sub = h[lay.neg_subnormal] + h[lay.pos_subnormal]
     pairs = []  # (lower edge on the log2 axis, width, count)

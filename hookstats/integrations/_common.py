@@ -17,14 +17,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .._ops import STATS_FIELDS
+from .._fields import STAT_INDEX
 from ..monitor import Monitor, MonitorConfig
 from ..runlog import JSONLWriter, ParquetWriter
 
 DEFAULT_KINDS = ("forward", "backward_pre", "grad")
 PREFIX = "hookstats/"
-_L2, _LINF = STATS_FIELDS.index("l2"), STATS_FIELDS.index("linf")
-_NAN, _INF = STATS_FIELDS.index("nan_count"), STATS_FIELDS.index("inf_count")
+_L2, _LINF, _NAN, _INF = (STAT_INDEX[f] for f in ("l2", "linf", "nan_count", "inf_count"))
 _SET_BY_CALLBACK = ("process_group", "optimizer", "start_step")  # the framework decides these
 
 

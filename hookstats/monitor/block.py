@@ -8,10 +8,10 @@ from typing import Optional
 
 import numpy as np
 
-from .._ops import COUNT_FIELDS, STATS_FIELDS, unravel_many
+from .._fields import LOCATION_COLUMNS, STAT_INDEX, make_record, stats_dict, unravel_many
 from .sites import SiteTable
 
-_NAN, _INF = STATS_FIELDS.index("nan_count"), STATS_FIELDS.index("inf_count")
+_NAN, _INF = STAT_INDEX["nan_count"], STAT_INDEX["inf_count"]
 
 
 class HistRows(np.lib.mixins.NDArrayOperatorsMixin):
@@ -188,24 +188,18 @@ class Block:
         s = int(self.sites[i])
         module, kind = t.hook_names[t.hook[s]]
         row = self.stats[i].tolist() if stats_row is None else stats_row
-        st = dict(zip(STATS_FIELDS, row))
-        for k in COUNT_FIELDS:
-            st[k] = int(st[k])
         g = int(self.hist_group[i])
         r = {"seq": self.seq0 + i, "step": int(self.steps[i]), "module": module, "kind": kind,
-             "index": int(t.index[s]), "dtype": t.dtypes[s], "stats": st,
+             "index": int(t.index[s]), "dtype": t.dtypes[s], "stats": stats_dict(row),
              "histogram": self.hists[g][int(self.hist_row[i])].tolist() if g >= 0 else None}
-        if self.loc is not None:
-            a, f = self.coordinates()
-            r["shape"] = self.shape(i)
-            r["argmax_abs_index"] = a[i]
-            r["first_nonfinite_index"] = f[i]
+        if self.loc is not None:  # the shape, then a coordinate column per column of loc (LOCATION_COLUMNS)
+            r.update(zip(LOCATION_COLUMNS, (self.shape(i),) + tuple(c[i] for c in self.coordinates())))
         if self.ranks is not None:
             r["ranks"] = int(self.ranks[i])
             r["nonfinite_ranks"] = mask_ranks(int(self.nonfinite_mask[i]))
             if self.location_rank is not None:
                 r["location_rank"] = int(self.location_rank[i])
-        return r
+        return make_record(r)
 
     def records(self) -> list[dict]:
         """The rows as record dicts (built once, on first call)."""

@@ -40,13 +40,13 @@ import zlib
 import numpy as np
 import torch
 
-from .._ops import STATS_FIELDS
+from .._fields import DTYPES, STAT_INDEX, STATS, STATS_FIELDS
 from .block import Block, gather_rows
 from .sites import SiteTable
 
 _NF = len(STATS_FIELDS)
-_F = {name: i for i, name in enumerate(STATS_FIELDS)}
-_DTYPES = ("float32", "float64", "float16", "bfloat16")
+_F = STAT_INDEX
+_DTYPES = tuple(d.name for d in DTYPES)  # a dtype's code: its place here
 # Per record: step, hook, index, call, dtype code, histogram length (0: none), ndim, argmax_abs and first_nonfinite
 # flat indices (-1: none or no locations), then the 13 statistics.
 _KEYS = ("step", "hook", "index", "call", "dtype", "hlen", "ndim", "argmax", "nonfinite")
@@ -312,6 +312,12 @@ def combine(chunks: list, sig: float, modes: np.ndarray, hook_names: list) -> Me
     return out
 
 
+# Note [record fields]: a statistic merges by its field's rule, "sum" (added over the ranks, in rank order) or one of
+# the others here (_merge_stats); tests/test_fields.py checks that every field's rule is one of these.
+RULES = ("sum", "mean", "var", "std", "l2", "linf", "min", "max")
+_SUMMED = tuple(f.name for f in STATS if f.merge == "sum")
+
+
 def _merge_stats(st: np.ndarray, gid: np.ndarray, o: np.ndarray, G: int, world: int = 0) -> np.ndarray:
     """The 13 statistics of each record's concatenation over its ranks (Note [merging records across ranks]).
     world > 0: the rows are [world, G] rank-major, record g of every rank at row r G + g (reduced along ranks, in
@@ -342,29 +348,23 @@ def _merge_stats(st: np.ndarray, gid: np.ndarray, o: np.ndarray, G: int, world: 
         m2 = np.where(cnt >= 2, sd * sd * (cnt - 1), 0.0)
         dm = np.where(cnt >= 1, (s[:, F["mean"]] - cr) / Lr, 0.0)
         l2s = s[:, F["l2"]] / Lr
-        add = np.stack([cnt, s[:, F["sum"]], s[:, F["l1"]], l2s * l2s, nan, s[:, F["inf_count"]],
-                        s[:, F["zero_count"]], m2 + cnt * dm * dm], 1)
-        N, S, L1, L2s, NAN, INF, ZERO, M2c = reduce(np.add, add, 0.0).T
+        add = np.stack([s[:, F[f]] for f in _SUMMED] + [l2s * l2s, m2 + cnt * dm * dm], 1)
+        *summed, L2s, M2c = reduce(np.add, add, 0.0).T
+        tot = dict(zip(_SUMMED, summed))
+        N, S, NAN, INF = tot["numel"], tot["sum"], tot["nan_count"], tot["inf_count"]
         gmean = np.where(N > 0, S / np.maximum(N, 1), math.nan)
         d = (gmean - c) / L
         std = L * np.sqrt(np.maximum(M2c - N * d * d, 0) / np.maximum(N - 1, 1))
         std = np.where((N < 2) | (NAN > 0) | (INF > 0), math.nan, std)
         l2 = np.where(INF > 0, math.inf, L * np.sqrt(L2s))
     has_nan, empty = NAN > 0, N == 0
+    rules = {"sum": tot, "mean": gmean, "var": std * std, "std": std, "l2": np.where(has_nan, math.nan, l2),
+             "linf": np.where(has_nan, math.nan, glinf), "min": np.where(has_nan | empty, math.nan, gmin),
+             "max": np.where(has_nan | empty, math.nan, gmax)}
+    assert set(rules) == set(RULES)
     out = np.empty((G, _NF))
-    out[:, F["numel"]] = N
-    out[:, F["sum"]] = S
-    out[:, F["mean"]] = gmean
-    out[:, F["var"]] = std * std
-    out[:, F["std"]] = std
-    out[:, F["l1"]] = L1
-    out[:, F["l2"]] = np.where(has_nan, math.nan, l2)
-    out[:, F["linf"]] = np.where(has_nan, math.nan, glinf)
-    out[:, F["min"]] = np.where(has_nan | empty, math.nan, gmin)
-    out[:, F["max"]] = np.where(has_nan | empty, math.nan, gmax)
-    out[:, F["nan_count"]] = NAN
-    out[:, F["inf_count"]] = INF
-    out[:, F["zero_count"]] = ZERO
+    for f in STATS:
+        out[:, F[f.name]] = tot[f.name] if f.merge == "sum" else rules[f.merge]
     return out
 
 

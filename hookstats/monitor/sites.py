@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16"}
+from .._fields import DTYPE_NAMES
+
 _INT_COLS = ("hook", "index", "call", "dev", "row", "hgroup", "hrow")
 
 
@@ -37,7 +38,7 @@ class SiteTable:
         arr = np.array([s[:3] + s[4:] for s in new], dtype=np.int64).reshape(-1, 7)
         for j, c in enumerate(_INT_COLS):
             self._cols[c] = np.concatenate([self._cols[c], arr[:, j]])
-        self.dtypes.extend(_DTYPES.get(s[3], s[3]) for s in new)
+        self.dtypes.extend(DTYPE_NAMES.get(s[3], s[3]) for s in new)  # c10's name -> the record's
         self._n += len(new)
 
     def column(self, name: str) -> np.ndarray:

@@ -6,10 +6,9 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from .._ops import STATS_FIELDS
+from .._fields import STAT_INDEX as _F
+from .._fields import STATS_FIELDS
 from .block import mask_ranks
-
-_F = {name: i for i, name in enumerate(STATS_FIELDS)}
 
 
 def summary_from_columns(module: Sequence[str], kind: Sequence[str], step: np.ndarray, stats: np.ndarray,
@@ -72,7 +71,8 @@ def summary_from_groups(group: np.ndarray, keys: Sequence[tuple], step: np.ndarr
 def summary_rows(records: Iterable[dict]) -> list[dict]:
     """summary_from_columns() of records as dicts (a log read back, records())."""
     records = list(records)
-    stats = np.array([[r["stats"][f] for f in STATS_FIELDS] for r in records], dtype=np.float64).reshape(-1, 13)
+    stats = np.array([[r["stats"][f] for f in STATS_FIELDS] for r in records], dtype=np.float64)
+    stats = stats.reshape(-1, len(STATS_FIELDS))
     return summary_from_columns([r["module"] for r in records], [r["kind"] for r in records],
                                 np.array([r["step"] for r in records], dtype=np.int64), stats)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._ops import COUNT_FIELDS, STATS_FIELDS
-from .schema import HIST_PREFIX, hist_column, hist_columns
+from .._fields import COUNT_FIELDS, STATS_FIELDS
+from .schema import HIST_PREFIX, hist_column, hist_columns, table_records
 
 
 def _is_table(x) -> bool:
@@ -166,26 +166,12 @@ class Columns:
         return out
 
     def records_at(self, rows: np.ndarray) -> list:
-        """Record dicts of the given rows (few of them: what a plot draws in detail)."""
+        """Record dicts of the given rows (few of them: what a plot draws in detail), with every field the records
+        have (schema.table_records)."""
         rows = np.asarray(rows, dtype=np.int64)
         if self._records is not None:
             return [self._records[i] for i in rows]
-        hist: dict = {}
-        for L in self.hist_lengths():
-            for hr, h in self.hist_chunks(L):
-                sel = np.isin(hr, rows)
-                for i, v in zip(hr[sel].tolist(), h[sel]):
-                    hist[i] = v.tolist()
-        stats = {f: self.stat(f)[rows] for f in STATS_FIELDS}
-        index = (self._table.column("index").to_numpy()[rows].tolist() if "index" in self._table.column_names
-                 else [0] * len(rows))
-        out = []
-        for j, i in enumerate(rows.tolist()):
-            st = {f: (int(v[j]) if f in COUNT_FIELDS else float(v[j])) for f, v in stats.items()}
-            out.append({"seq": int(self.seq[i]), "step": int(self.step[i]), "module": self.module_names[self.module[i]],
-                        "kind": self.kind_names[self.kind[i]], "index": int(index[j]),
-                        "dtype": self.dtype_names[self.dtype[i]], "stats": st, "histogram": hist.get(i)})
-        return out
+        return table_records(self._table.take(rows))
 
 
 def first_seen(codes: np.ndarray) -> list:

@@ -23,74 +23,21 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 import numpy as np
 
-from .._ops import COUNT_FIELDS, STATS_FIELDS
+from .._fields import FIELDS, STATS, decode_record, encode_record
+from .._fields import dec_float as _dec_float
+from .._fields import enc_float as _enc_float
 from .resume import check_resume, plain
-
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def _enc_float(v: float):
-    if v != v:
-        return "NaN"
-    if v == math.inf:
-        return "Infinity"
-    if v == -math.inf:
-        return "-Infinity"
-    return v
-
-
-def _dec_float(v):
-    return _NONFINITE[v] if isinstance(v, str) else v
-
-
-def _sparse(h: Optional[list]):
-    if h is None:
-        return None
-    return {"length": len(h), "nonzero": [[i, c] for i, c in enumerate(h) if c]}
-
-
-def _dense(h) -> Optional[list]:
-    if h is None:
-        return None
-    out = [0] * h["length"]
-    for i, c in h["nonzero"]:
-        out[i] = c
-    return out
-
-
-_LOCATION_KEYS = ("shape", "argmax_abs_index", "first_nonfinite_index")
-_MERGE_KEYS = ("ranks", "nonfinite_ranks", "location_rank")  # Note [merging records across ranks]
-
-
-def encode_record(r: dict) -> dict:
-    out = {"type": "record", "seq": r["seq"], "step": r["step"], "module": r["module"], "kind": r["kind"],
-           "index": r["index"], "dtype": r.get("dtype")}
-    out["stats"] = {k: _enc_float(v) if isinstance(v, float) else v for k, v in r["stats"].items()}
-    out["histogram"] = _sparse(r.get("histogram"))
-    for k in _LOCATION_KEYS:  # Monitor(locations=True) records only
-        if k in r:
-            out[k] = None if r[k] is None else list(r[k])
-    for k in _MERGE_KEYS:  # records merged across ranks only
-        if k in r:
-            out[k] = r[k]
-    return out
-
-
-def decode_record(d: dict) -> dict:
-    r = {k: d[k] for k in ("seq", "step", "module", "kind", "index", "dtype") if k in d}
-    r["stats"] = {k: _dec_float(v) for k, v in d["stats"].items()}
-    r["histogram"] = _dense(d.get("histogram"))
-    for k in _LOCATION_KEYS:
-        if k in d:
-            r[k] = None if d[k] is None else tuple(d[k])
-    for k in _MERGE_KEYS:
-        if k in d:
-            r[k] = d[k]
-    return r
 
 
 def _row_template() -> str:
-    return ",".join(f'"{f}":%d' if f in COUNT_FIELDS else f'"{f}":%r' for f in STATS_FIELDS)
+    """A stats row's JSON, as encode_record writes a finite one (Note [record fields])."""
+    return ",".join(f'"{f.name}":%d' if f.kind == "count" else f'"{f.name}":%r' for f in STATS)
+
+
+_ROW_FIELDS = tuple(f.name for f in FIELDS if f.kind == "identity" and not f.site)  # seq, step: per row
+_SITE_FIELDS = tuple(f.name for f in FIELDS if f.site)  # module, kind, index, dtype: per site
+assert [f.name for f in FIELDS[:len(_ROW_FIELDS) + len(_SITE_FIELDS)]] == list(_ROW_FIELDS + _SITE_FIELDS), \
+    "encode_block writes a record's per-row identity fields, then its per-site ones, then its statistics"
 
 
 def encode_block(block) -> str:
@@ -102,21 +49,20 @@ def encode_block(block) -> str:
     t = block.table
     sites, inv = np.unique(np.asarray(block.sites, dtype=np.int64), return_inverse=True)
     dumps = json.dumps
-    site_part = []
-    for sid in sites.tolist():
-        module, kind = t.hook_names[t.hook[sid]]
-        site_part.append(f',"module":{dumps(module)},"kind":{dumps(kind)},"index":{int(t.index[sid])},'
-                         f'"dtype":{dumps(t.dtypes[sid])},"stats":{{')
+    site_vals = [t.column(c)[sites].tolist() for c in _SITE_FIELDS]
+    site_part = ["".join(f',"{c}":{dumps(v[k])}' for c, v in zip(_SITE_FIELDS, site_vals)) + ',"stats":{'
+                 for k in range(len(sites))]
+    row_tmpl = '{"type":"record"' + "".join(f',"{c}":%d' for c in _ROW_FIELDS)
     tmpl = _row_template()
     stats = block.stats
     finite = np.isfinite(stats).all(axis=1)
     if getattr(block, "loc", None) is not None or getattr(block, "ranks", None) is not None:
         finite[:] = False  # records with locations or merged across ranks: each through encode_record
     rows = stats.tolist()
-    steps = block.steps.tolist()
+    row_vals = {"seq": range(block.seq0, block.seq0 + n), "step": block.steps.tolist()}
+    row_ids = list(zip(*(row_vals[c] for c in _ROW_FIELDS)))
     inv = inv.tolist()
     hg, hr = block.hist_group, block.hist_row
-    seq0 = block.seq0
     out = []
     for i in range(n):
         g = int(hg[i])
@@ -128,8 +74,7 @@ def encode_block(block) -> str:
         else:
             hist = "null"
         if finite[i]:
-            out.append(f'{{"type":"record","seq":{seq0 + i},"step":{steps[i]}{site_part[inv[i]]}'
-                       f'{tmpl % tuple(rows[i])}}},"histogram":{hist}}}\n')
+            out.append(f'{row_tmpl % row_ids[i]}{site_part[inv[i]]}{tmpl % tuple(rows[i])}}},"histogram":{hist}}}\n')
         else:
             out.append(dumps(encode_record(block.record(i, rows[i])), allow_nan=False, separators=(",", ":")) + "\n")
     return "".join(out)

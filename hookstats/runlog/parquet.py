@@ -37,12 +37,9 @@ import shutil
 import time
 from typing import NamedTuple, Optional, Sequence
 
-import torch
-
-from .._ops import exp_layout, hist_length
-from .._types import _MODE_RANGE
 from . import durable as _durable
 from . import schema as _t
+from .schema import records_schema  # noqa: F401  (this module's name for it too)
 from .resume import check_resume, check_stats_dtype
 
 _PART = re.compile(r"^(records|scalars)-(\d{6,})(?:-(\d{6,}))?\.parquet$")
@@ -125,27 +122,6 @@ def is_parquet_log(path) -> bool:
 
 def _last_flush(path: str) -> int:
     return max((b for items in parts(path).values() for _, b, _ in items), default=0)
-
-
-def _exp_lengths() -> list:
-    return sorted({exp_layout(d).length for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)})
-
-
-def records_schema(info: dict, stats_dtype: str):
-    """The schema of every records file of a run: the table columns, the location and merge columns when the run
-    has them, and every histogram column its histogram spec can give."""
-    pa = _t._pa()
-    fields = list(_t.empty_table(stats_dtype).schema)
-    if info.get("locations"):
-        fields += [pa.field(c, pa.list_(pa.int64())) for c in _t.LOCATION_COLUMNS]
-    if info.get("merged"):  # Note [merging records across ranks]
-        fields += [pa.field("ranks", pa.int32()), pa.field("nonfinite_ranks", pa.list_(pa.int32()))]
-        if info.get("locations"):
-            fields.append(pa.field("location_rank", pa.int32()))
-    h = info.get("histogram")
-    lengths = [] if not h else (_exp_lengths() if h["kind"] == "exp" else [hist_length(torch.float32, _MODE_RANGE, int(h["bins"]))])
-    fields += [pa.field(_t.hist_column(n), pa.list_(pa.int64())) for n in lengths]
-    return pa.schema(fields)
 
 
 def _conform(table, schema):

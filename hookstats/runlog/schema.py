@@ -1,6 +1,7 @@
 """A Monitor's records as an Arrow table, built from the flushed Blocks' columns (never a dict per record).
 
-Schema (RECORD_COLUMNS, then the histogram columns):
+Every column, its Arrow type and which runs have it come from the field specification (hookstats/_fields.py, Note
+[record fields]); a table's columns are its fields in that order. Schema (RECORD_COLUMNS, then the histogram columns):
   seq int64, step int64                      -- as in records()
   module, kind, dtype: dictionary<int32, string>  -- the site columns, dictionary-encoded (a few hundred distinct
                                                       names for millions of rows)
@@ -41,15 +42,27 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from .._ops import COUNT_FIELDS, STATS_FIELDS, unravel_many
+from .._fields import (  # noqa: F401  (HIST_PREFIX, LOCATION_COLUMNS, MERGE_COLUMNS: this module's names too)
+    BY_NAME,
+    FIELDS,
+    HIST_PREFIX,
+    IDENTITY_COLUMNS,
+    LOCATION_COLUMNS,
+    MERGE_COLUMNS,
+    SITE_COLUMNS,
+    STAT_KINDS,
+    STATS_FIELDS,
+    TABLE_CODECS,
+    hist_column,
+    hist_lengths,
+    present,
+    record_value,
+    run_fields,
+    unravel_many,
+)
 
-SITE_COLUMNS = ("module", "kind", "dtype")
-RECORD_COLUMNS = ("seq", "step", "module", "kind", "index", "dtype") + STATS_FIELDS
-HIST_PREFIX = "histogram_"
-LOCATION_COLUMNS = ("shape", "argmax_abs_index", "first_nonfinite_index")
-MERGE_COLUMNS = ("ranks", "nonfinite_ranks", "location_rank")
+RECORD_COLUMNS = IDENTITY_COLUMNS + STATS_FIELDS
 RUN_KEY = b"hookstats.run"
-_COUNT = frozenset(COUNT_FIELDS)
 
 
 def _pa():
@@ -60,8 +73,26 @@ def _pa():
     return pa
 
 
-def hist_column(length: int) -> str:
-    return f"{HIST_PREFIX}{int(length)}"
+def arrow_type(pa, field, stats_dtype: str = "float64"):
+    """A field's Arrow type (Note [record fields]); "float" is float32 in a float32 log."""
+    t = field.arrow
+    if t == "float":
+        return pa.float32() if stats_dtype == "float32" else pa.float64()
+    if t == "dict":
+        return pa.dictionary(pa.int32(), pa.string())
+    if t.startswith("list<"):
+        return pa.list_(getattr(pa, t[len("list<"):-1])())
+    return getattr(pa, t)()
+
+
+def records_schema(info: dict, stats_dtype: str = "float64"):
+    """The schema of every records table of a run, from its header: its fields (Note [record fields]: the location
+    and merge columns when the run has them) and every histogram column its histogram spec can give."""
+    pa = _pa()
+    fields = [pa.field(f.name, arrow_type(pa, f, stats_dtype)) for f in run_fields(info) if f.kind != "histogram"]
+    hist = BY_NAME["histogram"]
+    fields += [pa.field(hist_column(n), arrow_type(pa, hist)) for n in hist_lengths(info.get("histogram"))]
+    return pa.schema(fields)
 
 
 def hist_columns(names: Iterable[str]) -> list:
@@ -110,7 +141,8 @@ _F32 = np.finfo(np.float32)
 def stat_column(pa, field: str, values: np.ndarray, stats_dtype: str, unfit: Optional[list] = None):
     """One statistic's column: int64 counts, float64, or float32 with the values float32 cannot hold as nulls (Note
     [statistics that float32 cannot hold]; each such column appended to `unfit` as (field, rows, values))."""
-    if field in _COUNT:
+    f = BY_NAME.get(field)
+    if f is not None and f.kind == "count":
         return pa.array(values.astype(np.int64))
     if stats_dtype != "float32":
         return pa.array(values.astype(np.float64, copy=False))
@@ -132,21 +164,18 @@ def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = 
     if stats_dtype not in ("float64", "float32"):
         raise ValueError(f"hookstats: stats_dtype must be 'float64' or 'float32', got {stats_dtype!r}")
     n = len(block)
-    sd = _site_dicts(block.table)
-    sites = np.asarray(block.sites, dtype=np.int64)
-    cols = {"seq": pa.array(np.arange(block.seq0, block.seq0 + n, dtype=np.int64)),
-            "step": pa.array(np.asarray(block.steps, dtype=np.int64))}
-    for c in ("module", "kind"):
-        cols[c] = pa.DictionaryArray.from_arrays(pa.array(sd.site_codes[c][sites]), sd.dicts[c])
-    cols["index"] = pa.array(sd.index[sites])
-    cols["dtype"] = pa.DictionaryArray.from_arrays(pa.array(sd.site_codes["dtype"][sites]), sd.dicts["dtype"])
-    stats = block.stats
+    locations = getattr(block, "loc", None) is not None
+    merged = getattr(block, "ranks", None) is not None
+    made = _identity_columns(pa, block)
     for j, f in enumerate(STATS_FIELDS):
-        cols[f] = stat_column(pa, f, stats[:, j], stats_dtype, unfit)
-    if getattr(block, "loc", None) is not None:
-        _location_columns(pa, block, cols)
-    if getattr(block, "ranks", None) is not None:
-        _merge_columns(pa, block, cols)
+        made[f] = stat_column(pa, f, block.stats[:, j], stats_dtype, unfit)
+    if locations:
+        made.update(_location_columns(pa, block))
+    if merged:
+        made.update(_merge_columns(pa, block))
+    cols = {f.name: made.pop(f.name) for f in FIELDS
+            if f.kind != "histogram" and present(f, locations=locations, merged=merged)}
+    assert not made, f"columns outside the field specification: {sorted(made)}"
     by_len: dict = {}
     for g, h in enumerate(block.hists):
         by_len.setdefault(h.shape[-1], []).append(g)
@@ -168,6 +197,18 @@ def block_table(block, stats_dtype: str = "float64", metadata: Optional[dict] = 
     return with_run_info(t, metadata) if metadata is not None else t
 
 
+def _identity_columns(pa, block) -> dict:
+    """seq, step and the site columns of a block (the site ones through the site table's dictionary codes)."""
+    n = len(block)
+    sd = _site_dicts(block.table)
+    sites = np.asarray(block.sites, dtype=np.int64)
+    cols = {"seq": pa.array(np.arange(block.seq0, block.seq0 + n, dtype=np.int64)),
+            "step": pa.array(np.asarray(block.steps, dtype=np.int64)), "index": pa.array(sd.index[sites])}
+    for c in SITE_COLUMNS:
+        cols[c] = pa.DictionaryArray.from_arrays(pa.array(sd.site_codes[c][sites]), sd.dicts[c])
+    return cols
+
+
 def _ragged(pa, values: np.ndarray, lengths: np.ndarray, valid: Optional[np.ndarray] = None):
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -175,27 +216,32 @@ def _ragged(pa, values: np.ndarray, lengths: np.ndarray, valid: Optional[np.ndar
                                     mask=None if valid is None else pa.array(~valid))
 
 
-def _location_columns(pa, block, cols: dict) -> None:
-    """shape and the two coordinate columns of a block with locations, from its flat indices, in numpy."""
+def _location_columns(pa, block) -> dict:
+    """The location columns of a block with locations: its shapes, and the coordinates of its flat indices (block.loc:
+    one column per coordinate column, in LOCATION_COLUMNS order), in numpy."""
     ndim = np.asarray(block.shape_ndim, dtype=np.int64)
     dims = np.asarray(block.shape_dims, dtype=np.int64)
-    cols["shape"] = _ragged(pa, dims, ndim)
-    for j, name in enumerate(("argmax_abs_index", "first_nonfinite_index")):
+    shape, *coord_names = LOCATION_COLUMNS
+    cols = {shape: _ragged(pa, dims, ndim)}
+    for j, name in enumerate(coord_names):
         coords, valid, _ = unravel_many(block.loc[:, j], ndim, dims)
         keep = np.repeat(valid, ndim)
         cols[name] = _ragged(pa, coords[keep], np.where(valid, ndim, 0), valid)
+    return cols
 
 
-def _merge_columns(pa, block, cols: dict) -> None:
-    """ranks, nonfinite_ranks (from the bitmask of ranks 0-62) and location_rank of a block merged across ranks."""
-    cols["ranks"] = pa.array(np.asarray(block.ranks, dtype=np.int32))
+def _merge_columns(pa, block) -> dict:
+    """The merge columns of a block merged across ranks: ranks, nonfinite_ranks (from the bitmask of ranks 0-62) and,
+    with locations, location_rank."""
     mask = np.asarray(block.nonfinite_mask, dtype=np.int64)
     bits = (mask[:, None] >> np.arange(63, dtype=np.int64)) & 1 if len(mask) else np.zeros((0, 63), np.int64)
-    cols["nonfinite_ranks"] = pa.ListArray.from_arrays(
-        pa.array(np.concatenate([[0], np.cumsum(bits.sum(1))]).astype(np.int32)),
-        pa.array(np.nonzero(bits)[1].astype(np.int32)))
+    cols = {"ranks": pa.array(np.asarray(block.ranks, dtype=np.int32)),
+            "nonfinite_ranks": pa.ListArray.from_arrays(
+                pa.array(np.concatenate([[0], np.cumsum(bits.sum(1))]).astype(np.int32)),
+                pa.array(np.nonzero(bits)[1].astype(np.int32)))}
     if getattr(block, "location_rank", None) is not None:
         cols["location_rank"] = pa.array(np.asarray(block.location_rank, dtype=np.int32))
+    return cols
 
 
 def with_run_info(table, info: Optional[dict]):
@@ -214,12 +260,8 @@ def run_info(table) -> dict:
 
 
 def empty_table(stats_dtype: str = "float64"):
-    pa = _pa()
-    d = pa.dictionary(pa.int32(), pa.string())
-    ft = pa.float32() if stats_dtype == "float32" else pa.float64()
-    fields = [("seq", pa.int64()), ("step", pa.int64()), ("module", d), ("kind", d), ("index", pa.int32()),
-              ("dtype", d)] + [(f, pa.int64() if f in _COUNT else ft) for f in STATS_FIELDS]
-    return pa.schema(fields).empty_table()
+    """A table of no records: the columns every run has."""
+    return records_schema({}, stats_dtype).empty_table()
 
 
 def concat(tables: Sequence, stats_dtype: str = "float64"):
@@ -234,63 +276,56 @@ def concat(tables: Sequence, stats_dtype: str = "float64"):
 
 
 def table_records(table) -> list:
-    """The rows of a records table as record dicts (records()'s form: stats as a dict of float / int, histogram as a
-    list or None)."""
+    """The rows of a records table as record dicts (records()'s form: the fields the table has, stats as a dict of
+    float / int, histogram as a list or None; Note [record fields])."""
     names = table.column_names
     hcols = hist_columns(names)
     py = {c: table.column(c).to_pylist() for c in names if c not in hcols}
     hists = [table.column(c).to_pylist() for c in hcols]
     n = table.num_rows
-    stat_cols = [(f, py[f], f in _COUNT) for f in STATS_FIELDS if f in py]
+    stat_cols = [(f, py[f], BY_NAME[f].kind == "count") for f in STATS_FIELDS if f in py]
+    before, after = [], []  # (name, values, codec) of the fields before the statistics and after the histogram
+    for f in FIELDS:
+        if f.kind in STAT_KINDS or f.kind == "histogram":
+            continue
+        if f.name in py:
+            (before if f.kind == "identity" else after).append((f.name, py[f.name], TABLE_CODECS[f.json]))
     out = []
     for i in range(n):
-        st = {f: (int(v[i]) if cnt else None if v[i] is None else float(v[i])) for f, v, cnt in stat_cols}
-        h = None
-        for hc in hists:
-            if hc[i] is not None:
-                h = hc[i]
-                break
-        r = {"seq": py["seq"][i], "step": py["step"][i], "module": py["module"][i], "kind": py["kind"][i],
-             "index": py["index"][i], "dtype": py["dtype"][i], "stats": st, "histogram": h}
-        for c in LOCATION_COLUMNS:
-            if c in py:
-                v = py[c][i]
-                r[c] = None if v is None else tuple(v)
-        for c in MERGE_COLUMNS:
-            if c in py:
-                r[c] = py[c][i]
+        r = {name: codec(v[i]) for name, v, codec in before}
+        r["stats"] = {f: (int(v[i]) if cnt else None if v[i] is None else float(v[i])) for f, v, cnt in stat_cols}
+        r["histogram"] = next((hc[i] for hc in hists if hc[i] is not None), None)
+        for name, v, codec in after:
+            r[name] = codec(v[i])
         out.append(r)
     return out
 
 
 def records_table(records: Sequence[dict], stats_dtype: str = "float64", unfit: Optional[list] = None):
-    """record dicts (a JSONL log read back) as a records table (stats_dtype and unfit: block_table)."""
+    """record dicts (a JSONL log read back) as a records table (stats_dtype and unfit: block_table): every field the
+    records have (an identity column an old record lacks: its default; Note [record fields])."""
     pa = _pa()
     records = list(records)
     if not records:
         return empty_table(stats_dtype)
-    cols = {"seq": pa.array([r.get("seq", i) for i, r in enumerate(records)], pa.int64()),
-            "step": pa.array([r["step"] for r in records], pa.int64())}
-    for c in ("module", "kind"):
-        cols[c] = pa.array([r[c] for r in records], pa.string()).dictionary_encode()
-    cols["index"] = pa.array([r.get("index") or 0 for r in records], pa.int32())
-    cols["dtype"] = pa.array([r.get("dtype") or "" for r in records], pa.string()).dictionary_encode()
+    cols = {}
     stats = np.array([[r["stats"].get(f, np.nan) for f in STATS_FIELDS] for r in records], dtype=np.float64)
-    for j, f in enumerate(STATS_FIELDS):
-        cols[f] = stat_column(pa, f, stats[:, j], stats_dtype, unfit)
-    for c in LOCATION_COLUMNS:
-        if any(c in r for r in records):
-            cols[c] = pa.array([None if r.get(c) is None else list(r[c]) for r in records], pa.list_(pa.int64()))
-    if any("ranks" in r for r in records):
-        cols["ranks"] = pa.array([r.get("ranks") for r in records], pa.int32())
-        cols["nonfinite_ranks"] = pa.array([r.get("nonfinite_ranks") for r in records], pa.list_(pa.int32()))
-        if any("location_rank" in r for r in records):
-            cols["location_rank"] = pa.array([r.get("location_rank") for r in records], pa.int32())
+    for f in FIELDS:
+        if f.kind in STAT_KINDS:
+            cols[f.name] = stat_column(pa, f.name, stats[:, STATS_FIELDS.index(f.name)], stats_dtype, unfit)
+        elif f.kind == "histogram":
+            continue
+        elif f.when == "always" or any(f.name in r for r in records):
+            vals = [record_value(f, r, i) for i, r in enumerate(records)]
+            if f.arrow == "dict":
+                cols[f.name] = pa.array(vals, pa.string()).dictionary_encode()
+            else:
+                cols[f.name] = pa.array(vals, arrow_type(pa, f, stats_dtype))
     lens = sorted({len(r["histogram"]) for r in records if r.get("histogram") is not None})
     for L in lens:
         cols[hist_column(L)] = pa.array([r["histogram"] if r.get("histogram") is not None and
                                          len(r["histogram"]) == L else None for r in records],
-                                        pa.list_(pa.int64()))
+                                        arrow_type(pa, BY_NAME["histogram"]))
     return pa.table(cols)
 
 
@@ -310,6 +345,6 @@ def table_scalars(table) -> list:
             zip(cols["seq"], cols["step"], cols["tag"], cols["value"])]
 
 
-__all__ = ["block_table", "concat", "table_records", "records_table", "scalars_table", "table_scalars", "run_info",
-           "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS", "SITE_COLUMNS", "RUN_KEY",
-           "LOCATION_COLUMNS", "MERGE_COLUMNS", "HIST_PREFIX", "stat_column"]
+__all__ = ["block_table", "concat", "table_records", "records_table", "records_schema", "arrow_type", "scalars_table",
+           "table_scalars", "run_info", "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS",
+           "SITE_COLUMNS", "RUN_KEY", "LOCATION_COLUMNS", "MERGE_COLUMNS", "HIST_PREFIX", "stat_column"]
