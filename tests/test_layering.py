@@ -112,6 +112,21 @@ def test_runlog_imports_no_exporter_and_no_monitor():
         assert not bad, f"{m} imports {bad}"
 
 
+def test_runlog_needs_no_op_layer():
+    """A log reader needs no compiled extension: the run log reaches the field specification (_fields.py, which
+    imports no torch and no hookstats module), never the op layer that loads _C."""
+    graph = _graph()
+    assert graph["hookstats._fields"] == set()
+    top = {(n.module or "").split(".")[0] if isinstance(n, ast.ImportFrom) else a.name.split(".")[0]
+           for n in ast.parse((PKG / "_fields.py").read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))
+           for a in n.names}
+    assert top <= {"__future__", "math", "typing"}, top
+    for m in [m for m in graph if m == "hookstats.runlog" or m.startswith("hookstats.runlog.")]:
+        bad = sorted(n for n in _reach(graph, m) if n in ("hookstats._ops", "hookstats._kernels", "hookstats._types",
+                                                          "hookstats.reference", "hookstats.monitor"))
+        assert not bad, f"{m} imports {bad}"
+
+
 def test_no_module_imports_a_deprecated_path():
     graph = _graph()
     for m, deps in sorted(graph.items()):

@@ -142,8 +142,9 @@ def stat_column(pa, field: str, values: np.ndarray, stats_dtype: str, unfit: Opt
     """One statistic's column: int64 counts, float64, or float32 with the values float32 cannot hold as nulls (Note
     [statistics that float32 cannot hold]; each such column appended to `unfit` as (field, rows, values))."""
     f = BY_NAME.get(field)
-    if f is not None and f.kind == "count":
-        return pa.array(values.astype(np.int64))
+    if f is not None and f.kind == "count":  # NaN: a record of a log written before the field existed
+        missing = np.isnan(values)
+        return pa.array(np.where(missing, 0, values).astype(np.int64), mask=missing if missing.any() else None)
     if stats_dtype != "float32":
         return pa.array(values.astype(np.float64, copy=False))
     with np.errstate(over="ignore", under="ignore"):
@@ -293,7 +294,7 @@ def table_records(table) -> list:
     out = []
     for i in range(n):
         r = {name: codec(v[i]) for name, v, codec in before}
-        r["stats"] = {f: (int(v[i]) if cnt else None if v[i] is None else float(v[i])) for f, v, cnt in stat_cols}
+        r["stats"] = {f: (None if v[i] is None else int(v[i]) if cnt else float(v[i])) for f, v, cnt in stat_cols}
         r["histogram"] = next((hc[i] for hc in hists if hc[i] is not None), None)
         for name, v, codec in after:
             r[name] = codec(v[i])
