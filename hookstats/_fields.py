@@ -188,19 +188,9 @@ def stats_dict(row) -> dict:
     return {f.name: (int(v) if f.kind == "count" and v == v else v) for f, v in zip(STATS, row)}
 
 
-# The keys of a record dict, in order: the statistics under one key, "stats", where they are in FIELDS.
+# The keys of a record dict, in order: the statistics under one key, "stats", where they are in FIELDS (Block.record
+# builds its dicts in this order; tests/test_fields.py checks them).
 RECORD_KEYS = tuple(dict.fromkeys("stats" if f.kind in STAT_KINDS else f.name for f in FIELDS))
-
-
-def make_record(values: dict) -> dict:
-    """A record dict from its values by key (those the record has; "stats": stats_dict(row)), in RECORD_KEYS order."""
-    unknown = values.keys() - _RECORD_KEY_SET
-    if unknown:
-        raise KeyError(f"hookstats: {sorted(unknown)} are not fields of a record (hookstats/_fields.py)")
-    return {k: values[k] for k in RECORD_KEYS if k in values}
-
-
-_RECORD_KEY_SET = frozenset(RECORD_KEYS)
 
 
 def unravel_many(flat, ndim, dims):
@@ -307,4 +297,4 @@ __all__ = ["Field", "FIELDS", "BY_NAME", "STATS", "STATS_FIELDS", "COUNT_FIELDS"
            "STAT_PARTS", "parts_of", "IDENTITY_COLUMNS", "SITE_COLUMNS", "LOCATION_COLUMNS", "MERGE_COLUMNS", "HIST_PREFIX",
            "hist_column", "present", "run_fields", "FloatDType", "DTYPES", "DTYPE_BY_NAME", "DTYPE_NAMES",
            "range_hist_length", "exp_hist_length", "hist_lengths", "enc_float", "dec_float", "stats_dict",
-           "unravel_many", "RECORD_KEYS", "make_record", "encode_record", "decode_record", "record_value", "JSON_CODECS", "TABLE_CODECS"]
+           "unravel_many", "RECORD_KEYS", "encode_record", "decode_record", "record_value", "JSON_CODECS", "TABLE_CODECS"]

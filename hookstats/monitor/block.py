@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from .._fields import LOCATION_COLUMNS, STAT_INDEX, make_record, stats_dict, unravel_many
+from .._fields import LOCATION_COLUMNS, STAT_INDEX, stats_dict, unravel_many
 from .sites import SiteTable
 
 _NAN, _INF = STAT_INDEX["nan_count"], STAT_INDEX["inf_count"]
@@ -199,7 +199,7 @@ class Block:
             r["nonfinite_ranks"] = mask_ranks(int(self.nonfinite_mask[i]))
             if self.location_rank is not None:
                 r["location_rank"] = int(self.location_rank[i])
-        return make_record(r)
+        return r  # its keys in the order of _fields.RECORD_KEYS (tests/test_fields.py)
 
     def records(self) -> list[dict]:
         """The rows as record dicts (built once, on first call)."""

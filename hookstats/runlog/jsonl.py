@@ -16,7 +16,6 @@ last line cut short by a kill.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from typing import Any, Iterable, NamedTuple, Optional
