@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -126,10 +127,11 @@ def test_every_column_reaches_every_log(tmp_path, hist, locations, merged):
         dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         m = TwoDtypes()
-        jl, pql = tmp_path / "log.jsonl", tmp_path / "log.parquet"
+        jl, pql, pql32 = tmp_path / "log.jsonl", tmp_path / "log.parquet", tmp_path / "f32" / "log.parquet"
         mon = hookstats.Monitor(m, kinds=("forward", "backward_pre", "grad"), histogram=HISTOGRAMS[hist],
                                 locations=locations, process_group="world" if merged else None, flush_every=2,
-                                exporters=[JSONLWriter(jl), ParquetWriter(pql)])
+                                exporters=[JSONLWriter(jl), ParquetWriter(pql),
+                                           ParquetWriter(pql32, stats_dtype="float32")])
         _run(mon, m)
         mon.detach()
         info = mon.run_info()
@@ -155,14 +157,18 @@ def test_every_column_reaches_every_log(tmp_path, hist, locations, merged):
     assert len(lines) == len(want) and all(list(d) == ["type"] + keys for d in lines)
 
     jrun, prun = read_run(jl), read_run(pql)
-    tables = {"table()": mon.table(), "jsonl": jrun.records, "parquet": prun.records}
+    tables = {"table()": mon.table(), "jsonl": jrun.records, "parquet": prun.records,
+              "parquet float32": read_run(pql32).records}
+    want32 = [{**r, "stats": {k: float(np.float32(v)) if F.BY_NAME[k].kind == "value" else v
+                              for k, v in r["stats"].items()}} for r in want]
     for name, t in tables.items():
         assert [c for c in t.column_names if not c.startswith(F.HIST_PREFIX)] == columns, name
+        stats_dtype = "float32" if name.endswith("float32") else "float64"
         for c in columns:  # each column of its spec's Arrow type
-            want_type = T.arrow_type(pa, F.BY_NAME[c])
+            want_type = T.arrow_type(pa, F.BY_NAME[c], stats_dtype)
             got = t.schema.field(c).type
             assert got == want_type or (pa.types.is_dictionary(want_type) and pa.types.is_dictionary(got)), (name, c)
-        assert _dumps(T.table_records(t)) == _dumps(want), name
+        assert _dumps(T.table_records(t)) == _dumps(want32 if stats_dtype == "float32" else want), name
 
     # histograms: the columns with data are the same everywhere, each entry exactly its length; the Parquet log's
     # schema is the run's (every length its spec can give, all-null where no tensor of that dtype was recorded)
@@ -171,11 +177,11 @@ def test_every_column_reaches_every_log(tmp_path, hist, locations, merged):
 
     lengths = sorted({len(r["histogram"]) for r in want if r["histogram"] is not None})
     assert [F.hist_column(n) for n in lengths] == with_data(tables["table()"]) == with_data(tables["jsonl"]) \
-        == with_data(tables["parquet"])
+        == with_data(tables["parquet"]) == with_data(tables["parquet float32"])
     assert T.hist_columns(tables["table()"].column_names) == T.hist_columns(tables["jsonl"].column_names) \
         == [F.hist_column(n) for n in lengths]
-    assert T.hist_columns(tables["parquet"].column_names) == [F.hist_column(n)
-                                                              for n in F.hist_lengths(info["histogram"])]
+    for name in ("parquet", "parquet float32"):
+        assert T.hist_columns(tables[name].column_names) == [F.hist_column(n) for n in F.hist_lengths(info["histogram"])]
     if hist == "range":
         assert lengths == [11]  # no all-null extra column (bins + 3 counts)
     if hist == "exp":
@@ -184,8 +190,10 @@ def test_every_column_reaches_every_log(tmp_path, hist, locations, merged):
         for c in T.hist_columns(t.column_names):
             n = int(c[len(F.HIST_PREFIX):])
             assert all(v is None or len(v) == n for v in t.column(c).to_pylist())
-    files = sorted(p for p in pql.iterdir() if p.suffix == ".parquet")
-    assert files and all(pq.read_schema(p).remove_metadata().equals(T.records_schema(info)) for p in files)
+    for path, stats_dtype in ((pql, "float64"), (pql32, "float32")):
+        files = sorted(p for p in path.iterdir() if p.suffix == ".parquet")
+        assert files and all(pq.read_schema(p).remove_metadata().equals(T.records_schema(info, stats_dtype))
+                             for p in files)
 
     # the JSONL log read as dicts gives records() back too, and the readers agree on the header and scalars
     assert _dumps(read_jsonl(jl).records) == _dumps(want)
