@@ -259,9 +259,9 @@ def encode_record(r: dict) -> dict:
             continue
         if f.kind == "identity":
             out[f.name] = r[f.name] if f.default is None else r.get(f.name)
-        elif f.kind == "histogram":
-            out["stats"] = {k: enc_float(v) if isinstance(v, float) else v for k, v in r["stats"].items()}
-            out[f.name] = _sparse(r.get(f.name))
+        elif f.kind == "histogram":  # the statistics go just before it
+            out["stats"] = {k: JSON_CODECS["float"][0](v) for k, v in r["stats"].items()}
+            out[f.name] = JSON_CODECS[f.json][0](r.get(f.name))
         elif f.name in r:
             out[f.name] = JSON_CODECS[f.json][0](r[f.name])
     return out
@@ -275,8 +275,8 @@ def decode_record(d: dict) -> dict:
         if f.kind in STAT_KINDS:
             continue
         if f.kind == "histogram":
-            r["stats"] = {k: dec_float(v) for k, v in d["stats"].items()}
-            r[f.name] = _dense(d.get(f.name))
+            r["stats"] = {k: JSON_CODECS["float"][1](v) for k, v in d["stats"].items()}
+            r[f.name] = JSON_CODECS[f.json][1](d.get(f.name))
         elif f.name in d:
             r[f.name] = JSON_CODECS[f.json][1](d[f.name])
     return r

@@ -170,18 +170,20 @@ def test_every_column_reaches_every_log(tmp_path, hist, locations, merged):
             assert got == want_type or (pa.types.is_dictionary(want_type) and pa.types.is_dictionary(got)), (name, c)
         assert _dumps(T.table_records(t)) == _dumps(want32 if stats_dtype == "float32" else want), name
 
-    # histograms: the columns with data are the same everywhere, each entry exactly its length; the Parquet log's
-    # schema is the run's (every length its spec can give, all-null where no tensor of that dtype was recorded)
+    # histograms: the columns with data are the same everywhere, each entry exactly its length; a log read back has
+    # the run's schema, whichever the format (every length its histogram spec can give, all-null where no tensor of
+    # that dtype was recorded); Monitor.table() the lengths recorded
     def with_data(t):
         return [c for c in T.hist_columns(t.column_names) if t.column(c).null_count < t.num_rows]
 
     lengths = sorted({len(r["histogram"]) for r in want if r["histogram"] is not None})
     assert [F.hist_column(n) for n in lengths] == with_data(tables["table()"]) == with_data(tables["jsonl"]) \
         == with_data(tables["parquet"]) == with_data(tables["parquet float32"])
-    assert T.hist_columns(tables["table()"].column_names) == T.hist_columns(tables["jsonl"].column_names) \
-        == [F.hist_column(n) for n in lengths]
-    for name in ("parquet", "parquet float32"):
+    assert T.hist_columns(tables["table()"].column_names) == [F.hist_column(n) for n in lengths]
+    for name in ("jsonl", "parquet", "parquet float32"):
         assert T.hist_columns(tables[name].column_names) == [F.hist_column(n) for n in F.hist_lengths(info["histogram"])]
+        assert tables[name].schema.remove_metadata().equals(
+            T.records_schema(info, "float32" if name.endswith("float32") else "float64")), name
     if hist == "range":
         assert lengths == [11]  # no all-null extra column (bins + 3 counts)
     if hist == "exp":

@@ -124,26 +124,6 @@ def _last_flush(path: str) -> int:
     return max((b for items in parts(path).values() for _, b, _ in items), default=0)
 
 
-def _conform(table, schema):
-    """table with schema's columns in schema's order (missing ones as nulls) and its types; columns the schema lacks
-    are kept at the end (nothing is dropped)."""
-    import pyarrow as pa
-
-    cols, fields = [], []
-    for f in schema:
-        if f.name in table.column_names:
-            c = table.column(f.name)
-            cols.append(c if c.type == f.type else c.cast(f.type))
-        else:
-            cols.append(pa.nulls(table.num_rows, f.type))
-        fields.append(f)
-    for name in table.column_names:
-        if schema.get_field_index(name) < 0:
-            cols.append(table.column(name))
-            fields.append(table.schema.field(name))
-    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
-
-
 class ParquetWriter:
     """Writes a Monitor's records to a Parquet log (Note [a Parquet log that survives a kill]).
 
@@ -304,7 +284,7 @@ class ParquetWriter:
             self._write_file("scalars", f"scalars-{n:06d}.parquet", _t.scalars_table(scalars))
         if rec is not None:
             if self._schema is not None:
-                rec = _conform(rec, self._schema)
+                rec = _t.conform(rec, self._schema)
             self._write_file("records", f"records-{n:06d}.parquet", rec)
         self._n = n
 
@@ -340,7 +320,7 @@ class ParquetWriter:
                 for i, (_, _, p) in enumerate(mine):  # one row group per flush, one flush in memory at a time
                     f = pq.ParquetFile(p)
                     for g in range(f.num_row_groups):
-                        t = _conform(f.read_row_group(g), schema)
+                        t = _t.conform(f.read_row_group(g), schema)
                         if t.schema.names != schema.names:
                             raise RuntimeError(f"hookstats.ParquetWriter: {p} has columns this log's schema lacks "
                                                f"({sorted(set(t.schema.names) - set(schema.names))}); not compacted")

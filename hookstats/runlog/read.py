@@ -50,14 +50,17 @@ def read_run(path) -> RunTable:
         t = _pq().read_table(p)
         return RunTable(_t.run_info(t), t, [], 0, p, "parquet")
     log = read_jsonl(p)
-    records = _t.with_run_info(_t.records_table(log.records), log.info) if log.info else _t.records_table(log.records)
+    records = _t.records_table(log.records)
+    if log.info:  # the run's columns, as its Parquet log has them (Note [record fields])
+        records = _t.with_run_info(_t.conform(records, _t.records_schema(log.info)), log.info)
     return RunTable(log.info, records, list(log.scalars), log.bad_lines, p, "jsonl")
 
 
 def read_log(path, columns: Optional[list] = None):
     """The records of a run log (a Parquet log directory, a JSONL file, or a run directory holding one) as a
-    pyarrow.Table: seq, step, module, kind, index, dtype, the statistics, histogram_{L} columns; the run header in
-    the schema metadata (hookstats.runlog.schema.run_info(table)). `columns` reads only those (Parquet)."""
+    pyarrow.Table: seq, step, module, kind, index, dtype, the statistics, histogram_{L} columns (the run's columns,
+    whichever the format: schema.records_schema of its header, Note [record fields]); the run header in the schema
+    metadata (hookstats.runlog.schema.run_info(table)). `columns` reads only those (Parquet)."""
     p = find_log(path)
     if not os.path.isfile(p):
         return read_parquet_log(p, columns)[1]

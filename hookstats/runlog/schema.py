@@ -95,6 +95,25 @@ def records_schema(info: dict, stats_dtype: str = "float64"):
     return pa.schema(fields)
 
 
+def conform(table, schema):
+    """table with schema's columns in schema's order (missing ones as nulls) and its types; columns the schema lacks
+    are kept at the end (nothing is dropped)."""
+    pa = _pa()
+    cols, fields = [], []
+    for f in schema:
+        if f.name in table.column_names:
+            c = table.column(f.name)
+            cols.append(c if c.type == f.type else c.cast(f.type))
+        else:
+            cols.append(pa.nulls(table.num_rows, f.type))
+        fields.append(f)
+    for name in table.column_names:
+        if schema.get_field_index(name) < 0:
+            cols.append(table.column(name))
+            fields.append(table.schema.field(name))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
 def hist_columns(names: Iterable[str]) -> list:
     """The histogram columns among names, by length."""
     return sorted((n for n in names if n.startswith(HIST_PREFIX)), key=lambda n: int(n[len(HIST_PREFIX):]))
@@ -346,6 +365,6 @@ def table_scalars(table) -> list:
             zip(cols["seq"], cols["step"], cols["tag"], cols["value"])]
 
 
-__all__ = ["block_table", "concat", "table_records", "records_table", "records_schema", "arrow_type", "scalars_table",
+__all__ = ["block_table", "concat", "table_records", "records_table", "records_schema", "arrow_type", "conform", "scalars_table",
            "table_scalars", "run_info", "with_run_info", "hist_columns", "hist_column", "RECORD_COLUMNS",
            "SITE_COLUMNS", "RUN_KEY", "LOCATION_COLUMNS", "MERGE_COLUMNS", "HIST_PREFIX", "stat_column"]
