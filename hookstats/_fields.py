@@ -185,7 +185,12 @@ def dec_float(v):
 
 def stats_dict(row) -> dict:
     """A stats row (STATS_FIELDS order) as a record's "stats": counts as int (NaN stays NaN: a row never written)."""
-    return {f.name: (int(v) if f.kind == "count" and v == v else v) for f, v in zip(STATS, row)}
+    st = dict(zip(STATS_FIELDS, row))
+    for k in COUNT_FIELDS:
+        v = st[k]
+        if v == v:
+            st[k] = int(v)
+    return st
 
 
 # The keys of a record dict, in order: the statistics under one key, "stats", where they are in FIELDS (Block.record

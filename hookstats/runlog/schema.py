@@ -304,19 +304,20 @@ def table_records(table) -> list:
     hists = [table.column(c).to_pylist() for c in hcols]
     n = table.num_rows
     stat_cols = [(f, py[f], BY_NAME[f].kind == "count") for f in STATS_FIELDS if f in py]
-    before, after = [], []  # (name, values, codec) of the fields before the statistics and after the histogram
+    before, after = [], []  # (name, record values) of the fields before the statistics and after the histogram
     for f in FIELDS:
-        if f.kind in STAT_KINDS or f.kind == "histogram":
+        if f.kind in STAT_KINDS or f.kind == "histogram" or f.name not in py:
             continue
-        if f.name in py:
-            (before if f.kind == "identity" else after).append((f.name, py[f.name], TABLE_CODECS[f.json]))
+        codec = TABLE_CODECS[f.json]
+        v = py[f.name] if codec is TABLE_CODECS["int"] else [codec(x) for x in py[f.name]]  # int: as they are
+        (before if f.kind == "identity" else after).append((f.name, v))
     out = []
     for i in range(n):
-        r = {name: codec(v[i]) for name, v, codec in before}
+        r = {name: v[i] for name, v in before}
         r["stats"] = {f: (None if v[i] is None else int(v[i]) if cnt else float(v[i])) for f, v, cnt in stat_cols}
         r["histogram"] = next((hc[i] for hc in hists if hc[i] is not None), None)
-        for name, v, codec in after:
-            r[name] = codec(v[i])
+        for name, v in after:
+            r[name] = v[i]
         out.append(r)
     return out
 
