@@ -69,11 +69,19 @@ class LocatedStats(Stats):
         self.shape = tuple(shape)
         return self
 
+    def __reduce__(self):  # pickle and copy: the indices and shape are keyword arguments of __new__
+        return _located, (tuple(self), self.argmax_abs_index, self.first_nonfinite_index, self.shape)
+
     def coordinates(self) -> dict:
         """{"argmax_abs": coordinates, "first_nonfinite": coordinates}: tuples of ints into x's shape (None where
         the index is -1). One host copy."""
         a, f = torch.stack([self.argmax_abs_index, self.first_nonfinite_index]).tolist()
         return {"argmax_abs": unravel(a, self.shape), "first_nonfinite": unravel(f, self.shape)}
+
+
+def _located(fields, argmax_abs_index, first_nonfinite_index, shape) -> LocatedStats:
+    return LocatedStats(*fields, argmax_abs_index=argmax_abs_index, first_nonfinite_index=first_nonfinite_index,
+                        shape=shape)
 
 
 def unravel(index, shape) -> Optional[tuple]:

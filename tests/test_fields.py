@@ -57,6 +57,19 @@ def test_from_parts_puts_each_field_where_the_kernels_write_it():
     assert hookstats.stats(x[4:], locations=True).to_dict()["inf_count"] == 2
 
 
+def test_stats_types_pickle_and_copy():
+    import copy
+    import pickle
+
+    x = torch.tensor([[1.0, -3.0], [NAN, 2.0]])
+    for s in (hookstats.stats(x), hookstats.stats(x, locations=True)):
+        for t in (pickle.loads(pickle.dumps(s)), copy.copy(s), copy.deepcopy(s)):
+            assert type(t) is type(s) and t._fields == F.STATS_FIELDS
+            assert str(t.to_dict()) == str(s.to_dict())
+    t = pickle.loads(pickle.dumps(hookstats.stats(x, locations=True)))
+    assert t.coordinates() == {"argmax_abs": (0, 1), "first_nonfinite": (1, 0)} and t.shape == (2, 2)
+
+
 def test_every_merge_rule_is_implemented():
     from hookstats.monitor import merge
 
