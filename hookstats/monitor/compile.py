@@ -52,7 +52,7 @@ if HAVE_EXTENSION:
 
     _record_op = torch.ops.hookstats._monitor_record.default
     _record_op_traced = _record_op if _register_ordered_effect(_record_op) else torch.compiler.disable(_record_op)
-else:  # no compiled extension: Monitor and record refuse to start (buffers.py says why), nothing is traced
+else:  # no compiled extension: Monitor and record refuse to start (recorder.py says why), nothing is traced
     _record_op = _record_op_traced = None
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 # The eager check a hook makes on every call: dynamo folds it to True where it traces the hook; eagerly it is one

@@ -5,7 +5,8 @@ from typing import Optional
 
 from .._owned_hooks import in_backward
 from ..hooks import _Forms
-from .buffers import Buffers
+from .recorder import Recorder
+from .store import Store
 from .compile import is_compiling, record_traced
 
 # What a record hook's records are labelled with: the hook kind (a full backward hook records both sides).
@@ -26,10 +27,11 @@ class record(_Forms):
 
     def __init__(self, name: str = "", *, histogram=None, slots: int = 16, locations: bool = False):
         self.name = name
-        self._buf = Buffers(histogram, slots, locations=locations)
-        self._hooks = {label: self._buf.hook(name, label) for label in _RECORD_LABELS}
+        self._rec = Recorder(histogram, slots, locations=locations)
+        self._store = Store(self._rec.empty_block)
+        self._hooks = {label: self._rec.hook(name, label) for label in _RECORD_LABELS}
         self._step = 0
-        self._buf.rec.begin_step(0, True, True)
+        self._rec.begin_step(0, True, True)
 
     @property
     def step(self) -> int:
@@ -39,7 +41,7 @@ class record(_Forms):
     @step.setter
     def step(self, value: int) -> None:
         self._step = int(value)
-        self._buf.rec.begin_step(self._step, True, True)
+        self._rec.begin_step(self._step, True, True)
 
     def next_step(self) -> None:
         """Moves on to step + 1."""
@@ -48,8 +50,8 @@ class record(_Forms):
     def _add(self, label: str, obj) -> None:
         hid = self._hooks[label]
         if is_compiling():  # no read of step or call counts in traced code: Note [monitor under torch.compile]
-            return record_traced(self._buf.id, hid, obj)
-        self._buf.record(hid, obj)
+            return record_traced(self._rec.id, hid, obj)
+        self._rec.record(hid, obj)
         return None
 
     def _process(self, kind, obj, extra=None):
@@ -64,21 +66,21 @@ class record(_Forms):
 
     def flush(self) -> None:
         """Copies the recorded rows to the host (one copy per buffer); records() and first_nonfinite() flush too."""
-        self._buf.flush()
-        self._buf.ready.clear()  # no exporters here
+        self._store.add(self._rec.take())
+        self._store.drop_ready()  # no exporters here
 
     def records(self) -> list[dict]:
         """Every record so far, as the Monitor's records() are: seq, step, module (this hook's name), kind (the
         label of what it saw), index, dtype, stats, histogram."""
         self.flush()
-        return self._buf.records()
+        return self._store.records()
 
     def first_nonfinite(self) -> Optional[dict]:
         """The first record whose tensor held a NaN or Inf, or None."""
         self.flush()
-        return self._buf.first_nonfinite()
+        return self._store.first_nonfinite()
 
     @property
     def skipped(self) -> int:
         """Non-floating tensors this hook saw and did not record."""
-        return self._buf.skipped
+        return self._rec.skipped
