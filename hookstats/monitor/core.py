@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .._ops import STATS_FIELDS
 from .._owned_hooks import register
-from .._select import Selection
+from .._select import Selection, Site
 from .._version import __version__
 from ..distributed import after_ddp_allreduce, grad_mode, resolve_group
 from ..distributed import is_dtensor as _is_dtensor
@@ -141,25 +141,25 @@ class Monitor(FeatureAccess):
         for name, mod in model.named_modules():
             if not self._wanted(name, mod):
                 continue
-            if "forward_pre" in kinds:
+            if Site.FORWARD_PRE in kinds:
                 self._handles.append(register(mod, "register_forward_pre_hook",
-                                              _hooks.forward_pre_hook(rec, mid, b.hook(name, "forward_pre"))))
-            if "forward" in kinds or "backward_pre" in kinds:
-                fwd = b.hook(name, "forward") if "forward" in kinds else -1
-                grad = b.hook(name, "backward_pre") if "backward_pre" in kinds else -1
+                                              _hooks.forward_pre_hook(rec, mid, b.hook(name, Site.FORWARD_PRE.value))))
+            if Site.FORWARD in kinds or Site.BACKWARD_PRE in kinds:
+                fwd = b.hook(name, Site.FORWARD.value) if Site.FORWARD in kinds else -1
+                grad = b.hook(name, Site.BACKWARD_PRE.value) if Site.BACKWARD_PRE in kinds else -1
                 hook, pre_hook = _hooks.forward_hook(rec, mid, fwd, grad, self._unplaced)
                 if pre_hook is not None:
                     self._handles.append(register(mod, "register_forward_pre_hook", pre_hook))
                 self._handles.append(register(mod, "register_forward_hook", hook))
-            if "backward" in kinds:
+            if Site.BACKWARD in kinds:
                 self._handles.append(register(mod, "register_full_backward_hook",
-                                              _hooks.backward_hook(rec, mid, b.hook(name, "backward"))))
+                                              _hooks.backward_hook(rec, mid, b.hook(name, Site.BACKWARD.value))))
         self._params: list = []
-        if "grad" in kinds:
+        if Site.GRAD in kinds:
             ddp = grad_mode(model, b.group, self._optimizer)  # Note [grad records across ranks]
             for pname, p in model.named_parameters():
                 if p.requires_grad and self._wanted(pname):
-                    hid = b.hook(pname, "grad", replicated=ddp is not None and not _is_dtensor(p))
+                    hid = b.hook(pname, Site.GRAD.value, replicated=ddp is not None and not _is_dtensor(p))
                     self._params.append((hid, p))
                     if self._optimizer is None and ddp != "end_of_backward":
                         self._handles.append(p.register_post_accumulate_grad_hook(_hooks.grad_hook(rec, mid, hid)))
@@ -189,7 +189,7 @@ class Monitor(FeatureAccess):
         `optimizer="manual"` (a training framework's callback, after it clipped the grads) only when called. With a
         process group and `optimizer=`, plain-tensor grads are DDP's replicated ones: merged once, not as shards
         (Note [grad records across ranks]); DTensor grads are merged from their shards."""
-        if "grad" not in self.kinds:
+        if Site.GRAD not in self.kinds:
             raise RuntimeError("hookstats.Monitor.record_grads needs the 'grad' kind (kinds=(..., 'grad'))")
         if self._model is None or not self._buf.rec.active:
             return
