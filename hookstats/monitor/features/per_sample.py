@@ -7,6 +7,7 @@ from typing import List, Optional
 import torch
 
 from ...per_sample import PerSampleGradNorms
+from ...per_sample.ranking import first_nonfinite_sample, top_samples
 from ..feature import FeatureContext, register_feature
 
 
@@ -40,22 +41,15 @@ class PerSampleFeature:
         return str(self.norms.coverage())
 
     def top_samples(self, k: int = 1) -> List[dict]:
-        out = []
-        for s, _, _, total in self._rows:
-            out += [{"step": s, "sample": i, "norm": v} for i, v in enumerate(total.cpu().tolist())]
-        nan_first = lambda r: (r["norm"] != r["norm"], 0.0 if r["norm"] != r["norm"] else r["norm"])  # noqa: E731
-        return sorted(out, key=nan_first, reverse=True)[:k]
+        """The k (step, sample) pairs with the largest total gradient norm over the recorded steps, largest first:
+        dicts with step, sample, norm (Note [ranking samples]: NaN first, then inf; ties in (step, sample) order)."""
+        return [r._asdict() for r in top_samples([(s, total) for s, _, _, total in self._rows], k)]
 
     def first_nonfinite_sample(self) -> Optional[dict]:
-        for s, names, t, total in self._rows:
-            t = t.cpu()
-            bad = ~torch.isfinite(t)
-            hit = bad.any(0).nonzero()
-            if hit.numel():
-                i = int(hit[0, 0])
-                return {"step": s, "sample": i, "norm": float(total[i]),
-                        "layers": [names[j] for j in bad[:, i].nonzero()[:, 0].tolist()]}
-        return None
+        """The first (step, sample) whose gradient norm is NaN or Inf: {"step", "sample", "norm", "layers"}, or
+        None (Note [ranking samples])."""
+        hit = first_nonfinite_sample(self._rows)
+        return None if hit is None else hit._asdict()
 
     def detach(self) -> None:
         if self.norms is not None:
