@@ -6,7 +6,7 @@ from typing import Dict
 
 from ..._select import Site
 from ...channel import FORWARD_SITES, ChannelCalibrator
-from ..feature import FeatureContext, register_feature
+from ..feature import FeatureContext, Shortcut, register_feature
 
 
 class ChannelStatsFeature:
@@ -40,4 +40,8 @@ class ChannelStatsFeature:
 
 
 register_feature("channel_stats", lambda v: None if v is None else ChannelStatsFeature(v),
-                 "channel_stats={'inputs': -1}")
+                 "channel_stats={'inputs': -1}", shortcuts=[
+                     Shortcut("channel_results", ChannelStatsFeature.results, dict,
+                              """{"inputs" / "outputs": {module: ChannelStats}}: the per-channel statistics accumulated
+        since the Monitor was attached (Monitor(channel_stats={"inputs": -1})), one host copy per device; {} without
+        channel_stats.""")])

@@ -8,7 +8,7 @@ import torch
 
 from ...per_sample import PerSampleGradNorms
 from ...per_sample.ranking import first_nonfinite_sample, top_samples
-from ..feature import FeatureContext, register_feature
+from ..feature import FeatureContext, Shortcut, register_feature
 
 
 class PerSampleFeature:
@@ -56,4 +56,21 @@ class PerSampleFeature:
             self.norms.remove()
 
 
-register_feature("per_sample", lambda v: PerSampleFeature() if v else None, "per_sample=True")
+def _none():
+    return None
+
+
+F = PerSampleFeature
+register_feature("per_sample", lambda v: F() if v else None, "per_sample=True", shortcuts=[
+    Shortcut("coverage", F.coverage, None, """Which trainable parameters the per-sample norms cover and why the
+        others are not (hookstats.per_sample.Coverage; per_sample=True)."""),
+    Shortcut("sample_norms", F.results, list, """(step, layer names, [layers, samples] float64 host tensor) of every
+        recorded step with per_sample=True: each sample's gradient norm per layer (hookstats.PerSampleGradNorms),
+        one host copy per step when read; [] without per_sample."""),
+    Shortcut("top_samples", F.top_samples, list, """The k (step, sample) pairs with the largest total gradient norm
+        over the recorded steps (per_sample=True), largest first, non-finite first: dicts with step, sample, norm
+        (Note [ranking samples]); [] without per_sample."""),
+    Shortcut("first_nonfinite_sample", F.first_nonfinite_sample, _none, """The first (step, sample) whose gradient
+        norm is NaN or Inf, with the layers where it is: {"step", "sample", "norm", "layers"}, or None (also without
+        per_sample)."""),
+])
