@@ -63,9 +63,10 @@ def first_floating(obj) -> Optional[torch.Tensor]:
 
 
 def rebuild(obj, new: Iterator):
-    """A copy of obj with each tensor (in walk order, None not counted) replaced by the next item of `new`: the same
-    structure and container types (namedtuples, structseqs, dict subclasses, a copy of a dataclass instance, frozen
-    ones too), everything that is no tensor kept as it is."""
+    """A copy of obj with each tensor (in flatten's order, None not counted) replaced by the next item of `new`: the
+    same structure and container types (namedtuples, structseqs, dict subclasses, a copy of a dataclass instance,
+    frozen ones too), everything that is no tensor kept as it is. A dict subclass whose values() disagree with its
+    keys() in order is refused (TypeError): its tensors could not go back where they were found."""
     if isinstance(obj, torch.Tensor):
         return next(new)
     if isinstance(obj, tuple):
@@ -77,8 +78,12 @@ def rebuild(obj, new: Iterator):
         return tuple(items)
     if isinstance(obj, list):
         return [rebuild(o, new) for o in obj]
-    if isinstance(obj, dict):
-        return type(obj)((k, rebuild(v, new)) for k, v in obj.items())
+    if isinstance(obj, dict):  # walked by values(): each goes back under its key, which must be in the same order
+        keys, vals = list(obj.keys()), list(obj.values())
+        if len(keys) != len(vals) or any(obj[k] is not v for k, v in zip(keys, vals)):
+            raise TypeError(f"hookstats: a {type(obj).__name__} whose values() are not in the order of its keys() "
+                            "cannot be rebuilt with new tensors")
+        return type(obj)((k, rebuild(v, new)) for k, v in zip(keys, vals))
     if is_dataclass_instance(obj):  # a copy with the new fields (frozen ones too: the copy is ours)
         out = copy.copy(obj)
         for f in dataclasses.fields(obj):

@@ -50,7 +50,7 @@ class Norms(NamedTuple):
 
 def _nonfinite_error(norm_type: float, switch: str = "set `error_if_nonfinite=False`") -> RuntimeError:
     # PyTorch's message (torch.nn.utils.get_total_norm), so code that matches on it keeps working; `switch` names
-    # what turns the error off in the function that raised it.
+    # what turns the error off in the call that raised it.
     return RuntimeError(
         f"The total norm of order {norm_type} for gradients from "
         "`parameters` is non-finite, so it cannot be clipped. To disable "
@@ -319,7 +319,9 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
         total_norm = total_norm.full_tensor()
     total64 = total_norm.detach().to(torch.float64)
     if policy == "error" and not bool(torch.isfinite(total64)):
-        raise _nonfinite_error(float("nan"), "pass nonfinite=\"propagate\" (or \"zero\" to zero the grads)")
+        raise RuntimeError(f"hookstats.clip_grads_with_norm_: total_norm is non-finite ({float(total64)}), so the "
+                           "gradients cannot be clipped. To scale them by it anyway, pass nonfinite=\"propagate\" "
+                           "(PyTorch's behaviour); to zero them, nonfinite=\"zero\"")
     _scale_all(by_device, total64, m, policy, foreach)
 
 
@@ -345,7 +347,7 @@ def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: flo
     total64, dtype, by_device = _global_total64(grads, p, foreach, "clip_grad_norm_")
     out = total64.to(dtype)
     if policy == "error" and not bool(torch.isfinite(out)):
-        raise _nonfinite_error(p)
+        raise _nonfinite_error(p) if error_if_nonfinite else _nonfinite_error(p, "pass nonfinite=\"propagate\"")
     _scale_all(by_device, total64, m, policy, foreach)
     return out
 
