@@ -271,3 +271,21 @@ def test_clip_grad_norm_error_names_the_switch_that_was_set():
     with pytest.raises(RuntimeError, match="non-finite.*pass nonfinite=\"propagate\"") as e:
         hookstats.clip_grad_norm_([p], 1.0, nonfinite="error")
     assert "error_if_nonfinite" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"dict_subclass_order"}))
+def test_grad_output_aliases_go_where_the_walk_counts(name):
+    """The Monitor's forward hook puts a grad_output alias at a flat index of the C++ walk (None counted):
+    hookstats.monitor.hooks.replace_outputs must count the same positions. (A dict subclass whose values() disagree
+    with its keys() in order is left out: replace_outputs walks items(), the C++ walk values().)"""
+    from hookstats.monitor.hooks import replace_outputs
+
+    n = len(flatten(CASES[name](), keep_none=True))
+    for i in range(n):
+        obj = CASES[name]()
+        if flatten(obj, keep_none=True)[i] is None:
+            continue
+        marker = torch.full((1,), -7.0)
+        unplaced = [0]
+        new = replace_outputs(obj, {i: marker}, unplaced)
+        assert flatten(new, keep_none=True)[i] is marker and unplaced == [0]
