@@ -85,7 +85,8 @@ class ChannelCalibrator:
     module whose qualified name or class name matches a glob of `include` and none of `exclude`. Each call is one
     `channel_stats_into` kernel call into that module's device buffer (allocated on the first call, `[7, C]`,
     `dtype`, default float64): nothing is copied to the host until you read. A module called several times per
-    batch accumulates every call. Non-floating inputs (token ids) are skipped.
+    batch accumulates every call. Non-floating inputs (token ids) are skipped. `on` also takes `Site.FORWARD_PRE` /
+    `Site.FORWARD` (or their values); `.on` keeps "inputs" or "outputs", `.site` the Site.
 
     `stats()` gives `ChannelStats` views of the device buffers; `results()` copies every buffer to the host in one
     copy per device; `reset()` restarts the accumulation; `remove()` (or leaving a `with` block) removes the hooks.
@@ -93,7 +94,7 @@ class ChannelCalibrator:
     """
 
     def __init__(self, model: torch.nn.Module, include: Sequence[str] | str = "*Linear*",
-                 exclude: Sequence[str] | str = (), dim: int = -1, on: str = "inputs",
+                 exclude: Sequence[str] | str = (), dim: int = -1, on: str | Site = "inputs",
                  dtype: torch.dtype = torch.float64):
         site = Site.parse(on, FORWARD_SITES, "hookstats.ChannelCalibrator: on must be a forward site, got")
         if dtype not in (torch.float32, torch.float64):
