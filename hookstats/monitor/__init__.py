@@ -8,10 +8,10 @@ hook; feature.py is the protocol of what a Monitor records besides its sites, fe
 from . import features  # noqa: F401  (registers the built-in features' options)
 from .config import GROUPS, MONITOR_KINDS, MonitorConfig
 from .core import Monitor
-from .feature import Feature, FeatureContext, register_feature
+from .feature import Feature, FeatureContext, Shortcut, register_feature
 from .record import record
 from .summary import SUMMARY_HEADER, format_summary, summary_cells, summary_from_columns, summary_rows
 
-__all__ = ["GROUPS", "MONITOR_KINDS", "Monitor", "MonitorConfig", "Feature", "FeatureContext", "register_feature",
-           "record", "SUMMARY_HEADER", "format_summary", "summary_cells",
+__all__ = ["GROUPS", "MONITOR_KINDS", "Monitor", "MonitorConfig", "Feature", "FeatureContext", "Shortcut",
+           "register_feature", "record", "SUMMARY_HEADER", "format_summary", "summary_cells",
            "summary_from_columns", "summary_rows"]

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from .._owned_hooks import register
+from .._select import Site
 from ..distributed import after_ddp_allreduce, grad_mode
 from ..distributed import is_dtensor as _is_dtensor
 from . import hooks as _hooks
@@ -23,19 +24,19 @@ def attach_module_hooks(model: torch.nn.Module, rec: Recorder, kinds, wanted: Ca
     for name, mod in model.named_modules():
         if not wanted(name, mod):
             continue
-        if "forward_pre" in kinds:
+        if Site.FORWARD_PRE in kinds:
             handles.append(register(mod, "register_forward_pre_hook",
-                                    _hooks.forward_pre_hook(C, mid, rec.hook(name, "forward_pre"))))
-        if "forward" in kinds or "backward_pre" in kinds:
-            fwd = rec.hook(name, "forward") if "forward" in kinds else -1
-            grad = rec.hook(name, "backward_pre") if "backward_pre" in kinds else -1
+                                    _hooks.forward_pre_hook(C, mid, rec.hook(name, Site.FORWARD_PRE.value))))
+        if Site.FORWARD in kinds or Site.BACKWARD_PRE in kinds:
+            fwd = rec.hook(name, Site.FORWARD.value) if Site.FORWARD in kinds else -1
+            grad = rec.hook(name, Site.BACKWARD_PRE.value) if Site.BACKWARD_PRE in kinds else -1
             hook, pre_hook = _hooks.forward_hook(C, mid, fwd, grad, unplaced)
             if pre_hook is not None:
                 handles.append(register(mod, "register_forward_pre_hook", pre_hook))
             handles.append(register(mod, "register_forward_hook", hook))
-        if "backward" in kinds:
+        if Site.BACKWARD in kinds:
             handles.append(register(mod, "register_full_backward_hook",
-                                    _hooks.backward_hook(C, mid, rec.hook(name, "backward"))))
+                                    _hooks.backward_hook(C, mid, rec.hook(name, Site.BACKWARD.value))))
 
 
 def attach_grad_hooks(model: torch.nn.Module, rec: Recorder, wanted: Callable, group, optimizer,
@@ -47,7 +48,7 @@ def attach_grad_hooks(model: torch.nn.Module, rec: Recorder, wanted: Callable, g
     ddp = grad_mode(model, group, optimizer)  # Note [grad records across ranks]
     for pname, p in model.named_parameters():
         if p.requires_grad and wanted(pname):
-            hid = rec.hook(pname, "grad", replicated=ddp is not None and not _is_dtensor(p))
+            hid = rec.hook(pname, Site.GRAD.value, replicated=ddp is not None and not _is_dtensor(p))
             params.append((hid, p))
             if optimizer is None and ddp != "end_of_backward":
                 handles.append(p.register_post_accumulate_grad_hook(_hooks.grad_hook(rec.rec, rec.id, hid)))

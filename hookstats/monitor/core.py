@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .._ops import STATS_FIELDS
-from .._select import Selection
+from .._select import Selection, Site
 from .._version import __version__
 from ..distributed import resolve_group
 from . import lifecycle as _lifecycle
@@ -144,7 +144,7 @@ class Monitor(FeatureAccess):
         self._unplaced = [0]  # grad_output aliases that could not be put in place (hooks.replace_outputs)
         attach_module_hooks(model, self._rec, self.kinds, self._wanted, self._handles, self._unplaced)
         self._params: list = []
-        if "grad" in self.kinds:
+        if Site.GRAD in self.kinds:
             me = weakref.ref(self)  # the optimizer or DDP must not keep a dropped Monitor (and its model) alive
 
             def record_grads() -> None:
@@ -161,7 +161,7 @@ class Monitor(FeatureAccess):
         `optimizer="manual"` (a training framework's callback, after it clipped the grads) only when called. With a
         process group and `optimizer=`, plain-tensor grads are DDP's replicated ones: merged once, not as shards
         (Note [grad records across ranks]); DTensor grads are merged from their shards."""
-        if "grad" not in self.kinds:
+        if Site.GRAD not in self.kinds:
             raise RuntimeError("hookstats.Monitor.record_grads needs the 'grad' kind (kinds=(..., 'grad'))")
         if self._model is None or not self._rec.active:
             return

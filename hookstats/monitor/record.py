@@ -3,18 +3,20 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .._forms import HookForms
 from .._owned_hooks import in_backward
-from ..hooks import _Forms
+from .._select import Site
 from .recorder import Recorder
 from .store import Store
 from .compile import is_compiling, record_traced
 
-# What a record hook's records are labelled with: the hook kind (a full backward hook records both sides).
-_RECORD_LABELS = ("backward:grad_input", "backward:grad_output", "backward_pre", "forward_pre", "forward", "tensor",
-                  "post_accumulate")
+# What a record hook's records are labelled with (Site.record_labels: a full backward hook records both sides), in
+# the order their hook ids are made.
+_RECORD_LABELS = tuple(label for site in (Site.BACKWARD, Site.BACKWARD_PRE, Site.FORWARD_PRE, Site.FORWARD, Site.TENSOR,
+                                          Site.GRAD) for label in site.record_labels)
 
 
-class record(_Forms):
+class record(HookForms):
     """A hook that records statistics (and a histogram) of what it sees into a device buffer, returns nothing and
     changes nothing. Register the object (full backward hook: grad_input and grad_output are both recorded) or one
     of its forms (see hookstats.hooks); read with `records()` (which flushes: one host copy). Records carry
@@ -54,14 +56,13 @@ class record(_Forms):
         self._rec.record(hid, obj)
         return None
 
-    def _process(self, kind, obj, extra=None):
-        if kind in ("forward", "forward_pre") and not is_compiling() and in_backward():
+    def _process(self, site, obj, extra=None):
+        if site in (Site.FORWARD, Site.FORWARD_PRE) and not is_compiling() and in_backward():
             return None  # activation checkpointing's recomputation: the first forward recorded this call
-        if kind == "backward":
-            self._add("backward:grad_input", obj)
-            self._add("backward:grad_output", extra)
-        else:
-            self._add(kind, obj)
+        labels = site.record_labels
+        self._add(labels[0], obj)
+        if site is Site.BACKWARD:  # grad_output beside grad_input
+            self._add(labels[1], extra)
         return None
 
     def flush(self) -> None:
