@@ -8,9 +8,14 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ._kernels import reference_checked, use_kernels
+from ._nested import first_floating
 from ._owned_hooks import in_backward, register
 from ._select import Selection, Site
 from ._types import CHANNEL_FIELDS, ChannelStats, check_tensor, from_parts  # noqa: F401  (CHANNEL_FIELDS: re-exported)
+
+# The sites a ChannelCalibrator sits on, and the side each one's results are named by (its public `on` names).
+FORWARD_SITES = (Site.FORWARD_PRE, Site.FORWARD)
+_SIDE = {Site.FORWARD_PRE: "inputs", Site.FORWARD: "outputs"}
 
 
 def _check_dim(x: torch.Tensor, dim, op: str) -> int:
@@ -66,23 +71,6 @@ def channel_stats_into(x: torch.Tensor, buf: torch.Tensor, dim: int = -1) -> Non
     torch.ops.hookstats.channel_stats_into.default(x.detach(), buf, dim)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-def _first_float_tensor(obj) -> Optional[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.is_floating_point() else None
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            t = _first_float_tensor(o)
-            if t is not None:
-                return t
-    if isinstance(obj, dict):
-        for o in obj.values():
-            t = _first_float_tensor(o)
-            if t is not None:
-                return t
-    return None
-
-
 class ChannelCalibrator:
     """Per-channel statistics of chosen modules' inputs (or outputs) accumulated over calibration batches.
 
@@ -91,7 +79,8 @@ class ChannelCalibrator:
     module whose qualified name or class name matches a glob of `include` and none of `exclude`. Each call is one
     `channel_stats_into` kernel call into that module's device buffer (allocated on the first call, `[7, C]`,
     `dtype`, default float64): nothing is copied to the host until you read. A module called several times per
-    batch accumulates every call. Non-floating inputs (token ids) are skipped.
+    batch accumulates every call. Non-floating inputs (token ids) are skipped. `on` also takes `Site.FORWARD_PRE` /
+    `Site.FORWARD` (or their values); `.on` keeps "inputs" or "outputs", `.site` the Site.
 
     `stats()` gives `ChannelStats` views of the device buffers; `results()` copies every buffer to the host in one
     copy per device; `reset()` restarts the accumulation; `remove()` (or leaving a `with` block) removes the hooks.
@@ -99,26 +88,24 @@ class ChannelCalibrator:
     """
 
     def __init__(self, model: torch.nn.Module, include: Sequence[str] | str = "*Linear*",
-                 exclude: Sequence[str] | str = (), dim: int = -1, on: str = "inputs",
+                 exclude: Sequence[str] | str = (), dim: int = -1, on: str | Site = "inputs",
                  dtype: torch.dtype = torch.float64):
-        site = Site.lookup(on)
-        if site not in (Site.FORWARD_PRE, Site.FORWARD):
-            raise ValueError(f"hookstats.ChannelCalibrator: on must be 'inputs' or 'outputs' (Site.FORWARD_PRE or "
-                             f"Site.FORWARD), got {on!r}")
-        on = "inputs" if site is Site.FORWARD_PRE else "outputs"
+        site = Site.parse(on, FORWARD_SITES, "hookstats.ChannelCalibrator: on must be a forward site, got")
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"hookstats.ChannelCalibrator: dtype must be torch.float32 or torch.float64, got {dtype}")
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"hookstats.ChannelCalibrator: dim must be an int, got {type(dim).__name__}")
         selection = Selection(include, exclude)
-        self.dim, self.on, self.dtype = dim, on, dtype
+        self.dim, self.dtype = dim, dtype
+        self.site = site
+        self.on = _SIDE[site]  # the name results are keyed by (channel_stats={"inputs": ...})
         self.buffers: Dict[str, torch.Tensor] = {}
         self.calls: Dict[str, int] = {}
         self._handles = []
         self.modules = []
         for name, mod in selection.modules(model):
             self.modules.append(name)
-            if on == "inputs":
+            if site is Site.FORWARD_PRE:
                 h = register(mod, "register_forward_pre_hook", self._pre_hook(name))
             else:
                 h = register(mod, "register_forward_hook", self._post_hook(name))
@@ -142,12 +129,12 @@ class ChannelCalibrator:
 
     def _pre_hook(self, name: str):
         def hook(module, args):
-            self._record(name, _first_float_tensor(args))
+            self._record(name, first_floating(args))
         return hook
 
     def _post_hook(self, name: str):
         def hook(module, args, output):
-            self._record(name, _first_float_tensor(output))
+            self._record(name, first_floating(output))
         return hook
 
     def stats(self) -> Dict[str, ChannelStats]:

@@ -24,12 +24,19 @@ from ._ops import (
     result_dtype,
     scale_by_norm_op,
 )
+from ._checks import (
+    POLICY_CODE,
+    check_bounds,
+    check_eps,
+    check_max_norm,
+    check_norm_type,
+    check_policy,
+    check_writable,
+)
 from .distributed import _dtensor_type, is_dtensor, reduction_groups
 
 TensorOrTensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
-NONFINITE_POLICIES = ("propagate", "error", "zero")
-_POLICY_CODE = {"propagate": 0, "error": 0, "zero": 1}
 # PyTorch's epsilon in clip_grads_with_norm_: grad * min(1, max_norm / (total_norm + 1e-6)).
 CLIP_EPS = 1e-6
 
@@ -41,56 +48,9 @@ class Norms(NamedTuple):
     total: torch.Tensor
 
 
-def _norm_type(norm_type, op: str) -> float:
-    try:
-        p = float(norm_type)
-    except (TypeError, ValueError):
-        raise TypeError(f"hookstats.{op}: norm_type must be a number or 'inf', got {norm_type!r}") from None
-    if not p > 0:  # also NaN
-        raise ValueError(f"hookstats.{op} needs norm_type > 0 (a finite p or inf), got {norm_type!r}")
-    return p
-
-
-def _max_norm(max_norm, op: str) -> float:
-    if isinstance(max_norm, torch.Tensor) and max_norm.numel() != 1:
-        raise TypeError(f"hookstats.{op}: max_norm must be a number or a one-element tensor, got a tensor of shape "
-                        f"{tuple(max_norm.shape)} (one bound clips every tensor the hook sees; for one bound per "
-                        "layer, make one hook per layer)")
-    if isinstance(max_norm, (bool, str, bytes)):
-        raise TypeError(f"hookstats.{op}: max_norm must be a number, got {max_norm!r}")
-    try:
-        m = float(max_norm)
-    except (TypeError, ValueError):
-        raise TypeError(f"hookstats.{op}: max_norm must be a number, got {type(max_norm).__name__}") from None
-    if not m >= 0:  # negative or NaN
-        raise ValueError(f"hookstats.{op} needs max_norm >= 0, got {max_norm!r}")
-    return m
-
-
-def _eps(eps, op: str) -> float:
-    e = float(eps)
-    if not (e >= 0 and math.isfinite(e)):
-        raise ValueError(f"hookstats.{op} needs a finite eps >= 0, got {eps!r}")
-    return e
-
-
-def _policy(nonfinite: str, op: str) -> str:
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"hookstats.{op}: nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-    return nonfinite
-
-
-def _check_writable(x: torch.Tensor, op: str) -> None:
-    if x.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(
-            f"hookstats.{op} modifies its tensor in place and has no autograd formula, but the tensor requires grad "
-            "and grad mode is on; call it under torch.no_grad(), or on a .grad tensor"
-        )
-
-
 def _nonfinite_error(norm_type: float, switch: str = "set `error_if_nonfinite=False`") -> RuntimeError:
     # PyTorch's message (torch.nn.utils.get_total_norm), so code that matches on it keeps working; `switch` names
-    # what turns the error off in the function that raised it.
+    # what turns the error off in the call that raised it.
     return RuntimeError(
         f"The total norm of order {norm_type} for gradients from "
         "`parameters` is non-finite, so it cannot be clipped. To disable "
@@ -226,7 +186,7 @@ def norm(x: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
     float64 x. It cannot overflow or underflow while the true norm fits the result (PyTorch's float32 norm of 1000
     values of 1e30 is inf; this is 3.16e31). NaN anywhere gives NaN, else Inf gives inf; an empty x gives 0."""
     check_tensor(x, "norm")
-    p = _norm_type(norm_type, "norm")
+    p = check_norm_type(norm_type, "norm")
     return norms_op([x.detach()], p, "norm")[1].to(result_dtype(x.dtype))
 
 
@@ -234,7 +194,7 @@ def norms(tensors: TensorOrTensors, norm_type: float = 2.0) -> Norms:
     """Per-tensor norms and the total norm of tensors on one device (any float dtypes and layouts), in one kernel
     call, as float64 tensors on that device."""
     ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    p = _norm_type(norm_type, "norms")
+    p = check_norm_type(norm_type, "norms")
     if not ts:
         return Norms(torch.zeros((0,), dtype=torch.float64), torch.zeros((), dtype=torch.float64))
     devices = {t.device for t in ts}
@@ -255,11 +215,11 @@ def clip_norm_(x: torch.Tensor, max_norm: float, norm_type: float = 2.0, eps: fl
     norm makes x NaN), "zero" (x becomes all zeros when its norm is NaN or inf, decided on the device), or "error"
     (RuntimeError before x is touched; this one waits for the norm)."""
     check_tensor(x, "clip_norm_")
-    p = _norm_type(norm_type, "clip_norm_")
-    m = _max_norm(max_norm, "clip_norm_")
-    policy = _policy(nonfinite, "clip_norm_")
-    eps = _eps(eps, "clip_norm_")
-    _check_writable(x, "clip_norm_")
+    p = check_norm_type(norm_type, "clip_norm_")
+    m = check_max_norm(max_norm, "clip_norm_")
+    policy = check_policy(nonfinite, "clip_norm_")
+    eps = check_eps(eps, "clip_norm_")
+    check_writable(x, "clip_norm_")
     xd = x.detach()
     if policy == "error":  # the one policy that must see the norm before scaling
         _, total = norms_op([xd], p, "clip_norm_")
@@ -268,31 +228,18 @@ def clip_norm_(x: torch.Tensor, max_norm: float, norm_type: float = 2.0, eps: fl
                 f"hookstats.clip_norm_: the norm of order {p} of the tensor is non-finite ({total.item()}), so it "
                 "cannot be clipped; pass nonfinite='propagate' to scale by it anyway, or 'zero' to zero the tensor"
             )
-        scale_by_norm_op([xd], total, m, float(eps), _POLICY_CODE[policy], "clip_norm_")
+        scale_by_norm_op([xd], total, m, float(eps), POLICY_CODE[policy], "clip_norm_")
     else:
-        total = clip_norm_op(xd, p, m, float(eps), _POLICY_CODE[policy])
+        total = clip_norm_op(xd, p, m, float(eps), POLICY_CODE[policy])
     return total.to(result_dtype(x.dtype))
-
-
-def _bounds(lo, hi, op: str) -> tuple[float, float]:
-    """[-lo, lo] when hi is None (lo >= 0), else [lo, hi] (lo <= hi); NaN bounds refused."""
-    lo_f = float(lo)
-    if hi is None:
-        if not lo_f >= 0:
-            raise ValueError(f"hookstats.{op}(v) clamps to [-v, v] and needs v >= 0, got {lo!r}")
-        return -lo_f, lo_f
-    hi_f = float(hi)
-    if not lo_f <= hi_f:
-        raise ValueError(f"hookstats.{op} needs lo <= hi (and no NaN bound), got [{lo!r}, {hi!r}]")
-    return lo_f, hi_f
 
 
 def clip_value_(x: torch.Tensor, lo: float, hi: Optional[float] = None) -> torch.Tensor:
     """Clamps `x` in place to [-lo, lo] (hi omitted) or [lo, hi], like `x.clamp_` (bounds rounded to x's dtype,
     NaN kept), and returns how many elements changed, as a 0-d int64 tensor on x's device (no host sync)."""
     check_tensor(x, "clip_value_")
-    lo_f, hi_f = _bounds(lo, hi, "clip_value_")
-    _check_writable(x, "clip_value_")
+    lo_f, hi_f = check_bounds(lo, hi, "clip_value_")
+    check_writable(x, "clip_value_")
     return clamp_count_op([x.detach()], lo_f, hi_f, "clip_value_")
 
 
@@ -319,7 +266,7 @@ def get_total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_no
     by one kernel call per device, so it does not overflow midway (PyTorch's float32 total of values near 1e30 is
     inf). An empty list gives tensor(0.). error_if_nonfinite raises PyTorch's error (and waits for the result)."""
     ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    p = _norm_type(norm_type, "get_total_norm")
+    p = check_norm_type(norm_type, "get_total_norm")
     if not ts:
         return torch.tensor(0.0)
     total64, dtype, _ = _global_total64(ts, p, foreach, "get_total_norm")
@@ -347,7 +294,7 @@ def _scale_all(by_device: dict[torch.device, list[torch.Tensor]], total64: torch
                policy: str, foreach: Optional[bool]) -> None:
     for dev, group in by_device.items():
         _check_foreach(foreach, dev)
-        scale_by_norm_op(group, _total_on(total64, dev), max_norm, CLIP_EPS, _POLICY_CODE[policy], "clip_grad_norm_")
+        scale_by_norm_op(group, _total_on(total64, dev), max_norm, CLIP_EPS, POLICY_CODE[policy], "clip_grad_norm_")
 
 
 @torch.no_grad()
@@ -359,8 +306,8 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
     GPU without waiting for it (PyTorch's `.to(device)` of it waits for the stream).
     nonfinite="zero" zeroes the grads when total_norm is NaN or inf; "error" raises PyTorch's error instead."""
     params = _as_list(parameters)
-    m = _max_norm(max_norm, "clip_grads_with_norm_")
-    policy = _policy(nonfinite, "clip_grads_with_norm_")
+    m = check_max_norm(max_norm, "clip_grads_with_norm_")
+    policy = check_policy(nonfinite, "clip_grads_with_norm_")
     grads = _grads(params)
     if not grads:
         return
@@ -372,7 +319,9 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
         total_norm = total_norm.full_tensor()
     total64 = total_norm.detach().to(torch.float64)
     if policy == "error" and not bool(torch.isfinite(total64)):
-        raise _nonfinite_error(float("nan"), "pass nonfinite=\"propagate\" (or \"zero\" to zero the grads)")
+        raise RuntimeError(f"hookstats.clip_grads_with_norm_: total_norm is non-finite ({float(total64)}), so the "
+                           "gradients cannot be clipped. To scale them by it anyway, pass nonfinite=\"propagate\" "
+                           "(PyTorch's behaviour); to zero them, nonfinite=\"zero\"")
     _scale_all(by_device, total64, m, policy, foreach)
 
 
@@ -389,16 +338,16 @@ def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: flo
     so no host sync happens unless error_if_nonfinite=True (same as nonfinite="error"), which raises PyTorch's
     error. nonfinite="zero" zeroes every grad when the total norm is NaN or inf (skip the step's update)."""
     params = _as_list(parameters)
-    p = _norm_type(norm_type, "clip_grad_norm_")
-    m = _max_norm(max_norm, "clip_grad_norm_")
-    policy = "error" if error_if_nonfinite else _policy(nonfinite, "clip_grad_norm_")
+    p = check_norm_type(norm_type, "clip_grad_norm_")
+    m = check_max_norm(max_norm, "clip_grad_norm_")
+    policy = "error" if error_if_nonfinite else check_policy(nonfinite, "clip_grad_norm_")
     grads = _grads(params)
     if not grads:
         return torch.tensor(0.0)
     total64, dtype, by_device = _global_total64(grads, p, foreach, "clip_grad_norm_")
     out = total64.to(dtype)
     if policy == "error" and not bool(torch.isfinite(out)):
-        raise _nonfinite_error(p)
+        raise _nonfinite_error(p) if error_if_nonfinite else _nonfinite_error(p, "pass nonfinite=\"propagate\"")
     _scale_all(by_device, total64, m, policy, foreach)
     return out
 

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
+from ._nested import flatten
 from ._owned_hooks import register
-
 
 
 def _dist():
@@ -90,25 +90,13 @@ def after_ddp_allreduce(ddp, record) -> _Handles:
     def fwd(module, args, output):
         if not torch.is_grad_enabled() or not getattr(module, "require_backward_grad_sync", True):
             return None
-        ts: list = []
-        _tensors(output, ts)
-        ts = [t for t in ts if t.requires_grad]
+        # the output's tensors as DDP's reducer finds them (Note [nested hook arguments])
+        ts = [t for t in flatten(output) if t.requires_grad]
         if ts:
             register_multi_grad_hook(ts, on_grad, mode="any")
         return None
 
     return _Handles(register(ddp, "register_forward_hook", fwd))
-
-
-def _tensors(obj, out: list) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            _tensors(o, out)
-    elif isinstance(obj, dict) or hasattr(obj, "values"):
-        for o in obj.values():
-            _tensors(o, out)
 
 
 def _dtensor_type():

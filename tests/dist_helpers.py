@@ -469,25 +469,25 @@ def sec_mismatch(rank: int, world: int, out: Path) -> dict:
     res["failures_settings"] = mon.merge_failures
 
     # a rank that recorded on several devices (simulated: one CPU here) still joins the gather, so every rank raises
-    from hookstats.monitor import buffers
+    from hookstats.monitor import recorder
 
     feed = Feed()
     mon = hookstats.Monitor(feed, kinds=("forward",), process_group="world")
     feed(x)
     if rank == 1:
-        real = mon._buf._local_block
+        real = mon._rec.take
 
-        def several():
-            real()
-            raise buffers._SeveralDevices("recorded on cpu and cuda:0")
+        def several(**kw):
+            real(**kw)
+            raise recorder.SeveralDevices("recorded on cpu and cuda:0")
 
-        mon._buf._local_block = several
+        mon._rec.take = several
     try:
         mon.flush()
         res["errors"]["several_devices"] = None
     except RuntimeError as e:
         res["errors"]["several_devices"] = str(e)
-    mon._buf.__dict__.pop("_local_block", None)
+    mon._rec.__dict__.pop("take", None)
     mon.step()
     feed(x)
     res["several_devices_next"] = [(r["ranks"], r["stats"]["numel"]) for r in mon.flush()]
@@ -541,7 +541,7 @@ def sec_collectives(rank: int, world: int, out: Path) -> dict:
             n0 = len(calls)
             mon.step()
             res["per_step"].append(calls[n0:])
-            res["pending"].append(mon._buf._pending is not None)
+            res["pending"].append(mon._merge.pending)
             n0 = len(calls)
             res["counts"].append(len(mon.records()))
             res["read_calls"].append(calls[n0:])
@@ -557,7 +557,7 @@ def sec_collectives(rank: int, world: int, out: Path) -> dict:
             res["big"].append(calls[n0:])
             big.step()
         res["big_records"] = len(big.records())
-        res["big_capacity"] = big._buf._capacity
+        res["big_capacity"] = big._merge._capacity
         big.detach()
     return res
 

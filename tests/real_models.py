@@ -174,7 +174,7 @@ class OutOfPlace(TorchFunctionMode):
 
 
 def _slot_positions(out) -> list[int]:
-    """The Monitor's flat index (hookstats.hooks._flatten, None counted) of each top-level element of a module
+    """The Monitor's flat index (hookstats._nested.flatten, None counted) of each top-level element of a module
     output as PyTorch's BackwardHook sees it (the output, or each element of a tuple); -1 for a non-tensor."""
     items = out if isinstance(out, tuple) else (out,)
     pos, idx = [], 0

@@ -340,7 +340,7 @@ def test_record_op_opcheck():
     model, shape = make_mlp()
     mon = hookstats.Monitor(model, kinds="forward")
     xs = [torch.randn(5, 3), None, torch.arange(4), torch.randn(7, dtype=torch.float64).bfloat16()]
-    torch.library.opcheck(torch.ops.hookstats._monitor_record.default, (xs, mon._buf.id, 0),
+    torch.library.opcheck(torch.ops.hookstats._monitor_record.default, (xs, mon._rec.id, 0),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
     recs = mon.records()

@@ -69,7 +69,7 @@ def test_each_replay_of_a_captured_step_records_its_own_step(histogram):
     with torch.cuda.graph(graph):  # raises on a host sync during capture
         step()
     mon.step()  # the capture's step (2) records nothing
-    assert mon._buf.rec.num_rings == 1
+    assert mon._rec.rec.num_rings == 1
     datas = {}
     for i in range(3):  # steps 3, 4, 5
         new_x = torch.randn(16, 32, device="cuda") * (i + 1)

@@ -1,5 +1,5 @@
 """A Monitor's flush against rows written on other streams than the current one (Note [flush across streams] in
-hookstats/monitor/buffers.py): records made under `torch.cuda.stream(s)` (forward hooks, and backward hooks, which
+hookstats/monitor/recorder.py): records made under `torch.cuda.stream(s)` (forward hooks, and backward hooks, which
 autograd runs on the forward ops' stream), graph replays on a side stream and scalars logged there, each queued
 behind a long GPU sleep on that stream, then flushed with no `wait_stream`: the flush must read every row after its
 kernel ran, and its NaN reset must not erase the next step's rows. Issue 33: the flush waited only for the current

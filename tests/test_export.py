@@ -288,7 +288,7 @@ def test_keep_records_false_keeps_nothing_but_the_file_has_everything(tmp_path):
             m.step()
     want, want_sc = kept.records(), kept.scalars()
     assert lean.records() == [] and lean.scalars() == [] and lean.first_nonfinite() is None
-    assert lean._buf.blocks == [] and lean._buf.scalars.flushed == []
+    assert lean._store.blocks == [] and lean._scalars.flushed == []
     lean.detach()
     kept.detach()
     log = read_jsonl(tmp_path / "lean.jsonl")

@@ -148,7 +148,7 @@ def test_replays_record_what_eager_steps_record(histogram, kinds, slots):
         mon, tmon = hookstats.Monitor(m, optimizer=opt, **kw), hookstats.Monitor(twin, optimizer=topt, **kw)
     else:
         mon, tmon = hookstats.Monitor(m, **kw), hookstats.Monitor(twin, **kw)
-    rec = mon._buf.rec
+    rec = mon._rec.rec
     rec._set_test_capture(0)
     _train_step(m, opt, xs[0]); mon.step()          # step 0: warm-up
     _train_step(twin, topt, xs[0]); tmon.step()
@@ -156,7 +156,7 @@ def test_replays_record_what_eager_steps_record(histogram, kinds, slots):
     _train_step(m, opt, xs[1])
     rec._set_test_capture(0)
     # The capture ran the optimizer once on the CPU; the twin makes the same update without recording it.
-    tmon._buf.rec.begin_step(1, False, False)
+    tmon._rec.rec.begin_step(1, False, False)
     _train_step(twin, topt, xs[1])
     mon.step(); tmon.step()
     for i in range(2, 6):                           # steps 2..5: replays
@@ -196,7 +196,7 @@ def _nan_equal(a, b):
 def test_more_replays_than_slots_are_counted_and_warned():
     m = _net()
     mon = hookstats.Monitor(m, kinds=("forward",), slots=3)
-    rec = mon._buf.rec
+    rec = mon._rec.rec
     rec._set_test_capture(0)
     x = torch.randn(2, 8)
     m(x); mon.step()
@@ -217,7 +217,7 @@ def test_more_replays_than_slots_are_counted_and_warned():
 def test_capture_rules_have_clear_errors():
     m = _net()
     mon = hookstats.Monitor(m, kinds=("forward",), slots=4)
-    rec = mon._buf.rec
+    rec = mon._rec.rec
     rec._set_test_capture(3)  # no warm-up: the device's buffers do not exist yet
     with pytest.raises(RuntimeError, match="once outside capture first"):
         m(torch.randn(2, 8))
@@ -235,11 +235,11 @@ def test_capture_rules_have_clear_errors():
 def test_captured_step_may_not_grow_the_buffers():
     m = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
     mon = hookstats.Monitor(m, kinds=("forward",), slots=2)
-    mon._buf.rec._set_test_capture(0)
+    mon._rec.rec._set_test_capture(0)
     m(torch.randn(1, 4)); mon.step()  # 4 sites (3 layers + the container): fits the 64 initial rows
     big = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(70)])
     mon2 = hookstats.Monitor(big, kinds=("forward",), slots=2)
-    rec2 = mon2._buf.rec
+    rec2 = mon2._rec.rec
     rec2._set_test_capture(0)
     big[0](torch.randn(1, 4)); mon2.step()  # one site: the buffer has 64 rows
     rec2._set_test_capture(8)
@@ -255,7 +255,7 @@ def test_eager_monitor_without_captures_is_unchanged():
     with hookstats.Monitor(m, kinds=("forward",)) as mon:
         for _ in range(3):
             m(torch.randn(2, 8)); mon.step()
-        assert mon._buf.rec.num_rings == 0
+        assert mon._rec.rec.num_rings == 0
         assert len(mon.flush()) == 12
 
 
@@ -276,7 +276,7 @@ def test_stats_into_ring_with_locations(device):
 def test_locations_monitor_refuses_capture_clearly():
     m = _net()
     mon = hookstats.Monitor(m, kinds=("forward",), locations=True)
-    rec = mon._buf.rec
+    rec = mon._rec.rec
     rec._set_test_capture(0)
     m(torch.randn(2, 8)); mon.step()
     rec._set_test_capture(9)

@@ -284,21 +284,51 @@ def _closure(graph: dict, start: str) -> set:
     return seen
 
 
-def test_monitor_core_imports_no_feature_module():
-    """Note [monitor features]: the core knows features only through the protocol and the registry."""
-    graph = _graph()
-    reached = _closure(graph, "hookstats.monitor.core") | {"hookstats.monitor.core"}
-    bad = sorted(m for m in reached if m.startswith(FEATURE_MODULES))
-    assert not bad, f"hookstats.monitor.core reaches feature modules {bad}"
+def _code_names(path: pathlib.Path) -> set:
+    """The identifiers (names, attributes, keywords, imported names) and the string constants, docstrings left out, of
+    a module's code."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
     names = set()
-    for node in ast.walk(ast.parse((PKG / "monitor" / "core.py").read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             names.add(node.id)
         elif isinstance(node, ast.Attribute):
             names.add(node.attr)
         elif isinstance(node, ast.keyword) and node.arg:
             names.add(node.arg)
-    assert not names & {"per_sample", "channel_stats", "locations", "ChannelCalibrator", "PerSampleGradNorms"}
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.rpartition(".")[2])
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            names.add(node.value)
+    return names
+
+
+def test_monitor_core_imports_no_feature_module():
+    """Note [monitor features]: the core knows features only through the protocol and the registry. Its imports
+    (AST, function-level ones included) reach no feature module, and neither the core nor the protocol module it
+    imports (feature.py, whose FeatureAccess is the Monitor's base) names a registered feature, a shortcut one
+    contributes or a feature's class: each feature brings its own through register_feature."""
+    from hookstats.monitor import feature
+
+    graph = _graph()
+    reached = _closure(graph, "hookstats.monitor.core") | {"hookstats.monitor.core"}
+    assert "hookstats.monitor.feature" in reached
+    bad = sorted(m for m in reached if m.startswith(FEATURE_MODULES))
+    assert not bad, f"hookstats.monitor.core reaches feature modules {bad}"
+    known = set(feature.registered()) | set(feature.shortcuts()) | {
+        "ChannelCalibrator", "PerSampleGradNorms", "ChannelStatsFeature", "PerSampleFeature", "LocationsFeature",
+        "NonfiniteOpsFeature"}
+    assert {"per_sample", "channel_stats", "locations", "nonfinite_ops", "top_samples", "channel_results"} <= known
+    for path in (PKG / "monitor" / "core.py", PKG / "monitor" / "feature.py"):
+        named = _code_names(path) & known
+        assert not named, f"{path.relative_to(PKG)} names features {sorted(named)}"
+    shortcuts = {n for n, v in vars(feature.FeatureAccess).items() if callable(v) and not n.startswith("_")}
+    assert shortcuts == set(feature.shortcuts()) | {"feature", "feature_results"}
 
 
 def test_no_python_file_over_500_lines():

@@ -12,6 +12,7 @@ must equal hookstats.histogram / exp_histogram of the clone exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import warnings
@@ -283,6 +284,23 @@ def test_token_ids_and_masks_are_skipped_and_counted():
     assert_records_match(recs, cap.items)
     assert not [r for r in recs if r["kind"] == "forward_pre" and r["module"] in ("", "0")]
     assert not [r for r in recs if r["kind"] == "backward" and r["module"] in ("", "0")]  # grad_input (None,)
+
+
+def test_counters_are_one_snapshot_of_every_count():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+    mon = hookstats.Monitor(model, kinds=("forward_pre", "forward"))
+    before = mon.counters
+    model(torch.tensor([[1, 2, 3]]))
+    after = mon.counters
+    assert dataclasses.is_dataclass(after) and dataclasses.fields(after)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.skipped = 0  # a snapshot: it does not move with the Monitor
+    assert (before.skipped, after.skipped) == (0, 2)  # the ids, seen by the root's and the embedding's forward_pre
+    for f in dataclasses.fields(after):  # each counter is also a property of its own name, documented as the field
+        assert getattr(mon, f.name) == getattr(after, f.name)
+        assert type(mon).__dict__[f.name].__doc__ == f.metadata["doc"]
+    assert after == type(after)(skipped=2)  # nothing else counted: no merge, no export, no graph
+    mon.detach()
 
     # the transformer with a positional bool mask: the mask is skipped, once per step, at the root's forward_pre
     model = make_transformer()

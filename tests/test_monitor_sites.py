@@ -254,7 +254,7 @@ def test_forward_records_and_sites():
         mon.step()
     recs = mon.records()
     assert [(r["step"], r["module"]) for r in recs] == [(s, n) for s in range(3) for n in ("lin", "lin", "")]
-    assert len(mon._buf.table) == 3  # lin call 0, lin call 1, root
+    assert len(mon._rec.table) == 3  # lin call 0, lin call 1, root
     assert [r["seq"] for r in recs] == list(range(9))
 
 
@@ -286,14 +286,14 @@ def test_flush_is_one_block_of_columns():
     for _ in range(3):
         m(torch.randn(4, 4)).sum().backward()
         mon.step()
-    block = mon._buf.flush()
+    block = mon._flush_block()
     assert len(block) == 3 * 8
     assert block.stats.shape == (24, 13) and block.steps.tolist() == [0] * 8 + [1] * 8 + [2] * 8
     assert (block.hist_group >= 0).all() and sum(len(h) for h in block.hists) == 24
     assert list(block.column("kind")[:8]) == ["forward"] * 4 + ["backward_pre"] * 4
     recs = block.records()  # the dicts, built on demand from the columns
     assert recs[0]["histogram"] is not None and sum(recs[0]["histogram"]) == recs[0]["stats"]["numel"]
-    assert mon._buf.rec.pending_slots == 0
+    assert mon._rec.pending == 0
 
 
 def _dense_gather(block, slot, row):

@@ -374,7 +374,7 @@ def test_jsonl_columnar_lines_equal_the_record_encoding(histogram):
     mon = hookstats.Monitor(m, kinds=("forward", "backward_pre", "grad"), histogram=histogram)
     run(mon, m, 3, nan_step=1)
     mon.flush()
-    block = mon._buf.blocks[-1]
+    block = mon._store.blocks[-1]
     want = "".join(json.dumps(encode_record(r), allow_nan=False, separators=(",", ":")) + "\n"
                    for r in block.records())
     assert encode_block(block) == want
@@ -393,7 +393,7 @@ def test_merge_columns_of_a_merged_block(locations):
     mon = hookstats.Monitor(m, locations=locations)
     run(mon, m, 2, nan_step=1)
     mon.flush()
-    block = mon._buf.blocks[0]
+    block = mon._store.blocks[0]
     n = len(block)
     block.ranks = np.arange(n, dtype=np.int64) % 3 + 1
     block.nonfinite_mask = np.array([[0, 0b101, 1 << 62, (1 << 62) | 2][i % 4] for i in range(n)], dtype=np.int64)

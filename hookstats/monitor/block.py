@@ -1,4 +1,4 @@
-"""What a flush yields (buffers.py makes it): a `Block` of numpy columns, one flush's records in the order they were
+"""What a flush yields (recorder.py makes it; merging.py a merged one): a `Block` of numpy columns, one flush's records in the order they were
 written, its histogram rows as `HistRows` (the nonzero columns), and the record dicts built from it on demand
 (`Record`, `LazyRecords`)."""
 from __future__ import annotations

@@ -26,7 +26,7 @@ import itertools
 import torch
 
 from .._kernels import HAVE_EXTENSION, extension  # the op's fake kernel is there too
-from ..hooks import _flatten
+from .._nested import flatten
 
 _IDS = itertools.count()
 
@@ -52,7 +52,7 @@ if HAVE_EXTENSION:
 
     _record_op = torch.ops.hookstats._monitor_record.default
     _record_op_traced = _record_op if _register_ordered_effect(_record_op) else torch.compiler.disable(_record_op)
-else:  # no compiled extension: Monitor and record refuse to start (buffers.py says why), nothing is traced
+else:  # no compiled extension: Monitor and record refuse to start (recorder.py says why), nothing is traced
     _record_op = _record_op_traced = None
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 # The eager check a hook makes on every call: dynamo folds it to True where it traces the hook; eagerly it is one
@@ -78,8 +78,7 @@ def record_traced(mid: int, hid: int, obj) -> None:
     """The traced body of a Monitor hook: see Note [monitor under torch.compile]."""
     if _is_exporting():  # an exported program must not call back into this process's monitors
         return None
-    tensors: list = []
-    _flatten(obj, tensors, keep_none=True)
+    tensors = flatten(obj, keep_none=True)
     _record_op_traced([None if t is None else t.detach() for t in tensors], mid, hid)
     return None
 

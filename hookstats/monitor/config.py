@@ -12,12 +12,12 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from .._select import SITE_ALIASES, Site
+from .._select import MONITOR_SITES, Site
 from ..export.protocol import is_exporter
 
-# Hook kinds a Monitor attaches (hookstats.Site's values), and the aliases it accepts.
-MONITOR_KINDS = tuple(s.value for s in Site)
-_DEFAULT_KINDS = ("forward", "backward_pre")
+# Hook kinds a Monitor attaches (the values of hookstats.Site's MONITOR_SITES; Site.parse takes their aliases too).
+MONITOR_KINDS = tuple(s.value for s in MONITOR_SITES)
+_DEFAULT_KINDS = (Site.FORWARD.value, Site.BACKWARD_PRE.value)
 
 GROUPS = ("selection", "cadence", "payload", "output", "distributed")
 
@@ -149,10 +149,7 @@ def _kinds(kinds) -> tuple:
                         f"use any of {MONITOR_KINDS}")
     ks = []
     for k in ([kinds] if isinstance(kinds, (str, Site)) else kinds):
-        site = Site.lookup(k)
-        if site is None:
-            raise ValueError(f"hookstats.Monitor: unknown kind {k!r}; use any of {MONITOR_KINDS} "
-                             f"(or the aliases {sorted(SITE_ALIASES)})")
+        site = Site.parse(k, MONITOR_SITES, "hookstats.Monitor: unknown kind")
         if site.value not in ks:
             ks.append(site.value)
     return tuple(ks)

@@ -1,8 +1,9 @@
 """hookstats.Monitor: statistics of every matching layer, every step, into device buffers, read back when you choose.
 
-The data path: hooks (hooks.py, C++ callables of csrc/monitor/) -> site rows of device buffers (buffers.py; Note
-[monitor sites] in csrc/monitor/recorder.h) -> flush: one host copy per buffer, a columnar Block (block.py) ->
-records(), summary(), first_nonfinite(), exporters. The options are config.py's MonitorConfig; what a Monitor records
+The data path, each stage built whole by its constructor here: hooks (attach.py: hooks.py's C++ callables of
+csrc/monitor/) -> site rows of device buffers (recorder.py; Note [monitor sites] in csrc/monitor/recorder.h) ->
+flush: one host copy per buffer, a columnar Block (block.py) -> with a process group, merged across ranks
+(merging.py) -> kept and numbered (store.py) -> records(), summary(), first_nonfinite(), the export thread. The options are config.py's MonitorConfig; what a Monitor records
 besides its sites comes from features (feature.py, Note [monitor features]), none of which this module knows.
 """
 from __future__ import annotations
@@ -14,19 +15,21 @@ import torch
 import torch.distributed as dist
 
 from .._ops import STATS_FIELDS
-from .._owned_hooks import register
-from .._select import Selection
+from .._select import Selection, Site
 from .._version import __version__
-from ..distributed import after_ddp_allreduce, grad_mode, resolve_group
-from ..distributed import is_dtensor as _is_dtensor
-from ..runlog import schema as _table
-from . import hooks as _hooks
+from ..distributed import resolve_group
 from . import lifecycle as _lifecycle
+from .attach import attach_grad_hooks, attach_module_hooks
 from .block import LazyRecords
-from .buffers import Buffers
 from .config import MONITOR_KINDS, MonitorConfig
+from .counters import Counters, counter_property
 from .export_thread import ExportThread
 from .feature import FeatureAccess, FeatureContext, build_features, claim, release
+from .merge import MergeError
+from .merging import MergeSession
+from .recorder import Recorder, SeveralDevices
+from .scalars import ScalarBuffer
+from .store import Store
 from .summary import format_summary, summary_from_columns
 
 __all__ = ["MONITOR_KINDS", "Monitor"]
@@ -93,14 +96,17 @@ class Monitor(FeatureAccess):
             configure = getattr(f, "configure", None)
             if configure is not None:
                 configure(buffer_options)
-        self._buf = Buffers(cfg.histogram, cfg.slots, **buffer_options)
-        self._buf.keep = cfg.keep_records
+        # the data path: recorder (device rows) -> [merge session: every rank's rows] -> store (blocks) -> exporters
+        self._rec = Recorder(cfg.histogram, cfg.slots, **buffer_options)
+        self._merge: Optional[MergeSession] = None
         self.rank = 0
         self._exporting = True
         if cfg.process_group is not None:
-            self._buf.group = resolve_group(cfg.process_group)
-            self.rank = dist.get_rank(self._buf.group)
+            self._merge = MergeSession(resolve_group(cfg.process_group), self._rec)
+            self.rank = dist.get_rank(self._merge.group)
             self._exporting = self.rank == cfg.export_rank
+        self._store = Store(self._rec.empty_block, cfg.keep_records, merged=self._merge is not None)
+        self._scalars = ScalarBuffer(keep=cfg.keep_records)
         self._step = cfg.start_step
         self._recorded_steps = -(-cfg.start_step // self.every)  # steps recorded so far (histogram_every counts these)
         self._step_flags = (False, False)
@@ -108,7 +114,6 @@ class Monitor(FeatureAccess):
         self._model = model
         self._optimizer = cfg.optimizer
         self._export: Optional[ExportThread] = None
-        self._tables: list = []  # table() cache: the Arrow table of each kept block
 
         self.selection = Selection(cfg.include, cfg.exclude)
         self._wanted = self.selection.matches
@@ -132,56 +137,23 @@ class Monitor(FeatureAccess):
             raise
         if self._active_exporters():
             self._export = ExportThread(self._active_exporters(), self.export_queue)
-            _lifecycle.register(self)  # SIGTERM and interpreter exit (Note [what survives a terminated run])
+            _lifecycle.register(self, self._save_at_exit)  # Note [what survives a terminated run]
 
     # -- hooks ----------------------------------------------------------------------------------------------------
     def _attach(self, model: torch.nn.Module) -> None:
-        b, rec, mid, kinds = self._buf, self._buf.rec, self._buf.id, self.kinds
         self._unplaced = [0]  # grad_output aliases that could not be put in place (hooks.replace_outputs)
-        for name, mod in model.named_modules():
-            if not self._wanted(name, mod):
-                continue
-            if "forward_pre" in kinds:
-                self._handles.append(register(mod, "register_forward_pre_hook",
-                                              _hooks.forward_pre_hook(rec, mid, b.hook(name, "forward_pre"))))
-            if "forward" in kinds or "backward_pre" in kinds:
-                fwd = b.hook(name, "forward") if "forward" in kinds else -1
-                grad = b.hook(name, "backward_pre") if "backward_pre" in kinds else -1
-                hook, pre_hook = _hooks.forward_hook(rec, mid, fwd, grad, self._unplaced)
-                if pre_hook is not None:
-                    self._handles.append(register(mod, "register_forward_pre_hook", pre_hook))
-                self._handles.append(register(mod, "register_forward_hook", hook))
-            if "backward" in kinds:
-                self._handles.append(register(mod, "register_full_backward_hook",
-                                              _hooks.backward_hook(rec, mid, b.hook(name, "backward"))))
+        attach_module_hooks(model, self._rec, self.kinds, self._wanted, self._handles, self._unplaced)
         self._params: list = []
-        if "grad" in kinds:
-            ddp = grad_mode(model, b.group, self._optimizer)  # Note [grad records across ranks]
-            for pname, p in model.named_parameters():
-                if p.requires_grad and self._wanted(pname):
-                    hid = b.hook(pname, "grad", replicated=ddp is not None and not _is_dtensor(p))
-                    self._params.append((hid, p))
-                    if self._optimizer is None and ddp != "end_of_backward":
-                        self._handles.append(p.register_post_accumulate_grad_hook(_hooks.grad_hook(rec, mid, hid)))
-            if self._optimizer is not None and self._optimizer != "manual":
-                self._handles.append(self._optimizer.register_step_pre_hook(self._optimizer_hook()))
-            elif ddp == "end_of_backward":
-                self._handles.append(after_ddp_allreduce(model, self._weak_record_grads()))
+        if Site.GRAD in self.kinds:
+            me = weakref.ref(self)  # the optimizer or DDP must not keep a dropped Monitor (and its model) alive
 
-    def _weak_record_grads(self):
-        me = weakref.ref(self)  # DDP must not keep a dropped Monitor (and its buffers) alive
-        return lambda: me() is not None and me().record_grads()
+            def record_grads() -> None:
+                mon = me()
+                if mon is not None:
+                    mon.record_grads()
 
-    def _optimizer_hook(self):
-        me = weakref.ref(self)  # the optimizer must not keep a dropped Monitor (and its model) alive
-
-        def hook(optimizer, args, kwargs):
-            mon = me()
-            if mon is not None:
-                mon.record_grads()
-            return None
-
-        return hook
+            self._params = attach_grad_hooks(model, self._rec, self._wanted, self._merge and self._merge.group,
+                                             self._optimizer, record_grads, self._handles)
 
     def record_grads(self) -> None:
         """Records every monitored parameter's current .grad (kind "grad") under the current step: one C++ call,
@@ -189,11 +161,11 @@ class Monitor(FeatureAccess):
         `optimizer="manual"` (a training framework's callback, after it clipped the grads) only when called. With a
         process group and `optimizer=`, plain-tensor grads are DDP's replicated ones: merged once, not as shards
         (Note [grad records across ranks]); DTensor grads are merged from their shards."""
-        if "grad" not in self.kinds:
+        if Site.GRAD not in self.kinds:
             raise RuntimeError("hookstats.Monitor.record_grads needs the 'grad' kind (kinds=(..., 'grad'))")
-        if self._model is None or not self._buf.rec.active:
+        if self._model is None or not self._rec.active:
             return
-        self._buf.rec.record_params([(hid, p.grad) for hid, p in self._params if p.grad is not None])
+        self._rec.record_params([(hid, p.grad) for hid, p in self._params if p.grad is not None])
 
     def _active_exporters(self) -> list:
         return self.exporters if self._exporting else []
@@ -201,17 +173,17 @@ class Monitor(FeatureAccess):
     @property
     def histogram(self):
         """The Histogram recorded with each tensor, or None."""
-        return self._buf.histogram
+        return self._rec.histogram
 
     def run_info(self) -> dict:
         """What exporters need to read the records: histogram spec, statistics fields, kinds, modules, versions."""
-        h = self._buf.histogram
+        h = self._rec.histogram
         hist = None if h is None else ({"kind": "exp"} if h.kind == "exp" else
                                        {"kind": "range", "bins": h.bins, "lo": h.lo, "hi": h.hi})
         info = {"hookstats": __version__, "torch": torch.__version__, "histogram": hist,
                 "stats_fields": list(STATS_FIELDS), "kinds": list(self.kinds), "modules": list(self.modules),
                 "every": self.every, "histogram_every": self.histogram_every, "start_step": self.config.start_step}
-        if self._buf.group is not None:  # records merged across ranks: the ranks columns (runlog.schema)
+        if self._merge is not None:  # records merged across ranks: the ranks columns (runlog.schema)
             info["merged"] = True
         for f in self._features:
             extra = getattr(f, "run_info", None)
@@ -224,29 +196,29 @@ class Monitor(FeatureAccess):
         active = self._model is not None and self._step % self.every == 0
         hist_on = self._recorded_steps % self.histogram_every == 0
         self._step_flags = (active, hist_on)
-        self._buf.rec.begin_step(self._step, active, hist_on)
+        self._rec.begin_step(self._step, active, hist_on)
         if active:
             self._recorded_steps += 1
 
     def pause(self) -> None:
         """Records nothing until resume() or the next step() (an evaluation pass between two training steps);
         log() still logs."""
-        self._buf.rec.begin_step(self._step, False, False)
+        self._rec.begin_step(self._step, False, False)
 
     def resume(self) -> None:
         """Records the current step again after pause(), as it was recording before."""
-        self._buf.rec.begin_step(self._step, self._step_flags[0] and self._model is not None, self._step_flags[1])
+        self._rec.begin_step(self._step, self._step_flags[0] and self._model is not None, self._step_flags[1])
 
     def step(self) -> None:
         """Ends a step: the next hooks record under step + 1 (and only every `every` steps). With flush_every=N,
         every N-th call flushes."""
-        recorded = self._buf.rec.active
+        recorded = self._rec.active
         for f in self._features:
             f.on_step(self._step, recorded)
         self._step += 1
         self._begin_step()
         if self.flush_every is not None and self._step % self.flush_every == 0:
-            if self._buf.group is not None:  # the merge's all_gather runs while the next steps do
+            if self._merge is not None:  # the merge's all_gather runs while the next steps do
                 self._flush_block(async_merge=True)
                 if self._export is not None:
                     self._export.raise_pending()
@@ -261,7 +233,7 @@ class Monitor(FeatureAccess):
             raise TypeError(f"hookstats.Monitor.log needs a non-empty str tag, got {tag!r}")
         if self._model is None:
             raise RuntimeError("hookstats.Monitor.log after detach(): the monitor is closed")
-        self._buf.scalars.add(value, self._step, tag)
+        self._scalars.add(value, self._step, tag)
 
     @property
     def current_step(self) -> int:
@@ -269,23 +241,26 @@ class Monitor(FeatureAccess):
         return self._step
 
     @property
-    def skipped(self) -> int:
-        """Non-floating tensors (token ids, masks) and meta tensors (a shape-inference forward) the hooks saw and did not
-        record."""
-        return self._buf.skipped
+    def counters(self) -> Counters:
+        """A snapshot of what this Monitor counts beside its records (hookstats.monitor.counters.Counters): tensors
+        skipped, grad_output slots left unrecorded, graph replays dropped, flushes that could not be merged, export
+        waits. Each is also a property of its own name."""
+        m, e = self._merge, self._export
+        return Counters(
+            skipped=self._rec.skipped, unrecorded_grad_outputs=self._unplaced[0],
+            dropped_replays=self._rec.dropped_replays,
+            merge_failures=m.merge_failures if m else 0, dropped_records=m.dropped_records if m else 0,
+            replica_mismatches=m.replica_mismatches if m else 0,
+            export_waits=e.waits if e else 0, export_wait_seconds=e.wait_seconds if e else 0.0)
 
-    @property
-    def unrecorded_grad_outputs(self) -> int:
-        """backward_pre slots left unrecorded because their output could not carry an edge of its own (a tuple
-        subclass the forward hook could not rebuild with the slot's alias in place; Note [grad_output by tensor
-        hooks] in hookstats/monitor/hooks.py): counted here and in summary(), never recorded with a wrong value."""
-        return self._unplaced[0]
-
-    @property
-    def dropped_replays(self) -> int:
-        """Replays of a captured CUDA graph whose rows were overwritten before a flush read them (a captured step
-        keeps its last `slots` replays; Note [monitor graph replays] in csrc/monitor/recorder.h)."""
-        return self._buf.dropped_replays
+    skipped = counter_property("skipped")
+    unrecorded_grad_outputs = counter_property("unrecorded_grad_outputs")
+    dropped_replays = counter_property("dropped_replays")
+    merge_failures = counter_property("merge_failures")
+    dropped_records = counter_property("dropped_records")
+    replica_mismatches = counter_property("replica_mismatches")
+    export_waits = counter_property("export_waits")
+    export_wait_seconds = counter_property("export_wait_seconds")
 
     def flush(self) -> list[dict]:
         """Copies the recorded rows to the host: one copy per buffer (non-blocking into pinned memory on CUDA), and
@@ -299,33 +274,47 @@ class Monitor(FeatureAccess):
         return LazyRecords(block)
 
     def _flush_block(self, async_merge: bool = False):
+        """The data path's flush: the recorder's rows as a Block, merged across ranks with a process group (with
+        async_merge only started: it ends at the next flush or read), kept in the store, and everything the store
+        got handed to the exporters with the scalars. Returns the new (merged) Block, or None."""
         try:
-            block = self._buf.flush(async_merge)
+            if self._merge is None:
+                return self._store.add(self._rec.take())
+            return self._merge_block(async_merge)
         finally:  # a failed merge still hands over the scalars and the blocks merged before it
-            self._hand_over(self._buf.scalars.flush(self._buf.keep))
-        return block
+            self._hand_over(self._scalars.flush())
+
+    def _merge_block(self, async_merge: bool):
+        """Note [merging records across ranks]: this flush's gather, after the one a previous flush started."""
+        try:
+            block = self._rec.take(one_device=True)
+        except SeveralDevices:  # this rank still takes part in the gather: every rank raises
+            block = None
+        err = out = None
+        try:
+            self._finish_merge(collective=True)  # the previous flush's gather, if it was started asynchronously
+        except MergeError as e:
+            err = e
+        self._merge.start(block, async_merge)
+        if not async_merge:
+            try:
+                out = self._finish_merge(collective=True)
+            except MergeError as e:
+                err = err or e
+        if err is not None:
+            raise err
+        return out
+
+    def _finish_merge(self, collective: bool):
+        merged = self._merge.finish(collective)
+        return self._store.add(merged) if merged is not None else None
 
     def _hand_over(self, scalars: list = ()) -> None:
         """Gives the export thread every flushed (merged) block not yet given, with the scalars flushed with it."""
-        for block, sc in self._buf.take_ready(scalars):
+        waiting = self._merge is not None and self._merge.pending
+        for block, sc in self._store.take_ready(scalars, waiting):
             if self._export is not None and (len(block) or sc):
                 self._export.submit(block, sc)
-
-    @property
-    def merge_failures(self) -> int:
-        """Flushes whose records could not be merged across ranks (Note [merging records across ranks]): each
-        raised MergeError on every rank, and its records were dropped (`dropped_records` counts this rank's)."""
-        return self._buf.merge_failures
-
-    @property
-    def dropped_records(self) -> int:
-        """This rank's records in the flushes counted by merge_failures."""
-        return self._buf.dropped_records
-
-    @property
-    def replica_mismatches(self) -> int:
-        """Merged records of replicated grads (DDP's) that were not the same on every rank."""
-        return self._buf.replica_mismatches
 
     def drain(self) -> None:
         """Waits until the exporters have written every flush handed to them, then raises an exporter error, if any.
@@ -334,26 +323,13 @@ class Monitor(FeatureAccess):
             self._export.drain()
             self._export.raise_pending()
 
-    @property
-    def export_waits(self) -> int:
-        """How many flushes waited for the export queue (the exporters were `export_queue` flushes behind)."""
-        return self._export.waits if self._export is not None else 0
-
-    @property
-    def export_wait_seconds(self) -> float:
-        """The training thread's total time in those waits."""
-        return self._export.wait_seconds if self._export is not None else 0.0
-
     def table(self):
         """Every record flushed so far as a pyarrow.Table (hookstats.runlog.schema: step, seq, the site columns
         module / kind / index / dtype dictionary-encoded, one column per statistic, histogram_{L} fixed-size list
         columns), built from the flushed columns (no dict per record). Flushes first (without a process group).
         With keep_records=False only what is kept (nothing). Needs pyarrow."""
         self._read()
-        blocks = self._buf.blocks
-        for b in blocks[len(self._tables):]:
-            self._tables.append(_table.block_table(b))
-        return _table.with_run_info(_table.concat(self._tables[:len(blocks)]), self.run_info())
+        return self._store.arrow_table(self.run_info())
 
     def to_pandas(self):
         """table() as a pandas.DataFrame (site columns as categoricals). Needs pandas."""
@@ -364,12 +340,12 @@ class Monitor(FeatureAccess):
         return self.table().to_pandas()
 
     def _read(self) -> None:
-        if self._buf.group is None:
+        if self._merge is None:
             if self._model is not None:
                 self.flush()
-        elif self._buf._pending is not None:  # a merge started by step(): ends here unless it must be sent again
+        elif self._merge.pending:  # a merge started by step(): ends here unless it must be sent again
             try:
-                self._buf.finish(collective=False)
+                self._finish_merge(collective=False)
             finally:
                 self._hand_over()
 
@@ -377,7 +353,7 @@ class Monitor(FeatureAccess):
         """Every scalar logged with log() so far: dicts with seq, step, tag and value, in call order. Flushes first
         (without a process group). Scalars are this rank's: they are not merged across ranks."""
         self._read()
-        return list(self._buf.scalars.flushed)
+        return list(self._scalars.flushed)
 
     def records(self) -> list[dict]:
         """Every record so far, in the order the hooks ran (Note [grad_output by tensor hooks] says where a
@@ -386,7 +362,7 @@ class Monitor(FeatureAccess):
         stats (a dict of the 13 STATS_FIELDS) and histogram (a list of counts, or None). Flushes first (without a
         process group: with one, call flush() on every rank). Built from the flushed columns when called."""
         self._read()
-        return self._buf.records()
+        return self._store.records()
 
     def first_nonfinite(self) -> Optional[dict]:
         """The first record (by step and hook order) whose tensor held a NaN or Inf: NaN hunting without
@@ -397,7 +373,7 @@ class Monitor(FeatureAccess):
         held one (the op ran in the optimizer step, or in a module not monitored), that origin is returned
         itself."""
         self._read()
-        rec = self._buf.first_nonfinite()
+        rec = self._store.first_nonfinite()
         for f in self._features:
             find = getattr(f, "nonfinite_origin", None)
             origin = find() if find is not None else None
@@ -411,7 +387,7 @@ class Monitor(FeatureAccess):
     def summary_rows(self) -> list[dict]:
         """One row per (module, kind): hookstats.monitor.summary_rows() of the records, from their columns."""
         self._read()
-        return summary_from_columns(*self._buf.columns())
+        return summary_from_columns(*self._store.columns())
 
     def summary(self) -> str:
         """The per-layer table of summary_rows(), as text; then the backward_pre slots left unrecorded, if any, and
@@ -442,6 +418,23 @@ class Monitor(FeatureAccess):
             self._detach_hooks()
         _lifecycle.raise_detach_errors(exp, close_errors)
 
+    def _save_at_exit(self, close: bool) -> None:
+        """lifecycle's call (Note [what survives a terminated run]): at SIGTERM (everything recorded handed to the
+        exporters and written) and at interpreter exit (close: detached too). With a process group nothing is
+        flushed (a flush is a collective the other ranks may not reach): what was handed over is written."""
+        if self._merge is None:
+            if close:
+                self.detach()
+            else:
+                self.flush()
+                self.drain()
+        elif close:
+            errors = _lifecycle.close_exporters(self._export, self._active_exporters())
+            self._detach_hooks()
+            _lifecycle.raise_detach_errors(None, errors)
+        elif self._export is not None:
+            self._export.drain()
+
     def _run_end_info(self) -> tuple:
         """({name: value} of every feature's optional run_end_info(), [(feature, error)]): what the run learned by
         its end, which detach() hands to the exporters' end(info) before closing them."""
@@ -468,7 +461,8 @@ class Monitor(FeatureAccess):
                 release(f)
         # A graph built before detach() still calls the hooks it captured (PyTorch snapshots a module's backward
         # hooks at forward time, and tensor hooks live in the graph): they must record nothing from now on.
-        self._buf.release()
+        self._rec.release()
+        self._scalars.release()
         self._model = None
         self._params = []
 
@@ -480,16 +474,14 @@ class Monitor(FeatureAccess):
 
     def __del__(self):
         try:
-            exp = self._export
-            if exp is not None and not exp._closed:  # the thread writes what it has, then ends
-                exp._closed = True
-                exp._q.put_nowait(None)
+            if self._export is not None:  # the thread writes what it has, then ends
+                self._export.stop_nowait()
         except Exception:
             pass
         try:
             for h in self._handles:
                 h.remove()
-            self._buf.release()
+            self._rec.release()
         except Exception:
             pass
         for f in getattr(self, "_attached", ()):  # a dropped Monitor's features unhook too, and may serve again

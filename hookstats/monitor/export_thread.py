@@ -102,10 +102,6 @@ class ExportThread:
             self.waits += 1
             self.wait_seconds += time.perf_counter() - t0
 
-    @property
-    def pending(self) -> int:
-        return self._q.unfinished_tasks
-
     def take_errors(self) -> list:
         """[(exporter, error, "write")] of the exporter errors since the last call, taken."""
         with self._lock:
@@ -135,6 +131,12 @@ class ExportThread:
         self._q.put(None)
         self._thread.join()
         _LIVE.discard(self)
+
+    def stop_nowait(self) -> None:
+        """Stops the thread after it wrote what it has, without waiting (a dropped Monitor's)."""
+        if not self._closed:
+            self._closed = True
+            self._q.put_nowait(None)
 
     def _report_at_exit(self) -> None:
         self.drain()

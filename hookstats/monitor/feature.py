@@ -12,19 +12,22 @@ is optional; so are run_info() and summary(), below):
   detach()           removes its hooks; called once, by Monitor.detach(), or when construction fails after its
                      attach began (so it must undo a partial attach).
 and, optionally, `run_info() -> dict` (added to the run header exporters get), `summary() -> str` (appended to
-Monitor.summary()) and `nonfinite_origin() -> dict | None` (where NaN/Inf values began: Monitor.first_nonfinite()
-adds it to its record as "origin") and `run_end_info() -> dict` (written as JSON, other values as their str; at detach() the Monitor hands what
-every feature returns to each exporter's optional end(info) before closing it: the run log keeps it as the
-header's "end").
+Monitor.summary()), `nonfinite_origin() -> dict | None` (where NaN/Inf values began: Monitor.first_nonfinite() adds
+it to its record as "origin") and `run_end_info() -> dict` (written as JSON, other values as their str; at detach()
+the Monitor hands what every feature returns to each exporter's optional end(info) before closing it: the run log
+keeps it as the header's "end").
 The core knows no feature by name: the built-in ones (hookstats/monitor/features/: channel statistics, per-sample
-gradient norms, element locations) register a factory for their MonitorConfig option with `register_feature`, and a
-user passes their own as `Monitor(features=[...])`.
+gradient norms, element locations, non-finite ops) register a factory for their MonitorConfig option with
+`register_feature`, and a user passes their own as `Monitor(features=[...])`. A feature's shortcuts on the Monitor
+(`mon.top_samples(k)` reads the per_sample feature) come with its registration too (`Shortcut`): FeatureAccess, the
+Monitor's base, holds only what every feature shares (`feature(name)`, `features`, `feature_results()`).
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -62,19 +65,74 @@ class Feature(Protocol):
         """Removes its hooks (also after a partial attach)."""
 
 
+@dataclass(frozen=True)
+class Shortcut:
+    """A Monitor method that reads one registered feature: `mon.<name>(*args)` calls `method` (a function of the
+    feature's class, whose signature it shows) on the feature the option attaches (named as the option), and
+    without that feature returns `off()` (off=None: the RuntimeError naming the option that attaches it). `doc` is
+    its docstring (default: the method's)."""
+
+    name: str
+    method: Callable
+    off: Optional[Callable[[], Any]] = None
+    doc: str = ""
+
+
 # option name -> (factory(value) -> Feature or None when the option is off, the option's "on" example for errors)
 _REGISTRY: Dict[str, tuple] = {}
+_SHORTCUTS: Dict[str, str] = {}  # Monitor method name -> the option whose feature it reads
 
 
-def register_feature(option: str, factory: Callable[[Any], Optional[Feature]], example: str) -> None:
-    """Makes MonitorConfig option `option` build a feature: `factory(value)` returns the Feature, or None when the
-    value leaves it off. `example` is how to turn it on ("per_sample=True"), for the error of a missing feature."""
+def register_feature(option: str, factory: Callable[[Any], Optional[Feature]], example: str,
+                     shortcuts: Sequence[Shortcut] = ()) -> None:
+    """Makes MonitorConfig option `option` build a feature: `factory(value)` returns the Feature (named `option`),
+    or None when the value leaves it off. `example` is how to turn it on ("per_sample=True"), for the error of a
+    missing feature; `shortcuts` become Monitor methods that read the feature (`Shortcut`)."""
+    for sc in shortcuts:
+        if sc.name.startswith("_") or (_SHORTCUTS.get(sc.name, option) != option or
+                                       (sc.name not in _SHORTCUTS and _taken(sc.name))):
+            raise ValueError(f"hookstats.monitor.register_feature: the shortcut {sc.name!r} of {option!r} would hide "
+                             "another Monitor method; give it another name")
     _REGISTRY[option] = (factory, example)
+    for sc in shortcuts:
+        _SHORTCUTS[sc.name] = option
+        setattr(FeatureAccess, sc.name, _shortcut(option, sc))
 
 
 def registered() -> Dict[str, str]:
     """{option: example} of every registered feature option."""
     return {k: v[1] for k, v in _REGISTRY.items()}
+
+
+def shortcuts() -> Dict[str, str]:
+    """{Monitor method: the option whose feature it reads} of every registered shortcut."""
+    return dict(_SHORTCUTS)
+
+
+def _shortcut(option: str, sc: Shortcut):
+    method = sc.method.__name__
+
+    def shortcut(self, *args, **kwargs):
+        f = self.feature(option) if sc.off is None else self.feature(option, None)
+        return sc.off() if f is None else getattr(f, method)(*args, **kwargs)
+
+    shortcut.__name__ = sc.name
+    shortcut.__qualname__ = f"FeatureAccess.{sc.name}"
+    shortcut.__doc__ = sc.doc or sc.method.__doc__
+    shortcut.__signature__ = inspect.signature(sc.method)
+    return shortcut
+
+
+def _taken(name: str) -> bool:
+    """Whether FeatureAccess or a class built on it (the Monitor) has an attribute `name` already."""
+    todo, seen = [FeatureAccess], set()
+    while todo:
+        cls = todo.pop()
+        if name in vars(cls):
+            return True
+        seen.add(cls)
+        todo += [c for c in cls.__subclasses__() if c not in seen]
+    return False
 
 
 def build_features(config) -> List[Feature]:
@@ -120,8 +178,9 @@ def release(feature: Feature) -> None:
 
 
 class FeatureAccess:
-    """The Monitor's methods that read a feature (mixed into Monitor): `feature(name)`, `feature_results()`, and
-    the shortcuts of the built-in features."""
+    """The Monitor's methods that read a feature (mixed into Monitor): `feature(name)`, `features`,
+    `feature_results()`, and the shortcuts each registered feature contributes (`register_feature(...,
+    shortcuts=...)`: `channel_results()`, `top_samples(k)`, ...)."""
 
     _features: list
 
@@ -146,32 +205,8 @@ class FeatureAccess:
         """{name: results()} of every attached feature."""
         return {f.name: f.results() for f in self._features}
 
-    def channel_results(self) -> dict:
-        """{"inputs" / "outputs": {module: ChannelStats}}: the per-channel statistics accumulated since the Monitor
-        was attached (Monitor(channel_stats={"inputs": -1})), one host copy per device; {} without channel_stats."""
-        f = self.feature("channel_stats", None)
-        return {} if f is None else f.results()
-
-    def coverage(self):
-        """Which trainable parameters the per-sample norms cover and why the others are not
-        (hookstats.per_sample.Coverage; per_sample=True)."""
-        return self.feature("per_sample").coverage()
-
-    def sample_norms(self) -> list:
-        """(step, layer names, [layers, samples] float64 host tensor) of every recorded step with per_sample=True:
-        each sample's gradient norm per layer (hookstats.PerSampleGradNorms), one host copy per step when read;
-        [] without per_sample."""
-        f = self.feature("per_sample", None)
-        return [] if f is None else f.results()
-
-    def top_samples(self, k: int = 1) -> list:
-        """The k (step, sample) pairs with the largest total gradient norm over the recorded steps (per_sample=True),
-        largest first, non-finite first: dicts with step, sample, norm; [] without per_sample."""
-        f = self.feature("per_sample", None)
-        return [] if f is None else f.top_samples(k)
-
-    def first_nonfinite_sample(self) -> Optional[dict]:
-        """The first (step, sample) whose gradient norm is NaN or Inf, with the layers where it is: {"step",
-        "sample", "norm", "layers"}, or None (also without per_sample)."""
-        f = self.feature("per_sample", None)
-        return None if f is None else f.first_nonfinite_sample()
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        hidden = sorted(set(vars(cls)) & set(_SHORTCUTS))
+        if hidden:
+            raise TypeError(f"{cls.__name__} defines {hidden}, which are shortcuts of registered features")

@@ -60,7 +60,7 @@ import functools
 import torch
 
 from .._kernels import extension
-from ..hooks import _flatten, _is_dataclass_instance
+from .._nested import flatten, is_dataclass_instance
 from .compile import inlined_only, is_compiling, record_traced, record_traced_tensor
 
 
@@ -124,8 +124,7 @@ def _traced_grad_hooks(mid: int, hid: int, output, unplaced: list | None = None)
     """The traced (and compiled-autograd) form of the grad_output hooks: every output that requires grad gets a
     view_as alias of its own, as its slot's edge (Note [grad_output per output slot]: the sequence numbers that
     prove a tensor hook exact are not there to read while tracing); returns the output with the aliases in place."""
-    tensors: list = []
-    _flatten(output, tensors, keep_none=True)
+    tensors = flatten(output, keep_none=True)
     aliases = {}
     for i, t in enumerate(tensors):
         if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -136,7 +135,7 @@ def _traced_grad_hooks(mid: int, hid: int, output, unplaced: list | None = None)
 
 
 def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
-    """obj with the tensor at each flat index of `aliases` (hookstats.hooks._flatten's, None counted) replaced by
+    """obj with the tensor at each flat index of `aliases` (hookstats._nested.flatten's, None counted) replaced by
     its alias. Tuples are rebuilt (as torch.nn.modules' BackwardHook does: type(obj)(*items) for a namedtuple),
     lists, dicts (OrderedDict, ModelOutput) and dataclass instances changed in place, so that a ModelOutput's
     attributes follow. A tuple
@@ -176,7 +175,7 @@ def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
                 if n is not o[k]:
                     o[k] = n
             return o
-        if _is_dataclass_instance(o):  # in place, as a ModelOutput (the module made it; a frozen one too)
+        if is_dataclass_instance(o):  # in place, as a ModelOutput (the module made it; a frozen one too)
             for f in dataclasses.fields(o):
                 v = getattr(o, f.name)
                 n = walk(v)

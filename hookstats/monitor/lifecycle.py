@@ -39,7 +39,7 @@ from typing import Optional
 
 from .export_thread import ExportError, ExportThread
 
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+_LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # owner -> its save function (unbound)
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the hookstats package
 _RETRY_S, _RETRIES = 0.005, 1000  # up to ~5 s (a scheduler's grace period is ~30 s)
 
@@ -55,14 +55,16 @@ class _State:
 _S = _State()
 
 
-def register(mon) -> None:
-    """A Monitor with exporters, from its construction on: flushed at SIGTERM, detached at interpreter exit."""
-    _LIVE.add(mon)
+def register(mon, save) -> None:
+    """A Monitor with exporters, from its construction on: `save(close)`, a method of mon, runs at SIGTERM
+    (close=False: everything recorded handed to the exporters and written) and at interpreter exit (close=True:
+    the Monitor detached too). mon is held weakly."""
+    _LIVE[mon] = save.__func__
     _install()
 
 
 def unregister(mon) -> None:
-    _LIVE.discard(mon)
+    _LIVE.pop(mon, None)
     if not len(_LIVE):
         _uninstall()
 
@@ -104,26 +106,15 @@ def _report(what: str, mon, ex: BaseException) -> None:
     traceback.print_exception(type(ex), ex, ex.__traceback__, file=sys.stderr)
 
 
-def _save(mon, close: bool) -> None:
-    """Everything mon recorded handed to its exporters and written; with close, the Monitor detached."""
+def _save(mon, save, close: bool) -> None:
+    """save(mon, close), its errors reported on stderr; with close, mon is forgotten whatever it raised."""
     try:
-        if mon._buf.group is not None:  # no collective from here: write what was handed over, close the writers
-            if close:
-                errors = close_exporters(mon._export, mon._active_exporters())
-                mon._detach_hooks()
-                raise_detach_errors(None, errors)
-            elif mon._export is not None:
-                mon._export.drain()
-        elif close:
-            mon.detach()
-        else:
-            mon.flush()
-            mon.drain()
+        save(mon, close)
     except BaseException as ex:  # noqa: BLE001 -- nothing to raise to: the process is ending
         _report("saving its records at exit" if close else "saving its records at SIGTERM", mon, ex)
     finally:
         if close:
-            _LIVE.discard(mon)
+            _LIVE.pop(mon, None)
 
 
 def _resend(signum) -> None:
@@ -144,8 +135,8 @@ def _on_sigterm(signum, frame) -> None:
             return
         _S.tries = 0
         ends = not callable(prev)  # SIG_DFL: the process ends after this handler
-        for mon in list(_LIVE):
-            _save(mon, close=ends)
+        for mon, save in list(_LIVE.items()):
+            _save(mon, save, close=ends)
     if callable(prev):
         prev(signum, frame)
         return
@@ -157,8 +148,8 @@ def _on_sigterm(signum, frame) -> None:
 def _at_exit() -> None:  # registered after export_thread's: runs before it (atexit runs last-registered first)
     if _S.pid and os.getpid() != _S.pid:
         return
-    for mon in list(_LIVE):
-        _save(mon, close=True)
+    for mon, save in list(_LIVE.items()):
+        _save(mon, save, close=True)
 
 
 def close_exporters(thread, exporters, end_info: Optional[dict] = None) -> list:

@@ -163,7 +163,7 @@ def capacity_for(length: int) -> int:
 
 
 class Merged:
-    """The merged columns, for buffers.Buffers to turn into a Block against its merged site table."""
+    """The merged columns, for merging.MergeSession to turn into a Block against its merged site table."""
 
     __slots__ = ("steps", "hook", "index", "call", "dtype", "stats", "hists", "hist_len", "ranks", "nonfinite_mask",
                  "loc", "shape_ndim", "shape_dims", "location_rank", "replica_mismatches")

@@ -1,13 +1,13 @@
 """PerSampleGradNorms: per-sample gradient norms without per-sample gradients, from a rule per layer type."""
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from . import ranking as _ranking
 from . import rules as _rules  # noqa: F401  (registers the shipped rules)
 from .._owned_hooks import in_backward, register
 from .._select import Selection
@@ -408,29 +408,19 @@ class PerSampleGradNorms:
 
     def top_samples(self, k: int = 1) -> List[tuple]:
         """The k samples with the largest total gradient norm, as (sample index, norm) pairs, largest first (one host
-        copy). Non-finite norms rank first."""
-        tot = self.total()
-        k = min(int(k), tot.numel())
-        key = torch.where(torch.isnan(tot), torch.full_like(tot, math.inf), tot)
-        idx = torch.topk(key, k).indices
-        vals = torch.stack([idx.to(torch.float64), tot[idx]]).cpu()
-        return [(int(i), float(v)) for i, v in zip(vals[0].tolist(), vals[1].tolist())]
+        copy): NaN first, then inf, equal norms in sample order (Note [ranking samples])."""
+        return [(r.sample, r.norm) for r in _ranking.top_samples([(None, self.total())], k)]
 
     def first_nonfinite_sample(self) -> Optional[dict]:
-        """The first sample whose gradient norm is NaN or Inf: {"sample": index, "norm": value, "layers": the layers
-        where that sample's norm is non-finite, in model order}, or None (one host copy)."""
+        """The first sample whose gradient norm is NaN or Inf: {"sample": index, "norm": its total norm, "layers": the
+        layers where that sample's norm is non-finite, in model order}, or None (one host copy; Note [ranking
+        samples])."""
         layers = self.per_layer()
         if not layers:
             return None
         names = list(layers)
-        stacked = torch.stack([layers[n] for n in names]).cpu()  # [layers, samples]
-        bad = ~torch.isfinite(stacked)
-        hit = bad.any(0).nonzero()
-        if hit.numel() == 0:
-            return None
-        s = int(hit[0, 0])
-        return {"sample": s, "norm": float(self.total()[s]),
-                "layers": [names[i] for i in bad[:, s].nonzero()[:, 0].tolist()]}
+        hit = _ranking.first_nonfinite_sample([(None, names, torch.stack([layers[n] for n in names]), self.total())])
+        return None if hit is None else {"sample": hit.sample, "norm": hit.norm, "layers": hit.layers}
 
     @property
     def samples(self) -> int:
@@ -439,14 +429,23 @@ class PerSampleGradNorms:
         return next(iter(sq.values())).numel() if sq else 0
 
     def step(self) -> None:
-        """Starts a new step: clears the vectors and any kept input still waiting for a gradient."""
+        """Starts a new step: clears the vectors and any kept input still waiting for a gradient. Layers refused at
+        run time stay refused (reset() forgets them too)."""
         self._sq.clear()
         self._pending.clear()
         self._terms.clear()
         self._clip.clear()
         self._coef.clear()
 
-    reset = step
+    def reset(self) -> None:
+        """Back to the state right after construction, the hooks kept: what step() clears, and also the layers
+        refused at run time (with the parameters they left out) and the batch sizes seen, so that a new run (another
+        batch layout, another data set) is judged afresh."""
+        self.step()
+        for s in (self._refused, self._dead, self._bwd_batches, self._fwd_batches, self._accumulated, self._termed,
+                  self._rows):
+            s.clear()
+        self._batch = None
 
     def remove(self) -> None:
         """Removes every hook and clears the vectors."""

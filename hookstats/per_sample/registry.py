@@ -12,7 +12,7 @@ other is refused, named in a warning and left out of the total.
 from __future__ import annotations
 
 import fnmatch
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Dict
 
-from ...channel import ChannelCalibrator
-from ..feature import FeatureContext, register_feature
-
-_SIDES = {"forward_pre": "inputs", "forward": "outputs", "inputs": "inputs", "outputs": "outputs"}
+from ..._select import Site
+from ...channel import FORWARD_SITES, ChannelCalibrator
+from ..feature import FeatureContext, Shortcut, register_feature
 
 
 class ChannelStatsFeature:
@@ -17,13 +16,16 @@ class ChannelStatsFeature:
         if not isinstance(sides, dict) or not sides:
             raise TypeError("hookstats.Monitor: channel_stats must be a dict such as {'inputs': -1} (on: dim), got "
                             f"{sides!r}")
-        self.sides = {_SIDES.get(on, on): dim for on, dim in sides.items()}
+        self.sites: Dict[Site, int] = {}  # parsed here, at the public edge: a wrong key fails the Monitor's checks
+        for on, dim in sides.items():
+            self.sites[Site.parse(on, FORWARD_SITES, "hookstats.Monitor: a channel_stats key must be a forward site, "
+                                  "got")] = dim
         self._calibrators: Dict[str, ChannelCalibrator] = {}
 
     def attach(self, ctx: FeatureContext) -> None:
-        for on, dim in self.sides.items():
-            self._calibrators[on] = ChannelCalibrator(ctx.model, include=ctx.include, exclude=ctx.exclude, dim=dim,
-                                                      on=on)
+        for site, dim in self.sites.items():
+            cal = ChannelCalibrator(ctx.model, include=ctx.include, exclude=ctx.exclude, dim=dim, on=site)
+            self._calibrators[cal.on] = cal
 
     def on_step(self, step: int, recorded: bool) -> None:
         pass  # accumulated over every call, steps or not (calibration)
@@ -38,4 +40,8 @@ class ChannelStatsFeature:
 
 
 register_feature("channel_stats", lambda v: None if v is None else ChannelStatsFeature(v),
-                 "channel_stats={'inputs': -1}")
+                 "channel_stats={'inputs': -1}", shortcuts=[
+                     Shortcut("channel_results", ChannelStatsFeature.results, dict,
+                              """{"inputs" / "outputs": {module: ChannelStats}}: the per-channel statistics accumulated
+        since the Monitor was attached (Monitor(channel_stats={"inputs": -1})), one host copy per device; {} without
+        channel_stats.""")])

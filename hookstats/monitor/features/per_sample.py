@@ -7,7 +7,8 @@ from typing import List, Optional
 import torch
 
 from ...per_sample import PerSampleGradNorms
-from ..feature import FeatureContext, register_feature
+from ...per_sample.ranking import first_nonfinite_sample, top_samples
+from ..feature import FeatureContext, Shortcut, register_feature
 
 
 class PerSampleFeature:
@@ -40,26 +41,36 @@ class PerSampleFeature:
         return str(self.norms.coverage())
 
     def top_samples(self, k: int = 1) -> List[dict]:
-        out = []
-        for s, _, _, total in self._rows:
-            out += [{"step": s, "sample": i, "norm": v} for i, v in enumerate(total.cpu().tolist())]
-        nan_first = lambda r: (r["norm"] != r["norm"], 0.0 if r["norm"] != r["norm"] else r["norm"])  # noqa: E731
-        return sorted(out, key=nan_first, reverse=True)[:k]
+        """The k (step, sample) pairs with the largest total gradient norm over the recorded steps, largest first:
+        dicts with step, sample, norm (Note [ranking samples]: NaN first, then inf; ties in (step, sample) order)."""
+        return [r._asdict() for r in top_samples([(s, total) for s, _, _, total in self._rows], k)]
 
     def first_nonfinite_sample(self) -> Optional[dict]:
-        for s, names, t, total in self._rows:
-            t = t.cpu()
-            bad = ~torch.isfinite(t)
-            hit = bad.any(0).nonzero()
-            if hit.numel():
-                i = int(hit[0, 0])
-                return {"step": s, "sample": i, "norm": float(total[i]),
-                        "layers": [names[j] for j in bad[:, i].nonzero()[:, 0].tolist()]}
-        return None
+        """The first (step, sample) whose gradient norm is NaN or Inf: {"step", "sample", "norm", "layers"}, or
+        None (Note [ranking samples])."""
+        hit = first_nonfinite_sample(self._rows)
+        return None if hit is None else hit._asdict()
 
     def detach(self) -> None:
         if self.norms is not None:
             self.norms.remove()
 
 
-register_feature("per_sample", lambda v: PerSampleFeature() if v else None, "per_sample=True")
+def _none():
+    return None
+
+
+F = PerSampleFeature
+register_feature("per_sample", lambda v: F() if v else None, "per_sample=True", shortcuts=[
+    Shortcut("coverage", F.coverage, None, """Which trainable parameters the per-sample norms cover and why the
+        others are not (hookstats.per_sample.Coverage; per_sample=True)."""),
+    Shortcut("sample_norms", F.results, list, """(step, layer names, [layers, samples] float64 host tensor) of every
+        recorded step with per_sample=True: each sample's gradient norm per layer (hookstats.PerSampleGradNorms),
+        one host copy per step when read; [] without per_sample."""),
+    Shortcut("top_samples", F.top_samples, list, """The k (step, sample) pairs with the largest total gradient norm
+        over the recorded steps (per_sample=True), largest first, non-finite first: dicts with step, sample, norm
+        (Note [ranking samples]); [] without per_sample."""),
+    Shortcut("first_nonfinite_sample", F.first_nonfinite_sample, _none, """The first (step, sample) whose gradient
+        norm is NaN or Inf, with the layers where it is: {"step", "sample", "norm", "layers"}, or None (also without
+        per_sample)."""),
+])
