@@ -144,7 +144,8 @@ HS_INLINE std::conditional_t<sizeof(F) == 4, M, V> range_ordinals(const V& v, F 
   };
   const V d = t - rf;
   const M is_nan = (M)(v != v);
-  const M near = ~(M)(simd::abs_bits<V, M>(d) > band) & ~is_nan;
+  // (No `~` on a mask: GCC 12 scalarizes the complement of a 64-byte compare's result, lane by lane.)
+  const M near = (M)(simd::abs_bits<V, M>(d) <= band) & (M)(v == v);
   const R o_far = plus((M)(d >= F(0)));
   R o = near ? plus((M)(v >= ec.T)) : o_far;
   if (simd::any_lane_of<B>(near & (M)(rf != ec.r))) {  // a near lane at another edge than the cached one
@@ -172,9 +173,10 @@ HS_INLINE I exp_slots(const U& bits) {
   constexpr UE emask = (one << E) - 1u;
   const U e = (bits >> MB) & emask;
   const I neg = (I)((bits >> (E + MB)) != 0u);
+  const I pos = (I)((bits >> (E + MB)) == 0u);  // not ~neg: see range_ordinals
   const I mant = (I)((bits & ((one << MB) - 1u)) != 0u);
   const I e0 = (I)(e == 0u), emax = (I)(e == emask);
-  const I normal = (I)(e - 1u) + (~neg & nE);
+  const I normal = (I)(e - 1u) + (pos & nE);
   const I sub_or_zero = mant ? neg + (2 * nE + 1) : I{} + (2 * nE + 2);
   const I inf_or_nan = mant ? I{} + (2 * nE + 5) : neg + (2 * nE + 4);
   return e0 ? sub_or_zero : (emax ? inf_or_nan : normal);

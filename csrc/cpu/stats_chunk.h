@@ -25,15 +25,19 @@ namespace cpu {
 
 // The fast path over one contiguous chunk (Note [cpu dispatch]): the SIMD version of
 // fast_add() in core/stats_ops.h, in two interleaved sets of lanes (to hide the add and
-// fma latencies). The lanes restart every kBlock elements and their sums are added into f,
-// so no float lane adds more than kBlock / (2 W) values: a constant tensor's l1 stays
-// within ~1e-6 of the truth (a single lane over the whole chunk drifted to ~5e-6).
-constexpr int64_t kBlock = 512;
+// fma latencies). The sum lanes restart every kBlock elements and their sums are added into
+// double lanes, so no float lane adds more than kBlock / (2 W) values (32 with AVX2 and AVX-512,
+// 64 with the baseline's 4 lanes): a constant tensor's l1 stays within ~1e-6 of the truth (a single
+// lane over the whole chunk drifted to ~5e-6). min, max and the zero count run over the whole chunk.
+template <int W>
+constexpr int64_t kBlock = W <= 4 ? 512 : 64 * W;
 
 template <typename scalar_t>
 using CpuAcc = FastAcc<acc_of<scalar_t>, double>;
 
-template <int B, typename scalar_t, bool SCALED>
+// SCALED: e != 0 (Note [stats scaling]); SHIFTED: k != 0 (without a shift, d is the value itself:
+// one vector operation fewer per element group, for the data whose mean is small beside its spread).
+template <int B, typename scalar_t, bool SCALED, bool SHIFTED>
 HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   using acc_t = typename L::acc_t;
@@ -51,35 +55,32 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
   DV dsd{}, dssd{}, dl1{};
   const V vk = V{} + k;
   const V vs = V{} + f.s;
-  auto init = [](Lanes& a) {
-    a.sd = V{}; a.ssd = V{}; a.l1 = V{}; a.z = M{};
+  auto restart = [](Lanes& a) { a.sd = V{}; a.ssd = V{}; a.l1 = V{}; };
+  auto init = [&](Lanes& a) {
+    restart(a);
+    a.z = M{};
     a.mn = V{} + static_cast<acc_t>(INFINITY);
     a.mx = V{} - static_cast<acc_t>(INFINITY);
   };
   auto step = [&](Lanes& a, const V& v) {
-    if constexpr (SCALED) {
-      const V y = v * vs;  // exact: a power of two (Note [stats scaling])
-      const V d = y - vk;
-      a.sd += d;
-      a.ssd += d * d;
-      a.l1 += simd::abs_bits<V, M>(y);
-    } else {
-      const V d = v - vk;
-      a.sd += d;
-      a.ssd += d * d;
-      a.l1 += simd::abs_bits<V, M>(v);
-    }
-    a.mn = v < a.mn ? v : a.mn;
-    a.mx = v > a.mx ? v : a.mx;
-    a.z -= (v == 0);
+    const V y = SCALED ? v * vs : v;  // exact: a power of two (Note [stats scaling])
+    const V d = SHIFTED ? y - vk : y;
+    a.sd += d;
+    a.ssd += d * d;
+    a.l1 += simd::abs_bits<V, M>(y);
+    a.mn = simd::min_of<B>(v, a.mn);  // v < mn ? v : mn
+    a.mx = simd::max_of<B>(v, a.mx);
+    a.z -= (M)(v == 0);
   };
   int64_t i = 0;
   const int64_t n_vec = n - n % W;
+  Lanes a, b;
+  init(a);
+  init(b);
   while (i < n_vec) {
-    Lanes a, b;
-    init(a);
-    init(b);
-    const int64_t end = std::min(n_vec, i + kBlock);
+    restart(a);
+    restart(b);
+    const int64_t end = std::min(n_vec, i + kBlock<W>);
     for (; i + 2 * W <= end; i += 2 * W) {
       const V v0 = L::load(p + i);
       const V v1 = L::load(p + i + W);
@@ -94,18 +95,16 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
     dsd += __builtin_convertvector(a.sd + b.sd, DV);
     dssd += __builtin_convertvector(a.ssd + b.ssd, DV);
     dl1 += __builtin_convertvector(a.l1 + b.l1, DV);
-    for (int j = 0; j < W; ++j) {
-      const acc_t mn = a.mn[j] < b.mn[j] ? a.mn[j] : b.mn[j];
-      const acc_t mx = a.mx[j] > b.mx[j] ? a.mx[j] : b.mx[j];
-      f.mn = mn < f.mn ? mn : f.mn;
-      f.mx = mx > f.mx ? mx : f.mx;
-      f.zero += a.z[j] + b.z[j];
-    }
   }
+  const V mn = simd::min_of<B>(a.mn, b.mn), mx = simd::max_of<B>(a.mx, b.mx);
+  const M z = a.z + b.z;
   for (int j = 0; j < W; ++j) {
     f.sd += dsd[j];
     f.ssd += dssd[j];
     f.l1 += dl1[j];
+    f.mn = mn[j] < f.mn ? mn[j] : f.mn;
+    f.mx = mx[j] > f.mx ? mx[j] : f.mx;
+    f.zero += z[j];
   }
   f.n = i;
   for (; i < n; ++i) {
@@ -116,7 +115,12 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
 
 template <int B, typename scalar_t>
 HS_INLINE CpuAcc<scalar_t> fast_chunk(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
-  return e == 0 ? fast_chunk_simd<B, scalar_t, false>(p, n, k, 0) : fast_chunk_simd<B, scalar_t, true>(p, n, k, e);
+  if (k == 0) {
+    return e == 0 ? fast_chunk_simd<B, scalar_t, false, false>(p, n, k, 0)
+                  : fast_chunk_simd<B, scalar_t, true, false>(p, n, k, e);
+  }
+  return e == 0 ? fast_chunk_simd<B, scalar_t, false, true>(p, n, k, 0)
+                : fast_chunk_simd<B, scalar_t, true, true>(p, n, k, e);
 }
 
 // The counting pass of a piece with NaN/Inf (Note [stats nonfinite]), in SIMD: NaN, Inf and zero
@@ -169,8 +173,9 @@ HS_INLINE acc_of<scalar_t> input_shift(double mean) {
   return k - k == 0 ? k : 0;
 }
 
-// What a task carries from chunk to chunk: the previous chunk's mean (the next shift), its scale
-// exponent (Note [stats scaling]), and whether a NaN/Inf was seen (Note [stats nonfinite]).
+// What a task carries from chunk to chunk: the next chunk's shift (the previous chunk's mean, or 0 where
+// that mean is small beside its spread), its scale exponent (Note [stats scaling]), and whether a NaN/Inf
+// was seen (Note [stats nonfinite]).
 struct TaskState {
   double mean;
   int32_t e;
@@ -186,7 +191,7 @@ HS_INLINE StatsPartial chunk_stats(const scalar_t* p, int64_t n, TaskState& st) 
   using acc_t = acc_of<scalar_t>;
   if (st.nonfinite) return nonfinite_to_partial<acc_t>(nonfinite_chunk_simd<B, scalar_t>(p, n));
   int32_t e = st.e;
-  CpuAcc<scalar_t> f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(ldexp(st.mean, -e)), e);
+  CpuAcc<scalar_t> f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(hs_ldexp(st.mean, -e)), e);
   if (fast_nonfinite<acc_t>(f)) {
     const NonfiniteAcc<acc_t> c = nonfinite_chunk_simd<B, scalar_t>(p, n);
     if (c.nan > 0 || c.inf > 0) {
@@ -207,7 +212,12 @@ HS_INLINE StatsPartial chunk_stats(const scalar_t* p, int64_t n, TaskState& st) 
   }
   if (shift_is_poor<acc_t>(f)) f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(fast_mean<acc_t>(f)), e);
   st.e = e;
-  st.mean = ldexp(static_cast<double>(fast_mean<acc_t>(f)), e);
+  // The next shift: no shift where mean^2 <= var / 4 (then n * mean^2 <= m2 / 4, so unshifted sums lose
+  // under a bit of m2 and sum(x^2) to cancellation, and shift_is_poor never asks for a second pass).
+  const double nd = static_cast<double>(f.n), sd = static_cast<double>(f.sd);
+  const double mean_s = static_cast<double>(f.k) + sd / nd;  // in scaled units
+  const double m2_s = static_cast<double>(f.ssd) - sd * sd / nd;
+  st.mean = 4.0 * nd * mean_s * mean_s <= m2_s ? 0.0 : hs_ldexp(static_cast<double>(fast_mean<acc_t>(f)), e);
   return fast_to_partial<acc_t>(f);
 }
 

@@ -136,8 +136,11 @@ TaskState initial_state(const scalar_t* p, int64_t n) {
   }
   int ex = 0;
   frexp(amax, &ex);
+  // 2^-ex as one factor where it is a normal double (one library call, not one per value)
+  const double inv = ex > -1000 && ex < 1000 ? ldexp(1.0, -ex) : 0.0;
   for (int64_t i = 0; i < n && i < 8; ++i) {
-    const double y = ldexp(static_cast<double>(p[i]), -ex);  // |y| < 1: no overflow or underflow in y * y
+    const double v = static_cast<double>(p[i]);
+    const double y = inv != 0.0 ? v * inv : ldexp(v, -ex);  // |y| < 1: no overflow or underflow in y * y
     if (!(y - y == 0.0)) continue;
     s += y;
     ss += y * y;
