@@ -133,6 +133,30 @@ HS_INLINE std::conditional_t<sizeof(F) == 4, M, V> range_ordinals(const V& v, F 
                                                                   const F* T, EdgeCache<V>& ec) {
   constexpr int W = sizeof(V) / sizeof(F);
   using R = std::conditional_t<sizeof(F) == 4, M, V>;
+#if HS_X86_BUILTINS
+  if constexpr (B == 64 && sizeof(F) == 4) {  // the same rule on mask registers (simd::k16)
+    namespace k = simd::k16;
+    const V t = v * scale + shift;
+    const V tc = simd::min_of<B>(simd::max_of<B>(t, V{}), V{} + static_cast<F>(bins));  // NaN -> 0
+    const V rf = simd::round_nonneg_of<B, V, M>(tc);
+    const M r = __builtin_convertvector(rf, M);
+    const V d = t - rf;
+    const k::mask near = k::cmp<2 /*LE_OQ*/>(simd::abs_bits<V, M>(d), V{} + band) & k::cmp<7 /*ORD_Q*/>(v, v);
+    const k::mask far_above = k::cmp<13 /*GE_OS*/>(d, V{});
+    k::mask above = (near & k::cmp<13>(v, ec.T)) | (static_cast<k::mask>(~near) & far_above);
+    if ((near & k::cmp<4 /*NEQ_UQ*/>(rf, ec.r)) != 0) {  // a near lane at another edge than the cached one
+      V g;
+      for (int j = 0; j < W; ++j) g[j] = T[static_cast<int32_t>(rf[j])];
+      above = (near & k::cmp<13>(v, g)) | (static_cast<k::mask>(~near) & far_above);
+      int j0 = 0;
+      while (!((near >> j0) & 1) || rf[j0] == ec.r[j0]) ++j0;
+      ec.r = V{} + rf[j0];
+      ec.T = V{} + g[j0];
+    }
+    const M o = k::add_where(above, r, M{} + 1);
+    return k::blend(k::cmp<3 /*UNORD_Q*/>(v, v), o, M{} + (bins + 2));
+  }
+#endif
   const V t = v * scale + shift;
   const V tc = simd::min_of<B>(simd::max_of<B>(t, V{}), V{} + static_cast<F>(bins));  // NaN -> 0
   const V rf = simd::round_nonneg_of<B, V, M>(tc);
@@ -147,18 +171,18 @@ HS_INLINE std::conditional_t<sizeof(F) == 4, M, V> range_ordinals(const V& v, F 
   // (No `~` on a mask: GCC 12 scalarizes the complement of a 64-byte compare's result, lane by lane.)
   const M near = (M)(simd::abs_bits<V, M>(d) <= band) & (M)(v == v);
   const R o_far = plus((M)(d >= F(0)));
-  R o = near ? plus((M)(v >= ec.T)) : o_far;
+  R o = simd::select(near, plus((M)(v >= ec.T)), o_far);
   if (simd::any_lane_of<B>(near & (M)(rf != ec.r))) {  // a near lane at another edge than the cached one
     V g;
     for (int j = 0; j < W; ++j) g[j] = T[static_cast<int32_t>(rf[j])];
-    o = near ? plus((M)(v >= g)) : o_far;
+    o = simd::select(near, plus((M)(v >= g)), o_far);
     int j0 = 0;
     while (!near[j0] || rf[j0] == ec.r[j0]) ++j0;
     ec.r = V{} + rf[j0];
     ec.T = V{} + g[j0];
   }
   using RS = std::decay_t<decltype(R{}[0])>;
-  return is_nan ? R{} + static_cast<RS>(bins + 2) : o;
+  return simd::select(is_nan, R{} + static_cast<RS>(bins + 2), o);
 }
 
 // Exponent-histogram slots (Note [histogram layouts]) of the E-exponent, MB-mantissa-bit patterns in the
@@ -172,14 +196,28 @@ HS_INLINE I exp_slots(const U& bits) {
   constexpr S nE = (S(1) << E) - 2;
   constexpr UE emask = (one << E) - 1u;
   const U e = (bits >> MB) & emask;
+#if HS_X86_BUILTINS
+  if constexpr (sizeof(U) == 64 && sizeof(UE) == 4) {  // 16 lanes: the same slots on mask registers (simd::k16)
+    namespace k = simd::k16;
+    const I ei = (I)e, bi = (I)bits;
+    const k::mask neg = k::test(bi, I{} + static_cast<int32_t>(one << (E + MB)));
+    const k::mask mant = k::test(bi, I{} + static_cast<int32_t>((one << MB) - 1u));
+    const k::mask e0 = k::cmpu<0 /*EQ*/>(ei, I{}), emax = k::cmpu<0>(ei, I{} + static_cast<int32_t>(emask));
+    I out = k::add_where(static_cast<k::mask>(~neg), ei - 1, I{} + nE);  // normals
+    const I sub_or_zero = k::blend(mant, I{} + (2 * nE + 2), k::blend(neg, I{} + (2 * nE + 1), I{} + (2 * nE)));
+    const I inf_or_nan = k::blend(mant, k::blend(neg, I{} + (2 * nE + 4), I{} + (2 * nE + 3)), I{} + (2 * nE + 5));
+    out = k::blend(e0, out, sub_or_zero);
+    return k::blend(emax, out, inf_or_nan);
+  }
+#endif
   const I neg = (I)((bits >> (E + MB)) != 0u);
   const I pos = (I)((bits >> (E + MB)) == 0u);  // not ~neg: see range_ordinals
   const I mant = (I)((bits & ((one << MB) - 1u)) != 0u);
   const I e0 = (I)(e == 0u), emax = (I)(e == emask);
   const I normal = (I)(e - 1u) + (pos & nE);
-  const I sub_or_zero = mant ? neg + (2 * nE + 1) : I{} + (2 * nE + 2);
-  const I inf_or_nan = mant ? I{} + (2 * nE + 5) : neg + (2 * nE + 4);
-  return e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
+  const I sub_or_zero = simd::select(mant, neg + (2 * nE + 1), I{} + (2 * nE + 2));
+  const I inf_or_nan = simd::select(mant, I{} + (2 * nE + 5), neg + (2 * nE + 4));
+  return simd::select(e0, sub_or_zero, simd::select(emax, inf_or_nan, normal));
 }
 
 // Counter indices (Note [cpu histogram counters], copy 0) of W float lanes v (raw: the same W input

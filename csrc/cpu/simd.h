@@ -194,6 +194,18 @@ HS_INLINE typename VT<B>::u16 float_to_bf16(typename VT<B>::f32 f) {
   return __builtin_convertvector(r, typename VT<B>::u16);
 }
 
+// m ? a : b per lane, m holding -1 / 0 integer lanes of a's width. 64-byte vectors take the bitwise
+// form: GCC 12 scalarizes a 64-byte `?:` (and `~`) whose mask is a variable rather than a compare
+// written in place, lane by lane.
+template <typename Mk, typename T>
+HS_INLINE T select(const Mk& m, const T& a, const T& b) {
+  if constexpr (sizeof(T) == 64) {
+    return (T)((Mk)b ^ (((Mk)a ^ (Mk)b) & m));
+  } else {
+    return m ? a : b;
+  }
+}
+
 template <typename Vec>
 HS_INLINE bool any_lane(const Vec& m) {
   uint64_t w[sizeof(Vec) / 8];
@@ -258,6 +270,25 @@ HS_INLINE F round_nonneg_of(const F& a) {
   using S = decltype(a[0] + 0);  // float or double
   return __builtin_convertvector(__builtin_convertvector(a + S(0.5), I), F);
 }
+
+// AVX-512 mask-register helpers for 16 float / int32 lanes (the B = 64 bodies' hot select chains, which
+// GCC 12 would otherwise scalarize: see select). Only called inside HS_TARGET_AVX512 entry points.
+#if HS_X86_BUILTINS
+namespace k16 {
+using F = VT<64>::f32;
+using I = VT<64>::i32;
+typedef unsigned short mask;
+// _CMP_* predicates of _mm512_cmp_ps_mask
+template <int P> HS_INLINE mask cmp(const F& a, const F& b) { return __builtin_ia32_cmpps512_mask(a, b, P, (mask)0xFFFF, 4); }
+// _MM_CMPINT_* predicates of _mm512_cmp_epu32_mask
+template <int P> HS_INLINE mask cmpu(const I& a, const I& b) { return __builtin_ia32_ucmpd512_mask(a, b, P, (mask)0xFFFF); }
+HS_INLINE mask test(const I& a, const I& b) { return __builtin_ia32_ptestmd512(a, b, (mask)0xFFFF); }
+// a + b where m, a elsewhere
+HS_INLINE I add_where(mask m, const I& a, const I& b) { return __builtin_ia32_paddd512_mask(a, b, a, m); }
+// b where m, a elsewhere
+HS_INLINE I blend(mask m, const I& a, const I& b) { return __builtin_ia32_blendmd_512_mask(a, b, m); }
+}  // namespace k16
+#endif
 
 // Loads (and stores) of W lanes in the accumulation type. Tag types keep this header torch-free:
 // the kernel maps c10::Half -> HalfBits and c10::BFloat16 -> BF16Bits.
