@@ -133,30 +133,6 @@ HS_INLINE std::conditional_t<sizeof(F) == 4, M, V> range_ordinals(const V& v, F 
                                                                   const F* T, EdgeCache<V>& ec) {
   constexpr int W = sizeof(V) / sizeof(F);
   using R = std::conditional_t<sizeof(F) == 4, M, V>;
-#if HS_X86_BUILTINS
-  if constexpr (B == 64 && sizeof(F) == 4) {  // the same rule on mask registers (simd::k16)
-    namespace k = simd::k16;
-    const V t = v * scale + shift;
-    const V tc = simd::min_of<B>(simd::max_of<B>(t, V{}), V{} + static_cast<F>(bins));  // NaN -> 0
-    const V rf = simd::round_nonneg_of<B, V, M>(tc);
-    const M r = __builtin_convertvector(rf, M);
-    const V d = t - rf;
-    const k::mask near = k::cmp<2 /*LE_OQ*/>(simd::abs_bits<V, M>(d), V{} + band) & k::cmp<7 /*ORD_Q*/>(v, v);
-    const k::mask far_above = k::cmp<13 /*GE_OS*/>(d, V{});
-    k::mask above = (near & k::cmp<13>(v, ec.T)) | (static_cast<k::mask>(~near) & far_above);
-    if ((near & k::cmp<4 /*NEQ_UQ*/>(rf, ec.r)) != 0) {  // a near lane at another edge than the cached one
-      V g;
-      for (int j = 0; j < W; ++j) g[j] = T[static_cast<int32_t>(rf[j])];
-      above = (near & k::cmp<13>(v, g)) | (static_cast<k::mask>(~near) & far_above);
-      int j0 = 0;
-      while (!((near >> j0) & 1) || rf[j0] == ec.r[j0]) ++j0;
-      ec.r = V{} + rf[j0];
-      ec.T = V{} + g[j0];
-    }
-    const M o = k::add_where(above, r, M{} + 1);
-    return k::blend(k::cmp<3 /*UNORD_Q*/>(v, v), o, M{} + (bins + 2));
-  }
-#endif
   const V t = v * scale + shift;
   const V tc = simd::min_of<B>(simd::max_of<B>(t, V{}), V{} + static_cast<F>(bins));  // NaN -> 0
   const V rf = simd::round_nonneg_of<B, V, M>(tc);
@@ -323,6 +299,45 @@ HS_INLINE void count_lut(const bits16* b, int64_t n, const uint16_t* lut, HistCo
   count_keys(b, n, h, [lut](bits16 v) { return lut[v]; });
 }
 
+#if HS_X86_BUILTINS
+// range_ordinals' rule for 16 float lanes at a time on mask registers (simd::k16), the loop's constants and the
+// edge cache held in registers: the AVX-512 entry points' range binning of float-accumulated inputs with
+// thresholds (GCC 12 would otherwise scalarize the generic body's selects and re-broadcast its constants
+// per vector). Writes the ordinals of values [0, n - n % 16) of p into idx and returns that count.
+template <typename L, typename scalar_t>
+HS_INLINE int64_t range_ordinals_avx512(const scalar_t* p, int64_t n, const RangeConsts& rc, int32_t* idx) {
+  namespace k = simd::k16;
+  using V = k::F;
+  using M = k::I;
+  const V scale = V{} + rc.scale, shift = V{} + rc.shift, band = V{} + rc.band, top = V{} + rc.fbins;
+  const M one = M{} + 1, nan_slot = M{} + (rc.bins + 2);
+  V er = V{} - 1.0f, eT = V{};  // the edge cache (EdgeCache): no edge yet
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const V v = L::load(p + i);
+    const V t = v * scale + shift;
+    const V rf = simd::round_nonneg_of<64, V, M>(simd::min_of<64>(simd::max_of<64>(t, V{}), top));  // NaN -> 0
+    const V d = t - rf;
+    const k::mask near = k::cmp<2 /*LE_OS*/>(simd::abs_bits<V, M>(d), band) & k::cmp<7 /*ORD_Q*/>(v, v);
+    const k::mask far_above = static_cast<k::mask>(~near) & k::cmp<13 /*GE_OS*/>(d, V{});
+    k::mask above = (near & k::cmp<13>(v, eT)) | far_above;
+    const k::mask moved = near & k::cmp<4 /*NEQ_UQ*/>(rf, er);
+    if (moved != 0) {  // a near lane at another edge than the cached one: thresholds per lane, cache moves
+      const M r = __builtin_convertvector(rf, M);
+      const V g = __builtin_ia32_gathersiv16sf(V{}, rc.T, r, near, 4);
+      above = (near & k::cmp<13>(v, g)) | far_above;
+      const M lane = M{} + __builtin_ctz(moved);
+      er = __builtin_ia32_permvarsf512_mask(rf, lane, rf, (k::mask)0xFFFF);
+      eT = __builtin_ia32_permvarsf512_mask(g, lane, g, (k::mask)0xFFFF);
+    }
+    const M o = k::add_where(above, __builtin_convertvector(rf, M), one);
+    const M out = k::blend(k::cmp<3 /*UNORD_Q*/>(v, v), o, nan_slot);
+    std::memcpy(idx + i, &out, sizeof out);
+  }
+  return i;
+}
+#endif
+
 // The histogram of one chunk: counter indices into a buffer (SIMD, or one table load per value for
 // Note [16-bit ordinal tables]), then the counting pass.
 template <int B, typename scalar_t, int HM>
@@ -339,6 +354,11 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
       count_lut(reinterpret_cast<const bits16*>(p), n, bp.lut, h);
       return;
     } else {
+#if HS_X86_BUILTINS
+      if constexpr (B == 64 && HM == kHistRange) {
+        if (bp.rc.T != nullptr) i = range_ordinals_avx512<L>(p, n, bp.rc, idx);
+      }
+#endif
       EdgeCache<typename simd::VT<B>::f32> ec{typename simd::VT<B>::f32{} - 1.0f, typename simd::VT<B>::f32{}};
       const BinPlan plan = bp;  // a local copy: its constants stay in registers across the idx stores
       for (; i + W <= n; i += W) {
