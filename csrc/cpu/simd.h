@@ -163,6 +163,13 @@ HS_INLINE typename VT<B>::f32 half_to_float(typename VT<B>::u16 h) {
 
 template <int B>
 HS_INLINE typename VT<B>::f32 bf16_to_float(typename VT<B>::u16 h) {
+#if HS_X86_BUILTINS
+  if constexpr (B == 64) {  // one vpmovzxwd (GCC 12 widens a 32-byte vector in pieces)
+    typedef short v16hi __attribute__((vector_size(32)));
+    const typename VT<B>::i32 w = __builtin_ia32_pmovzxwd512_mask((v16hi)h, typename VT<B>::i32{}, (unsigned short)0xFFFF);
+    return (typename VT<B>::f32)(w << 16);
+  }
+#endif
   return (typename VT<B>::f32)(__builtin_convertvector(h, typename VT<B>::u32) << 16);
 }
 

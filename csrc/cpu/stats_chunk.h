@@ -24,10 +24,10 @@ namespace hookstats {
 namespace cpu {
 
 // The fast path over one contiguous chunk (Note [cpu dispatch]): the SIMD version of
-// fast_add() in core/stats_ops.h, in two interleaved sets of lanes (to hide the add and
+// fast_add() in core/stats_ops.h, in S interleaved sets of lanes (to hide the add and
 // fma latencies). The sum lanes restart every kBlock elements and their sums are added into
-// double lanes, so no float lane adds more than kBlock / (2 W) values (32 with AVX2 and AVX-512,
-// 64 with the baseline's 4 lanes): a constant tensor's l1 stays within ~1e-6 of the truth (a single
+// double lanes, so no float lane adds more than about kBlock / (S W) values (32 with AVX2, 16 with
+// AVX-512, 64 with the baseline's 4 lanes): a constant tensor's l1 stays within ~1e-6 of the truth (a single
 // lane over the whole chunk drifted to ~5e-6). min, max and the zero count run over the whole chunk.
 template <int W>
 constexpr int64_t kBlock = W <= 4 ? 512 : 64 * W;
@@ -70,34 +70,45 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
     a.l1 += simd::abs_bits<V, M>(y);
     a.mn = simd::min_of<B>(v, a.mn);  // v < mn ? v : mn
     a.mx = simd::max_of<B>(v, a.mx);
+#if HS_X86_BUILTINS
+    if constexpr (B == 64 && sizeof(acc_t) == 4) {  // one masked add (simd::k16)
+      a.z = simd::k16::add_where(simd::k16::cmp<0 /*EQ_OQ*/>(v, V{}), a.z, M{} + 1);
+      return;
+    }
+#endif
     a.z -= (M)(v == 0);
   };
+  // S interleaved sets of lanes: enough independent add / fma chains to cover their latency at the
+  // vector width's pace (4 at 64 bytes, where a step is as fast as a 32-byte one).
+  constexpr int S = B == 64 ? 4 : 2;
   int64_t i = 0;
   const int64_t n_vec = n - n % W;
-  Lanes a, b;
-  init(a);
-  init(b);
+  Lanes a[S];
+  for (int u = 0; u < S; ++u) init(a[u]);
   while (i < n_vec) {
-    restart(a);
-    restart(b);
+    for (int u = 0; u < S; ++u) restart(a[u]);
     const int64_t end = std::min(n_vec, i + kBlock<W>);
-    for (; i + 2 * W <= end; i += 2 * W) {
-      const V v0 = L::load(p + i);
-      const V v1 = L::load(p + i + W);
-      step(a, v0);
-      step(b, v1);
+    for (; i + S * W <= end; i += S * W) {
+      for (int u = 0; u < S; ++u) step(a[u], L::load(p + i + u * W));
     }
-    if (i + W <= end) {
-      const V v0 = L::load(p + i);
-      step(a, v0);
-      i += W;
+    for (; i + W <= end; i += W) step(a[0], L::load(p + i));  // a block's last (< S) vectors
+    V sd = a[0].sd, ssd = a[0].ssd, l1 = a[0].l1;
+    for (int u = 1; u < S; ++u) {
+      sd += a[u].sd;
+      ssd += a[u].ssd;
+      l1 += a[u].l1;
     }
-    dsd += __builtin_convertvector(a.sd + b.sd, DV);
-    dssd += __builtin_convertvector(a.ssd + b.ssd, DV);
-    dl1 += __builtin_convertvector(a.l1 + b.l1, DV);
+    dsd += __builtin_convertvector(sd, DV);
+    dssd += __builtin_convertvector(ssd, DV);
+    dl1 += __builtin_convertvector(l1, DV);
   }
-  const V mn = simd::min_of<B>(a.mn, b.mn), mx = simd::max_of<B>(a.mx, b.mx);
-  const M z = a.z + b.z;
+  V mn = a[0].mn, mx = a[0].mx;
+  M z = a[0].z;
+  for (int u = 1; u < S; ++u) {
+    mn = simd::min_of<B>(mn, a[u].mn);
+    mx = simd::max_of<B>(mx, a[u].mx);
+    z += a[u].z;
+  }
   for (int j = 0; j < W; ++j) {
     f.sd += dsd[j];
     f.ssd += dssd[j];
