@@ -113,7 +113,8 @@ REPORT = [
      "columns": [["size", "'2^%d' % size_log2"], ["bins", "bins"], ["histogram µs", "t.hist", "us"],
                  ["stats + histogram µs", "t.stats_hist", "us"], ["stats + exp histogram µs", "t.stats_exp", "us"],
                  ["`torch.histc` µs", "t.histc", "us"], ["`torch.histogram` µs", "t.torch_histogram", "us"],
-                 ["histogram vs histc", "t.histc / t.hist", "x"], ["stats + histogram / roof", "t.stats_hist / t.roof", "x"]],
+                 ["histogram vs histc", "t.histc / t.hist", "x"], ["stats + histogram / roof", "t.stats_hist / t.roof", "x"],
+                 ["stats + exp histogram / roof", "t.stats_exp / t.roof", "x"]],
      "note": "histogram: `hookstats.histogram` (bins + underflow, overflow, NaN); stats + histogram: `hookstats.stats(x, "
              "histogram=(bins, (-4, 4)))`; the exponent histogram has no bins and is timed in the 64-bin group. The "
              "PyTorch ops are timed on `x.float()` for bfloat16 (given bf16 they return bf16 counts, which stop at 256). "

@@ -74,7 +74,7 @@ TORCH_LIBRARY(hookstats, m) {
   };
   m.def("_monitor_record(Tensor?[] xs, int monitor, int hook, int index=-1) -> ()", monitor_record_tags);
 
-  // Which CPU code path runs: "avx2" or "default" (Note [cpu dispatch]); "" only reads it.
+  // Which CPU code path runs: "avx512", "avx2" or "default" (Note [cpu dispatch]); "" only reads it.
   m.def("_cpu_isa(str mode) -> str", &hookstats::cpu_isa);
   // Per-channel statistics along dim (csrc/core/channel_ops.h, Note [channel stats]): (values
   // [5, C] absmax, sum_abs, sum_sq, min, max over the finite values, fp32 (fp64 for fp64 x);

@@ -1059,9 +1059,12 @@ def test_cuda_tensor_without_cuda_kernels():
 def test_cpu_isa_switch():
     before = torch.ops.hookstats._cpu_isa("")
     try:
-        assert before in ("avx2", "default")
+        assert before in ("avx512", "avx2", "default")
         assert torch.ops.hookstats._cpu_isa("default") == "default"
         assert torch.ops.hookstats._cpu_isa("") == "default"
+        assert torch.ops.hookstats._cpu_isa("avx2") in ("avx2", "default")  # capped at what the CPU runs
+        assert torch.ops.hookstats._cpu_isa("avx512") in ("avx512", "avx2", "default")
+        assert torch.ops.hookstats._cpu_isa("default") == "default"
         with pytest.raises(ValueError, match="avx2"):
             torch.ops.hookstats._cpu_isa("sse4")
         assert torch.ops.hookstats._cpu_isa("") == "default"

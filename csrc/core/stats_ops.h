@@ -69,6 +69,10 @@ HS_HD StatsPartial empty_partial() {
   return p;
 }
 
+// ldexp, without the library call for e == 0 (almost every piece: Note [stats scaling]); the CPU
+// kernel calls it a few times per 4096-value chunk.
+HS_HD double hs_ldexp(double x, int e) { return e == 0 ? x : ldexp(x, e); }
+
 HS_HD double hs_fmin(double a, double b) { return b < a ? b : a; }
 HS_HD double hs_fmax(double a, double b) { return b > a ? b : a; }
 
@@ -173,7 +177,7 @@ HS_HD int32_t scale_exponent(double amax) {
 template <typename acc_t>
 HS_HD bool scale_fits(double amax, int32_t e) {
   if (amax == 0.0) return true;
-  const double a = ldexp(amax, -e);
+  const double a = hs_ldexp(amax, -e);
   return a <= static_cast<double>(FastLimits<acc_t>::hi) && a >= static_cast<double>(FastLimits<acc_t>::lo);
 }
 
@@ -181,7 +185,7 @@ template <typename acc_t, typename sum_t>
 HS_HD void fast_init(FastAcc<acc_t, sum_t>& f, acc_t k, int32_t e = 0) {
   f.k = k;
   f.e = e;
-  f.s = static_cast<acc_t>(ldexp(1.0, -e));
+  f.s = static_cast<acc_t>(hs_ldexp(1.0, -e));
   f.sd = f.ssd = f.l1 = sum_t(0);
   f.mn = INFINITY; f.mx = -INFINITY;
   f.zero = 0; f.n = 0;
@@ -247,11 +251,11 @@ HS_HD StatsPartial fast_to_partial(const FastAcc<acc_t, sum_t>& f) {
   const int e = f.e;
   p.n = f.n;
   p.zero = f.zero;
-  p.sum = ldexp(n * k + sd, e);
-  p.l1 = ldexp(static_cast<double>(f.l1), e);
+  p.sum = hs_ldexp(n * k + sd, e);
+  p.l1 = hs_ldexp(static_cast<double>(f.l1), e);
   const double ssq = ssd + 2.0 * k * sd + n * k * k;
   p.ssq = ssq > 0.0 ? ssq : 0.0;
-  p.mean = ldexp(k + sd / n, e);
+  p.mean = hs_ldexp(k + sd / n, e);
   const double m2 = ssd - sd * sd / n;
   p.m2 = m2 > 0.0 ? m2 : 0.0;
   p.mn = static_cast<double>(f.mn);
@@ -331,11 +335,11 @@ HS_HD void finalize(const StatsPartial& p, double* out) {
     out[kStd] = nan;
   } else {
     const double v = p.m2 / (n - 1.0);  // scaled by 4^-e
-    out[kStd] = ldexp(sqrt(v), s);
-    out[kVar] = ldexp(v, 2 * s);
+    out[kStd] = hs_ldexp(sqrt(v), s);
+    out[kVar] = hs_ldexp(v, 2 * s);
   }
   out[kL1] = has_nan ? nan : p.l1;
-  out[kL2] = has_nan ? nan : (has_inf ? static_cast<double>(INFINITY) : ldexp(sqrt(p.ssq), s));
+  out[kL2] = has_nan ? nan : (has_inf ? static_cast<double>(INFINITY) : hs_ldexp(sqrt(p.ssq), s));
   if (has_nan || p.n == 0) {
     out[kMin] = out[kMax] = nan;
     out[kLinf] = has_nan ? nan : 0.0;

@@ -1,30 +1,44 @@
-// Portable SIMD for the CPU kernels: GCC/Clang vector extensions, compiled twice, once for
-// the baseline target and once under HS_TARGET_AVX2, chosen at run time (Note [cpu dispatch]).
+// Portable SIMD for the CPU kernels: GCC/Clang vector extensions, compiled once per instruction set
+// that ATen builds for (baseline, AVX2, AVX-512), chosen at run time as ATen chooses (Note [cpu dispatch]).
 //
 // Note [cpu dispatch]
-// A kernel body is a template marked HS_INLINE, written over the B-byte vector types (VT<B>)
-// below. It is instantiated inside two entry points: one with no target attribute (B = 16: SSE2
-// on x86-64, NEON on arm64) and one marked HS_TARGET_AVX2 (B = 32). Because the body is inlined
-// before vector lowering, the same source becomes AVX2+FMA code in the second. Which entry
-// point runs is decided by use_avx2() (the CPU has AVX2, unless HOOKSTATS_CPU_ISA=default). The extension therefore
-// imports and runs on any x86-64 CPU, and uses AVX2 where the CPU has it, without
-// per-file compiler flags.
+// A kernel body is a template marked HS_INLINE, written over the B-byte vector types (VT<B>) below. It is
+// instantiated inside entry points: one with no target attribute (B = 16: SSE2 on x86-64, NEON on arm64),
+// one marked HS_TARGET_AVX2 (B = 32) and one marked HS_TARGET_AVX512 (B = 64). Because the body is inlined
+// before vector lowering, the same source becomes AVX2+FMA code in the second and AVX-512 code in the third:
+// one source of the math, no per-file compiler flags, and every function that is not inlined (the C++
+// library's, c10's) keeps the baseline target, so nothing compiled for a wider ISA can be picked by the
+// linker for a caller on an older CPU. The statistics kernel keeps each ISA's entry points in a translation
+// unit of its own (cpu/stats_chunk_{default,avx2,avx512}.cpp, over cpu/stats_chunk.h).
+// Which entry point runs is isa(): the level ATen's own kernels run at (at::get_cpu_capability(), which
+// honours the ATEN_CPU_CAPABILITY environment variable: "default", "avx2", "avx512"), or
+// HOOKSTATS_CPU_ISA when it is set, never above what the CPU supports. Tests pick each level with set_isa
+// (the hookstats._cpu_isa op) or the environment variables in a subprocess.
 #pragma once
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
+#include <immintrin.h>  // also makes GCC declare the AVX2 / AVX-512 builtins used below
 #endif
 
 #define HS_INLINE inline __attribute__((always_inline))
 #if defined(__x86_64__) || defined(__i386__)
 #define HS_HAVE_AVX2_TARGET 1
 #define HS_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+// ATen's AVX-512 level (avx512f/bw/vl/dq + FMA).
+#define HS_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #else
 #define HS_HAVE_AVX2_TARGET 0
 #define HS_TARGET_AVX2
+#define HS_TARGET_AVX512
+#endif
+// GCC's builtins for single instructions (min, max, round, test, half -> float), in the wide entry points.
+#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+#define HS_X86_BUILTINS 1
+#else
+#define HS_X86_BUILTINS 0
 #endif
 
 namespace hookstats {
@@ -45,31 +59,47 @@ template <int B> struct VT {
 // W double lanes (the lanes of W float or double lanes, widened).
 template <int W> struct F64Lanes { typedef double type __attribute__((vector_size(8 * W))); };
 
-inline bool cpu_has_avx2() {
+// The SIMD levels, in ATen's order (at::native::CPUCapability: DEFAULT, AVX2, AVX512).
+enum Isa : int { kIsaDefault = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+
+// The highest level this CPU runs: AVX2 needs AVX2 + FMA + F16C, AVX-512 ATen's avx512f/bw/vl/dq too.
+inline Isa cpu_max_isa() {
 #if HS_HAVE_AVX2_TARGET
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
+  static const Isa level = [] {
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) {
+      return kIsaDefault;
+    }
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    return avx512 ? kIsaAvx512 : kIsaAvx2;
+  }();
+  return level;
 #else
-  return false;
+  return kIsaDefault;
 #endif
 }
 
-// Whether the AVX2 entry points run: the CPU has AVX2, and HOOKSTATS_CPU_ISA is not
-// "default" when the first kernel runs. Tests flip it with set_use_avx2 to cover both.
-inline bool& use_avx2_flag() {
-  static bool flag = [] {
-    const char* env = std::getenv("HOOKSTATS_CPU_ISA");
-    return cpu_has_avx2() && !(env != nullptr && std::strcmp(env, "default") == 0);
+// The level ATen's kernels run at (at::get_cpu_capability(): ATEN_CPU_CAPABILITY or the CPU's), or
+// HOOKSTATS_CPU_ISA's when that is set. Defined in cpu/stats_cpu.cpp (it asks ATen).
+Isa requested_isa();
+
+inline Isa& isa_flag() {
+  static Isa flag = [] {
+    const Isa want = requested_isa();
+    return want < cpu_max_isa() ? want : cpu_max_isa();
   }();
   return flag;
 }
-inline bool use_avx2() { return use_avx2_flag(); }
-inline bool set_use_avx2(bool on) {
-  const bool before = use_avx2_flag();
-  use_avx2_flag() = on && cpu_has_avx2();
+// The level the kernels run at (Note [cpu dispatch]).
+inline Isa isa() { return isa_flag(); }
+inline bool use_avx2() { return isa() >= kIsaAvx2; }
+// Sets the level (capped at the CPU's) and returns the one before.
+inline Isa set_isa(Isa want) {
+  const Isa before = isa_flag();
+  isa_flag() = want < cpu_max_isa() ? want : cpu_max_isa();
   return before;
 }
+inline const char* isa_name(Isa i) { return i == kIsaAvx512 ? "avx512" : (i == kIsaAvx2 ? "avx2" : "default"); }
 
 // Flush-to-zero for the float kernels, for the scope's lifetime, on the calling thread (x86 MXCSR.FTZ;
 // DAZ stays off, so subnormal inputs are read, compared and counted exactly). A float result that
@@ -111,10 +141,14 @@ HS_INLINE F abs_bits(F v) {
 template <int B>
 HS_INLINE typename VT<B>::f32 half_to_float(typename VT<B>::u16 h) {
   using F = typename VT<B>::f32; using I = typename VT<B>::i32; using U = typename VT<B>::u32;
-#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+#if HS_X86_BUILTINS
   if constexpr (B == 32) {  // F16C's vcvtph2ps: the same bits (exact; NaN quieted with its payload, as below)
     typedef short v8hi __attribute__((vector_size(16)));
     return __builtin_ia32_vcvtph2ps256((v8hi)h);
+  }
+  if constexpr (B == 64) {
+    typedef short v16hi __attribute__((vector_size(32)));
+    return __builtin_ia32_vcvtph2ps512_mask((v16hi)h, typename VT<B>::f32{}, (unsigned short)0xFFFF, 4);
   }
 #endif
   const U w = __builtin_convertvector(h, U) << 16;
@@ -129,6 +163,13 @@ HS_INLINE typename VT<B>::f32 half_to_float(typename VT<B>::u16 h) {
 
 template <int B>
 HS_INLINE typename VT<B>::f32 bf16_to_float(typename VT<B>::u16 h) {
+#if HS_X86_BUILTINS
+  if constexpr (B == 64) {  // one vpmovzxwd (GCC 12 widens a 32-byte vector in pieces)
+    typedef short v16hi __attribute__((vector_size(32)));
+    const typename VT<B>::i32 w = __builtin_ia32_pmovzxwd512_mask((v16hi)h, typename VT<B>::i32{}, (unsigned short)0xFFFF);
+    return (typename VT<B>::f32)(w << 16);
+  }
+#endif
   return (typename VT<B>::f32)(__builtin_convertvector(h, typename VT<B>::u32) << 16);
 }
 
@@ -160,6 +201,18 @@ HS_INLINE typename VT<B>::u16 float_to_bf16(typename VT<B>::f32 f) {
   return __builtin_convertvector(r, typename VT<B>::u16);
 }
 
+// m ? a : b per lane, m holding -1 / 0 integer lanes of a's width. 64-byte vectors take the bitwise
+// form: GCC 12 scalarizes a 64-byte `?:` (and `~`) whose mask is a variable rather than a compare
+// written in place, lane by lane.
+template <typename Mk, typename T>
+HS_INLINE T select(const Mk& m, const T& a, const T& b) {
+  if constexpr (sizeof(T) == 64) {
+    return (T)((Mk)b ^ (((Mk)a ^ (Mk)b) & m));
+  } else {
+    return m ? a : b;
+  }
+}
+
 template <typename Vec>
 HS_INLINE bool any_lane(const Vec& m) {
   uint64_t w[sizeof(Vec) / 8];
@@ -171,13 +224,18 @@ HS_INLINE bool any_lane(const Vec& m) {
 
 // any_lane for a mask of a B-byte kernel body (Note [cpu dispatch]): one vptest in the AVX2 entry
 // points (B = 32; a GCC builtin is checked against the function it is finally inlined into, unlike
-// the _mm256 wrappers, so it can sit in the shared template), the portable reduction elsewhere.
+// the _mm256 wrappers, so it can sit in the shared template), one vptestmq in the AVX-512 ones, the
+// portable reduction elsewhere.
 template <int B, typename Vec>
 HS_INLINE bool any_lane_of(const Vec& m) {
-#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+#if HS_X86_BUILTINS
   if constexpr (B == 32 && sizeof(Vec) == 32) {
     typedef long long v4di __attribute__((vector_size(32)));
     return !__builtin_ia32_ptestz256((v4di)m, (v4di)m);
+  }
+  if constexpr (B == 64 && sizeof(Vec) == 64) {
+    typedef long long v8di __attribute__((vector_size(64)));
+    return __builtin_ia32_ptestmq512((v8di)m, (v8di)m, (unsigned char)0xFF) != 0;
   }
 #endif
   return any_lane(m);
@@ -188,31 +246,56 @@ HS_INLINE bool any_lane_of(const Vec& m) {
 // selects elsewhere.
 template <int B, typename F>
 HS_INLINE F max_of(const F& a, const F& b) {
-#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+#if HS_X86_BUILTINS
   if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 4) return __builtin_ia32_maxps256(a, b);
   if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 8) return __builtin_ia32_maxpd256(a, b);
+  if constexpr (B == 64 && sizeof(F) == 64 && sizeof(a[0]) == 4) return __builtin_ia32_maxps512_mask(a, b, a, (unsigned short)0xFFFF, 4);
+  if constexpr (B == 64 && sizeof(F) == 64 && sizeof(a[0]) == 8) return __builtin_ia32_maxpd512_mask(a, b, a, (unsigned char)0xFF, 4);
 #endif
   return a > b ? a : b;
 }
 template <int B, typename F>
 HS_INLINE F min_of(const F& a, const F& b) {
-#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+#if HS_X86_BUILTINS
   if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 4) return __builtin_ia32_minps256(a, b);
   if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 8) return __builtin_ia32_minpd256(a, b);
+  if constexpr (B == 64 && sizeof(F) == 64 && sizeof(a[0]) == 4) return __builtin_ia32_minps512_mask(a, b, a, (unsigned short)0xFFFF, 4);
+  if constexpr (B == 64 && sizeof(F) == 64 && sizeof(a[0]) == 8) return __builtin_ia32_minpd512_mask(a, b, a, (unsigned char)0xFF, 4);
 #endif
   return a < b ? a : b;
 }
 // The nearest integer of lanes a >= 0 (ties either way), in a's type; I: integer lanes of a's width.
 template <int B, typename F, typename I>
 HS_INLINE F round_nonneg_of(const F& a) {
-#if HS_HAVE_AVX2_TARGET && defined(__GNUC__) && !defined(__clang__)
+#if HS_X86_BUILTINS
   // nearest, no exceptions
   if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 4) return __builtin_ia32_roundps256(a, 0x8);
   if constexpr (B == 32 && sizeof(F) == 32 && sizeof(a[0]) == 8) return __builtin_ia32_roundpd256(a, 0x8);
+  if constexpr (B == 64 && sizeof(F) == 64 && sizeof(a[0]) == 4) return __builtin_ia32_rndscaleps_mask(a, 0x8, a, (unsigned short)0xFFFF, 4);
+  if constexpr (B == 64 && sizeof(F) == 64 && sizeof(a[0]) == 8) return __builtin_ia32_rndscalepd_mask(a, 0x8, a, (unsigned char)0xFF, 4);
 #endif
   using S = decltype(a[0] + 0);  // float or double
   return __builtin_convertvector(__builtin_convertvector(a + S(0.5), I), F);
 }
+
+// AVX-512 mask-register helpers for 16 float / int32 lanes (the B = 64 bodies' hot select chains, which
+// GCC 12 would otherwise scalarize: see select). Only called inside HS_TARGET_AVX512 entry points.
+#if HS_X86_BUILTINS
+namespace k16 {
+using F = VT<64>::f32;
+using I = VT<64>::i32;
+typedef unsigned short mask;
+// _CMP_* predicates of _mm512_cmp_ps_mask
+template <int P> HS_INLINE mask cmp(const F& a, const F& b) { return __builtin_ia32_cmpps512_mask(a, b, P, (mask)0xFFFF, 4); }
+// _MM_CMPINT_* predicates of _mm512_cmp_epu32_mask
+template <int P> HS_INLINE mask cmpu(const I& a, const I& b) { return __builtin_ia32_ucmpd512_mask(a, b, P, (mask)0xFFFF); }
+HS_INLINE mask test(const I& a, const I& b) { return __builtin_ia32_ptestmd512(a, b, (mask)0xFFFF); }
+// a + b where m, a elsewhere
+HS_INLINE I add_where(mask m, const I& a, const I& b) { return __builtin_ia32_paddd512_mask(a, b, a, m); }
+// b where m, a elsewhere
+HS_INLINE I blend(mask m, const I& a, const I& b) { return __builtin_ia32_blendmd_512_mask(a, b, m); }
+}  // namespace k16
+#endif
 
 // Loads (and stores) of W lanes in the accumulation type. Tag types keep this header torch-free:
 // the kernel maps c10::Half -> HalfBits and c10::BFloat16 -> BF16Bits.

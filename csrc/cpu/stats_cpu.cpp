@@ -7,8 +7,11 @@
 // depends only on numel, so the merge order, and hence every bit of the result, does not
 // depend on the number of threads. A histogram is binned after each chunk's statistics, which
 // settle it at once for a constant or all-NaN chunk (Note [cpu constant chunks]); other chunks
-// are binned and counted in two passes (Note [cpu histogram counters]).
+// are binned and counted in two passes (Note [cpu histogram counters]). The chunk kernels themselves, for
+// each ISA (Note [cpu dispatch]), are in cpu/stats_chunk.h and cpu/hist_chunk.h; this file holds the
+// driver: tasks, counters, locations, the ops.
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -16,6 +19,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
 #include <cmath>
 #include <limits>
 #include <cstring>
@@ -32,61 +37,15 @@
 #include "../core/stats_ops.h"
 #include "cpu_common.h"
 #include "simd.h"
+#include "stats_chunk.h"
 
 namespace hookstats {
 namespace {
 
-constexpr int64_t kChunk = 4096;
+using namespace cpu;  // NOLINT: the chunk kernels (cpu/stats_chunk.h)
+
 constexpr int64_t kMaxTasks = 64;
 constexpr int64_t kMinTaskElems = 32768;
-
-// The fast path over one contiguous chunk (Note [cpu dispatch]): the SIMD version of
-// fast_add() in core/stats_ops.h, in two interleaved sets of lanes (to hide the add and
-// fma latencies). The lanes restart every kBlock elements and their sums are added into f,
-// so no float lane adds more than kBlock / (2 W) values: a constant tensor's l1 stays
-// within ~1e-6 of the truth (a single lane over the whole chunk drifted to ~5e-6).
-constexpr int64_t kBlock = 512;
-
-// Raw bits of a value, for the exponent histogram (Note [histogram layouts]).
-template <typename scalar_t> HS_INLINE int32_t exp_slot_of(const scalar_t& v);
-template <> HS_INLINE int32_t exp_slot_of<float>(const float& v) {
-  uint32_t b; std::memcpy(&b, &v, 4); return exp_slot<8, 23>(b);
-}
-template <> HS_INLINE int32_t exp_slot_of<double>(const double& v) {
-  uint64_t b; std::memcpy(&b, &v, 8); return exp_slot<11, 52>(b);
-}
-template <> HS_INLINE int32_t exp_slot_of<c10::Half>(const c10::Half& v) { return exp_slot<5, 10>(v.x); }
-template <> HS_INLINE int32_t exp_slot_of<c10::BFloat16>(const c10::BFloat16& v) { return exp_slot<8, 7>(v.x); }
-
-// Note [cpu histogram counters]
-// A chunk is binned in two passes: its counter indices go into a 16 KB buffer (SIMD, or table loads),
-// then a counting pass (count_keys) increments, for value j of each run of 64, copy j % copies of
-// the `copies` uint32 copies of the histogram that the thread holds. So runs of values in one bin do
-// not serialize on one counter's store-to-load latency, and data that alternates at random between a
-// few bins (ReLU outputs, values around an edge) does not defeat the CPU's memory-dependence
-// prediction: a bare `c[idx[i]] += 1` loop (torch.bincount) is 2-2.5x slower on such data than on
-// spread data, this pass is not. A run of 64 equal indices is one addition. The copies are added
-// into the thread's int64 totals before any counter can wrap (every 2^31 increments) and at the end;
-// threads' totals are summed last. Counts are integers: the result does not depend on threads or
-// order.
-struct HistCounters {
-  uint32_t* c;     // copies x len
-  int64_t* total;  // len
-  int64_t len;
-  int copies;      // power of two
-  int64_t pending;
-};
-
-inline void flush_counters(HistCounters& h) {
-  const int64_t len = h.len;
-  int64_t* __restrict__ total = h.total;
-  for (int r = 0; r < h.copies; ++r) {
-    uint32_t* __restrict__ c = h.c + r * len;
-    for (int64_t i = 0; i < len; ++i) total[i] += c[i];
-    std::memset(c, 0, static_cast<size_t>(len) * sizeof(uint32_t));
-  }
-  h.pending = 0;
-}
 
 // Adds (accumulate) or writes the counts c[0, len) to their slots of out (by ordinal: Note [exact bin
 // thresholds], slot_of_ordinal as three runs), then zeroes c.
@@ -109,46 +68,6 @@ inline void write_counts(int64_t* __restrict__ c, int64_t len, bool ordinal, int
   std::memset(c, 0, static_cast<size_t>(len) * sizeof(int64_t));
 }
 
-// Constants of the SIMD range binning, see slot_lanes. Built once per call (bin_plan).
-struct RangeConsts {
-  float scale, shift, lo_clamp, hi_clamp, band;
-  float fbins;
-  int32_t bins;
-  bool exact_only;  // the float32 transform overflows (tiny ranges): every value takes the exact path
-  // Note [exact bin thresholds]: when T (float-accumulated inputs) or T64 (float64 inputs) is set,
-  // counters are indexed by ordinal (0 underflow, 1 + bin, bins + 1 overflow, bins + 2 NaN) and every
-  // value is placed by r + (x >= T[r]).
-  const float* T;
-  const double* T64;
-  double band64;  // fixed_slot's band of the double transform (spec.scale, spec.shift)
-};
-
-// What bin_chunk needs: the spec, and for float inputs the constants of the SIMD range path.
-struct BinPlan {
-  HistSpec spec;
-  RangeConsts rc;
-  // Note [16-bit ordinal tables]: fp16/bf16 range or exponent histograms of tensors of kLutMinNumel values or more.
-  const uint16_t* lut;
-};
-
-// Below this many values a 16-bit input keeps the threshold path rather than build a table (a build
-// costs about what 2^16 values cost to bin, and is cached afterwards).
-constexpr int64_t kLutMinNumel = 8192;
-
-// The counter index of one value (Note [cpu histogram counters]; by ordinal when the thresholds are set).
-template <int HM, typename scalar_t>
-HS_INLINE int32_t slot_scalar(const scalar_t& raw, const BinPlan& bp) {
-  if (HM == kHistRange) {
-    if constexpr (std::is_same_v<acc_of<scalar_t>, float>) {
-      if (bp.rc.T != nullptr) return threshold_ordinal(static_cast<float>(raw), bp.spec, bp.rc.T);
-    }
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      if (bp.rc.T64 != nullptr) return threshold_ordinal(raw, bp.spec, bp.rc.T64);
-    }
-    return fixed_slot<acc_of<scalar_t>>(static_cast<acc_of<scalar_t>>(raw), bp.spec);
-  }
-  return exp_slot_of<scalar_t>(raw);
-}
 
 inline RangeConsts range_consts(const HistSpec& hs) {
   RangeConsts r;
@@ -191,449 +110,14 @@ BinPlan bin_plan(const HistSpec& hs, int64_t numel) {
   return bp;
 }
 
-template <typename scalar_t> struct ExpBits;
-template <> struct ExpBits<float> { static constexpr int E = 8, M = 23; };
-template <> struct ExpBits<c10::BFloat16> { static constexpr int E = 8, M = 7; };
-template <> struct ExpBits<c10::Half> { static constexpr int E = 5, M = 10; };
 
-// The threshold a vector's near lanes share (Note [exact bin thresholds]): data that sits on or next
-// to one edge (ReLU zeros, gradient-sized values around 0, a constant on an edge) puts every near lane
-// at the same edge r, vector after vector, so the lanes compare with one broadcast threshold; a
-// vector whose near lanes sit at another edge reads T per lane and moves the cache there.
-template <typename V>
-struct EdgeCache {
-  V r;  // the edge, in every lane (-1: none yet)
-  V T;  // its threshold, in every lane
-};
-
-// The ordinals (Note [exact bin thresholds]) of float or double lanes v, with M the lanes' mask type:
-// t = v * scale + shift; r = the nearest edge; a lane farther than the band from r is above it exactly
-// when t is (fixed_slot's rule), a near lane exactly when v >= T[r] (the cached edge's broadcast
-// threshold, or T per lane); NaN lanes get bins + 2. Float lanes return int32 ordinals (M); double
-// lanes return them as exact doubles (V), which convert to int32 lanes in one instruction where int64
-// ones take five.
-template <int B, typename V, typename M, typename F>
-HS_INLINE std::conditional_t<sizeof(F) == 4, M, V> range_ordinals(const V& v, F scale, F shift, F band, int32_t bins,
-                                                                  const F* T, EdgeCache<V>& ec) {
-  constexpr int W = sizeof(V) / sizeof(F);
-  using R = std::conditional_t<sizeof(F) == 4, M, V>;
-  const V t = v * scale + shift;
-  const V tc = simd::min_of<B>(simd::max_of<B>(t, V{}), V{} + static_cast<F>(bins));  // NaN -> 0
-  const V rf = simd::round_nonneg_of<B, V, M>(tc);
-  R r;
-  if constexpr (sizeof(F) == 4) r = __builtin_convertvector(rf, M); else r = rf;
-  const M one = (M)(V{} + F(1));
-  auto plus = [&](const M& above) -> R {  // r + 1 where above is set
-    if constexpr (sizeof(F) == 4) return r - above; else return r + (V)(above & one);
-  };
-  const V d = t - rf;
-  const M is_nan = (M)(v != v);
-  const M near = ~(M)(simd::abs_bits<V, M>(d) > band) & ~is_nan;
-  const R o_far = plus((M)(d >= F(0)));
-  R o = near ? plus((M)(v >= ec.T)) : o_far;
-  if (simd::any_lane_of<B>(near & (M)(rf != ec.r))) {  // a near lane at another edge than the cached one
-    V g;
-    for (int j = 0; j < W; ++j) g[j] = T[static_cast<int32_t>(rf[j])];
-    o = near ? plus((M)(v >= g)) : o_far;
-    int j0 = 0;
-    while (!near[j0] || rf[j0] == ec.r[j0]) ++j0;
-    ec.r = V{} + rf[j0];
-    ec.T = V{} + g[j0];
-  }
-  using RS = std::decay_t<decltype(R{}[0])>;
-  return is_nan ? R{} + static_cast<RS>(bins + 2) : o;
-}
-
-// Exponent-histogram slots (Note [histogram layouts]) of the E-exponent, MB-mantissa-bit patterns in the
-// unsigned lanes bits, as signed lanes I: normals by exponent and sign; then neg/pos subnormal, zero,
-// -inf, +inf, NaN. (The sign enters as a mask, neg = -1: AVX2 has no 64-bit lane multiply.)
-template <int E, int MB, typename U, typename I>
-HS_INLINE I exp_slots(const U& bits) {
-  using S = std::decay_t<decltype(I{}[0])>;
-  using UE = std::decay_t<decltype(U{}[0])>;
-  constexpr UE one = 1;
-  constexpr S nE = (S(1) << E) - 2;
-  constexpr UE emask = (one << E) - 1u;
-  const U e = (bits >> MB) & emask;
-  const I neg = (I)((bits >> (E + MB)) != 0u);
-  const I mant = (I)((bits & ((one << MB) - 1u)) != 0u);
-  const I e0 = (I)(e == 0u), emax = (I)(e == emask);
-  const I normal = (I)(e - 1u) + (~neg & nE);
-  const I sub_or_zero = mant ? neg + (2 * nE + 1) : I{} + (2 * nE + 2);
-  const I inf_or_nan = mant ? I{} + (2 * nE + 5) : neg + (2 * nE + 4);
-  return e0 ? sub_or_zero : (emax ? inf_or_nan : normal);
-}
-
-// Counter indices (Note [cpu histogram counters], copy 0) of W float lanes v (raw: the same W input
-// values), in SIMD, with no per-value branch: exponents by exp_slots on the bits; range slots by
-// range_ordinals when the thresholds exist. Without them (ranges too narrow for float32 t) a vector
-// holding a value near an edge, or NaN, has those lanes placed by the exact scalar functions of
-// core/hist_ops.h.
-template <int B, int HM, typename scalar_t>
-HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typename simd::VT<B>::f32& v,
-                                               const BinPlan& bp, EdgeCache<typename simd::VT<B>::f32>& ec) {
-  using V = typename simd::VT<B>::f32;
-  using I = typename simd::VT<B>::i32;
-  using U = typename simd::VT<B>::u32;
-  constexpr int W = B / 4;
-  const RangeConsts& rc = bp.rc;
-  if (HM == kHistRange && rc.T != nullptr) {
-    return range_ordinals<B, V, I>(v, rc.scale, rc.shift, rc.band, rc.bins, rc.T, ec);
-  }
-  if (HM == kHistExp) {
-    U bits;
-    if (sizeof(scalar_t) == 4) {
-      std::memcpy(&bits, &v, sizeof bits);
-    } else {
-      typename simd::VT<B>::u16 r16;
-      std::memcpy(&r16, raw, sizeof r16);
-      bits = __builtin_convertvector(r16, U);
-    }
-    return exp_slots<ExpBits<scalar_t>::E, ExpBits<scalar_t>::M, U, I>(bits);
-  }
-  const V t = v * rc.scale + rc.shift;
-  V tc = t > rc.lo_clamp ? t : V{} + rc.lo_clamp;
-  tc = tc < rc.hi_clamp ? tc : V{} + rc.hi_clamp;
-  I i = __builtin_convertvector(tc, I);  // truncation; tc is within int range
-  const V fi = __builtin_convertvector(i, V);
-  const I up = (I)(fi > tc);  // -1 where truncation rounded a negative value up
-  i += up;
-  const V frac = tc - (fi + __builtin_convertvector(up, V));
-  const I special = (I)(frac < rc.band) | (I)((1.0f - frac) < rc.band) | (I)(v != v);
-  I slot = i < 0 ? I{} + rc.bins : (i >= rc.bins ? I{} + (rc.bins + 1) : i);
-  if (simd::any_lane(special)) {
-    for (int j = 0; j < W; ++j) {
-      if (!special[j]) continue;
-      slot[j] = fixed_slot_exact(static_cast<double>(static_cast<float>(raw[j])), bp.spec);
-    }
-  }
-  return slot;
-}
-
-// slot_lanes for float64 inputs: W = B / 8 double lanes, W int32 counter indices (range ordinals with a
-// table of double thresholds and the transform in double; exponent slots of the 64-bit patterns).
-template <int B, int HM>
-HS_INLINE typename simd::VT<B / 2>::i32 slot_lanes_f64(const typename simd::VT<B>::f64& v, const BinPlan& bp,
-                                                       EdgeCache<typename simd::VT<B>::f64>& ec) {
-  using V = typename simd::VT<B>::f64;
-  using I = typename simd::VT<B>::i64;
-  using J = typename simd::VT<B / 2>::i32;
-  if constexpr (HM == kHistRange) {
-    return __builtin_convertvector(
-        range_ordinals<B, V, I>(v, bp.spec.scale, bp.spec.shift, bp.rc.band64, bp.spec.bins, bp.rc.T64, ec), J);
-  } else {
-    typename simd::VT<B>::u64 bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    return __builtin_convertvector((exp_slots<11, 52, typename simd::VT<B>::u64, I>(bits)), J);
-  }
-}
-
-// The counting pass (Note [cpu histogram counters]) over n counter indices: value j of a run of
-// kCountRun goes to copy j % copies, except that a run whose kCountRun indices are all equal (one bin:
-// zeros, a saturated or dead unit, a NaN-filled tensor) adds kCountRun to one counter at once. A run is
-// as long as it is so that mixed data almost never passes the test (a 90%-zero input has 0.1% of its
-// runs all zero): the branch stays predictable for every distribution. The keys are the indices
-// themselves (count_indices) or the 16-bit patterns a table maps to indices (count_lut).
-constexpr int64_t kCountRun = 64;
-
-template <typename K, typename Index>
-HS_INLINE void count_keys(const K* k, int64_t n, HistCounters& h, const Index& index) {
-  uint32_t* c[8];
-  for (int r = 0; r < 8; ++r) c[r] = h.c + (r & (h.copies - 1)) * h.len;
-  int64_t i = 0;
-  for (; i + kCountRun <= n; i += kCountRun) {
-    const K first = k[i];
-    K diff = 0;
-    for (int64_t j = 0; j < kCountRun; ++j) diff |= static_cast<K>(k[i + j] ^ first);
-    if (diff == 0) {
-      c[0][index(first)] += static_cast<uint32_t>(kCountRun);
-      continue;
-    }
-    for (int64_t j = 0; j < kCountRun; j += 8) {
-      for (int r = 0; r < 8; ++r) c[r][index(k[i + j + r])] += 1;
-    }
-  }
-  for (; i < n; ++i) c[i & 7][index(k[i])] += 1;
-}
-
-HS_INLINE void count_indices(const int32_t* idx, int64_t n, HistCounters& h) {
-  count_keys(idx, n, h, [](int32_t v) { return v; });
-}
-
-// count_indices for Note [16-bit ordinal tables]: the key of a value is its bits, its index lut[bits],
-// read as it is counted.
-template <typename bits16>
-HS_INLINE void count_lut(const bits16* b, int64_t n, const uint16_t* lut, HistCounters& h) {
-  count_keys(b, n, h, [lut](bits16 v) { return lut[v]; });
-}
-
-// The histogram of one chunk: counter indices into a buffer (SIMD, or one table load per value for
-// Note [16-bit ordinal tables]), then the counting pass.
-template <int B, typename scalar_t, int HM>
-HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const BinPlan& bp) {
-  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
-  constexpr int W = L::W;
-  alignas(64) int32_t idx[kChunk];
-  int64_t i = 0;
-  if constexpr (std::is_same_v<typename L::acc_t, float>) {
-    if (HM == kHistRange && bp.rc.exact_only) {
-      for (; i < n; ++i) idx[i] = fixed_slot_exact(static_cast<double>(static_cast<float>(p[i])), bp.spec);
-    } else if (sizeof(scalar_t) == 2 && bp.lut != nullptr) {
-      typedef uint16_t __attribute__((may_alias)) bits16;  // c10::Half / c10::BFloat16 hold their 16 bits
-      count_lut(reinterpret_cast<const bits16*>(p), n, bp.lut, h);
-      return;
-    } else {
-      EdgeCache<typename simd::VT<B>::f32> ec{typename simd::VT<B>::f32{} - 1.0f, typename simd::VT<B>::f32{}};
-      const BinPlan plan = bp;  // a local copy: its constants stay in registers across the idx stores
-      for (; i + W <= n; i += W) {
-        const typename simd::VT<B>::i32 at = slot_lanes<B, HM, scalar_t>(p + i, L::load(p + i), plan, ec);
-        std::memcpy(idx + i, &at, sizeof at);
-      }
-    }
-  } else if constexpr (std::is_same_v<scalar_t, double>) {
-    if (HM == kHistExp || bp.rc.T64 != nullptr) {
-      EdgeCache<typename simd::VT<B>::f64> ec{typename simd::VT<B>::f64{} - 1.0, typename simd::VT<B>::f64{}};
-      const BinPlan plan = bp;
-      for (; i + W <= n; i += W) {
-        const typename simd::VT<B / 2>::i32 at = slot_lanes_f64<B, HM>(L::load(p + i), plan, ec);
-        std::memcpy(idx + i, &at, sizeof at);
-      }
-    }
-  }
-  for (; i < n; ++i) idx[i] = slot_scalar<HM>(p[i], bp);
-  count_indices(idx, n, h);
-}
-
-template <typename scalar_t>
-using CpuAcc = FastAcc<acc_of<scalar_t>, double>;
-
-template <int B, typename scalar_t, bool SCALED>
-HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
-  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
-  using acc_t = typename L::acc_t;
-  using V = typename L::V;
-  using M = typename L::M;
-  constexpr int W = L::W;
-  struct Lanes {
-    V sd, ssd, l1, mn, mx;
-    M z;
-  };
-  // Each block's lane sums are added to double lanes (DV), reduced once at the end of the chunk.
-  using DV = typename simd::F64Lanes<W>::type;
-  CpuAcc<scalar_t> f;
-  fast_init<acc_t>(f, k, e);
-  DV dsd{}, dssd{}, dl1{};
-  const V vk = V{} + k;
-  const V vs = V{} + f.s;
-  auto init = [](Lanes& a) {
-    a.sd = V{}; a.ssd = V{}; a.l1 = V{}; a.z = M{};
-    a.mn = V{} + static_cast<acc_t>(INFINITY);
-    a.mx = V{} - static_cast<acc_t>(INFINITY);
-  };
-  auto step = [&](Lanes& a, const V& v) {
-    if constexpr (SCALED) {
-      const V y = v * vs;  // exact: a power of two (Note [stats scaling])
-      const V d = y - vk;
-      a.sd += d;
-      a.ssd += d * d;
-      a.l1 += simd::abs_bits<V, M>(y);
-    } else {
-      const V d = v - vk;
-      a.sd += d;
-      a.ssd += d * d;
-      a.l1 += simd::abs_bits<V, M>(v);
-    }
-    a.mn = v < a.mn ? v : a.mn;
-    a.mx = v > a.mx ? v : a.mx;
-    a.z -= (v == 0);
-  };
-  int64_t i = 0;
-  const int64_t n_vec = n - n % W;
-  while (i < n_vec) {
-    Lanes a, b;
-    init(a);
-    init(b);
-    const int64_t end = std::min(n_vec, i + kBlock);
-    for (; i + 2 * W <= end; i += 2 * W) {
-      const V v0 = L::load(p + i);
-      const V v1 = L::load(p + i + W);
-      step(a, v0);
-      step(b, v1);
-    }
-    if (i + W <= end) {
-      const V v0 = L::load(p + i);
-      step(a, v0);
-      i += W;
-    }
-    dsd += __builtin_convertvector(a.sd + b.sd, DV);
-    dssd += __builtin_convertvector(a.ssd + b.ssd, DV);
-    dl1 += __builtin_convertvector(a.l1 + b.l1, DV);
-    for (int j = 0; j < W; ++j) {
-      const acc_t mn = a.mn[j] < b.mn[j] ? a.mn[j] : b.mn[j];
-      const acc_t mx = a.mx[j] > b.mx[j] ? a.mx[j] : b.mx[j];
-      f.mn = mn < f.mn ? mn : f.mn;
-      f.mx = mx > f.mx ? mx : f.mx;
-      f.zero += a.z[j] + b.z[j];
-    }
-  }
-  for (int j = 0; j < W; ++j) {
-    f.sd += dsd[j];
-    f.ssd += dssd[j];
-    f.l1 += dl1[j];
-  }
-  f.n = i;
-  for (; i < n; ++i) {
-    fast_add<acc_t>(f, static_cast<acc_t>(p[i]));
-  }
-  return f;
-}
-
-template <int B, typename scalar_t>
-HS_INLINE CpuAcc<scalar_t> fast_chunk(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
-  return e == 0 ? fast_chunk_simd<B, scalar_t, false>(p, n, k, 0) : fast_chunk_simd<B, scalar_t, true>(p, n, k, e);
-}
-
-// The counting pass of a piece with NaN/Inf (Note [stats nonfinite]), in SIMD: NaN, Inf and zero
-// counts by vector compares, NaN-free min and max.
-template <int B, typename scalar_t>
-HS_INLINE NonfiniteAcc<acc_of<scalar_t>> nonfinite_chunk_simd(const scalar_t* p, int64_t n) {
-  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
-  using acc_t = typename L::acc_t;
-  using V = typename L::V;
-  using M = typename L::M;
-  constexpr int W = L::W;
-  const V inf = V{} + static_cast<acc_t>(INFINITY);
-  M cn0{}, ci0{}, cz0{}, cn1{}, ci1{}, cz1{};
-  V mn0 = inf, mx0 = -inf, mn1 = inf, mx1 = -inf;
-  auto step = [&](M& cn, M& ci, M& cz, V& mn, V& mx, const V& v) {
-    cn -= (v != v);
-    ci -= (simd::abs_bits<V, M>(v) == inf);
-    cz -= (v == 0);
-    mn = v < mn ? v : mn;
-    mx = v > mx ? v : mx;
-  };
-  NonfiniteAcc<acc_t> c;
-  nonfinite_init<acc_t>(c);
-  int64_t i = 0;
-  // Lane counters hold at most n / W <= kChunk / W: no int32 lane can wrap.
-  for (; i + 2 * W <= n; i += 2 * W) {
-    step(cn0, ci0, cz0, mn0, mx0, L::load(p + i));
-    step(cn1, ci1, cz1, mn1, mx1, L::load(p + i + W));
-  }
-  for (; i + W <= n; i += W) step(cn0, ci0, cz0, mn0, mx0, L::load(p + i));
-  for (int j = 0; j < W; ++j) {
-    c.nan += cn0[j] + cn1[j];
-    c.inf += ci0[j] + ci1[j];
-    c.zero += cz0[j] + cz1[j];
-    const acc_t mn = mn0[j] < mn1[j] ? mn0[j] : mn1[j];
-    const acc_t mx = mx0[j] > mx1[j] ? mx0[j] : mx1[j];
-    c.mn = mn < c.mn ? mn : c.mn;
-    c.mx = mx > c.mx ? mx : c.mx;
-  }
-  c.n = i;
-  for (; i < n; ++i) nonfinite_add<acc_t>(c, static_cast<acc_t>(p[i]));
-  return c;
-}
-
-// A shift representable in the input dtype: then x - k is exact for x near k, and sums of
-// such differences of fp16/bf16 inputs do not pile up k's rounding error.
-template <typename scalar_t>
-HS_INLINE acc_of<scalar_t> input_shift(double mean) {
-  const auto k = static_cast<acc_of<scalar_t>>(static_cast<scalar_t>(mean));
-  return k - k == 0 ? k : 0;
-}
-
-// What a task carries from chunk to chunk: the previous chunk's mean (the next shift), its scale
-// exponent (Note [stats scaling]), and whether a NaN/Inf was seen (Note [stats nonfinite]).
-struct TaskState {
-  double mean;
-  int32_t e;
-  bool nonfinite;
-};
-
-// The statistics of a whole chunk, always in SIMD: counted only, once its task has seen NaN/Inf;
-// otherwise the fast path with the previous chunk's scale and shift, again with a fitting scale when
-// the magnitudes call for one (Note [stats scaling]) or a better shift when k was poor. The re-reads
-// (from L1) only redo statistics.
-template <int B, typename scalar_t>
-HS_INLINE StatsPartial chunk_stats(const scalar_t* p, int64_t n, TaskState& st) {
-  using acc_t = acc_of<scalar_t>;
-  if (st.nonfinite) return nonfinite_to_partial<acc_t>(nonfinite_chunk_simd<B, scalar_t>(p, n));
-  int32_t e = st.e;
-  CpuAcc<scalar_t> f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(ldexp(st.mean, -e)), e);
-  if (fast_nonfinite<acc_t>(f)) {
-    const NonfiniteAcc<acc_t> c = nonfinite_chunk_simd<B, scalar_t>(p, n);
-    if (c.nan > 0 || c.inf > 0) {
-      st.nonfinite = true;
-      return nonfinite_to_partial<acc_t>(c);
-    }
-    // No NaN/Inf: l1 overflowed (|x| near the dtype's max, or a scale carried over from smaller
-    // values): the fitting scale below repairs it.
-  }
-  const double amax = fast_amax<acc_t>(f);
-  if (fast_nonfinite<acc_t>(f) || !scale_fits<acc_t>(amax, e)) {
-    // The previous chunk's mean belongs to other magnitudes, and this one's is unreliable (the first
-    // pass overflowed or underflowed): no shift; shift_is_poor asks for one more pass if one helps.
-    // (A shift near a mean dominated by one large value would add the same -k to every lane sum,
-    // each addition rounded the same way at that value's magnitude.)
-    e = scale_exponent<acc_t>(amax);
-    f = fast_chunk<B, scalar_t>(p, n, acc_t(0), e);
-  }
-  if (shift_is_poor<acc_t>(f)) f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(fast_mean<acc_t>(f)), e);
-  st.e = e;
-  st.mean = ldexp(static_cast<double>(fast_mean<acc_t>(f)), e);
-  return fast_to_partial<acc_t>(f);
-}
-
-// Note [cpu constant chunks]
-// The statistics come first, and they settle the histogram of a chunk whose non-NaN values are all
-// equal (min == max; -0.0 and +0.0 compare equal and share every slot) or that is all NaN: its counts
-// go to at most two counters at once, with no per-value work. Zeros, dead units, saturated
-// activations, a constant on an edge and the all-NaN tensors that follow a first NaN cost the
-// statistics alone. Other chunks are binned value by value (bin_chunk).
-template <int B, typename scalar_t, int HM>
-HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, TaskState& st, HistCounters* hist,
-                                       const BinPlan* hs) {
-  const StatsPartial part = chunk_stats<B, scalar_t>(p, n, st);
-  if constexpr (HM != kHistNone) {
-    if (part.nan == n || (part.mn == part.mx && part.mn == part.mn)) {
-      const int64_t others = n - part.nan;
-      if (others > 0) hist->c[slot_scalar<HM>(static_cast<scalar_t>(part.mn), *hs)] += static_cast<uint32_t>(others);
-      if (part.nan > 0) {
-        hist->c[slot_scalar<HM>(static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN()), *hs)] +=
-            static_cast<uint32_t>(part.nan);
-      }
-    } else {
-      bin_chunk<B, scalar_t, HM>(p, n, *hist, *hs);
-    }
-    hist->pending += n;
-    if (hist->pending >= (int64_t(1) << 31)) flush_counters(*hist);
-  }
-  return part;
-}
-
-template <typename scalar_t, int HM>
-StatsPartial chunk_default(const scalar_t* p, int64_t n, TaskState& k, HistCounters* hist,
-                           const BinPlan* hs) {
-  return fast_chunk_body<16, scalar_t, HM>(p, n, k, hist, hs);
-}
-
-template <typename scalar_t, int HM>
-HS_TARGET_AVX2 StatsPartial chunk_avx2(const scalar_t* p, int64_t n, TaskState& k, HistCounters* hist,
-                                       const BinPlan* hs) {
-  return fast_chunk_body<32, scalar_t, HM>(p, n, k, hist, hs);
-}
-
-template <typename scalar_t>
-using chunk_fn = StatsPartial (*)(const scalar_t*, int64_t, TaskState&, HistCounters*, const BinPlan*);
-
+// The chunk entry points of the ISA that runs now (Note [cpu dispatch]).
 template <typename scalar_t>
 chunk_fn<scalar_t> pick_chunk_fn(int mode) {
-  const bool avx2 = simd::use_avx2();
-  switch (mode) {
-    case kHistRange: return avx2 ? &chunk_avx2<scalar_t, kHistRange> : &chunk_default<scalar_t, kHistRange>;
-    case kHistExp: return avx2 ? &chunk_avx2<scalar_t, kHistExp> : &chunk_default<scalar_t, kHistExp>;
-    default: return avx2 ? &chunk_avx2<scalar_t, kHistNone> : &chunk_default<scalar_t, kHistNone>;
+  switch (simd::isa()) {
+    case simd::kIsaAvx512: return table_entry<scalar_t>(kChunksAvx512, mode);
+    case simd::kIsaAvx2: return table_entry<scalar_t>(kChunksAvx2, mode);
+    default: return table_entry<scalar_t>(kChunksDefault, mode);
   }
 }
 
@@ -652,8 +136,11 @@ TaskState initial_state(const scalar_t* p, int64_t n) {
   }
   int ex = 0;
   frexp(amax, &ex);
+  // 2^-ex as one factor where it is a normal double (one library call, not one per value)
+  const double inv = ex > -1000 && ex < 1000 ? ldexp(1.0, -ex) : 0.0;
   for (int64_t i = 0; i < n && i < 8; ++i) {
-    const double y = ldexp(static_cast<double>(p[i]), -ex);  // |y| < 1: no overflow or underflow in y * y
+    const double v = static_cast<double>(p[i]);
+    const double y = inv != 0.0 ? v * inv : ldexp(v, -ex);  // |y| < 1: no overflow or underflow in y * y
     if (!(y - y == 0.0)) continue;
     s += y;
     ss += y * y;
@@ -910,11 +397,25 @@ void stats_cpu_runner(const at::Tensor& x, const StatsOut& out, const HistSpec& 
 
 // Declared in hookstats.cpp, which defines the op.
 std::string cpu_isa(const std::string& mode) {
-  TORCH_CHECK_VALUE(mode.empty() || mode == "avx2" || mode == "default",
-                    "hookstats._cpu_isa takes '', 'avx2' or 'default', got '", mode, "'");
-  if (!mode.empty()) simd::set_use_avx2(mode == "avx2");
-  return simd::use_avx2() ? "avx2" : "default";
+  TORCH_CHECK_VALUE(mode.empty() || mode == "avx512" || mode == "avx2" || mode == "default",
+                    "hookstats._cpu_isa takes '', 'avx512', 'avx2' or 'default', got '", mode, "'");
+  if (!mode.empty()) simd::set_isa(mode == "avx512" ? simd::kIsaAvx512 : (mode == "avx2" ? simd::kIsaAvx2 : simd::kIsaDefault));
+  return simd::isa_name(simd::isa());
 }
+
+namespace simd {
+// Note [cpu dispatch]: HOOKSTATS_CPU_ISA when set, else ATen's level (which reads ATEN_CPU_CAPABILITY).
+Isa requested_isa() {
+  std::string want;
+  if (const char* env = std::getenv("HOOKSTATS_CPU_ISA")) {
+    want = env;
+  } else {
+    want = at::get_cpu_capability();  // "DEFAULT", "AVX2", "AVX512" (other names on other architectures)
+  }
+  for (char& ch : want) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return want == "avx512" ? kIsaAvx512 : (want == "avx2" ? kIsaAvx2 : kIsaDefault);
+}
+}  // namespace simd
 
 TORCH_LIBRARY_IMPL(hookstats, CPU, m) {
   m.impl("stats", &stats_op<run_cpu>);

@@ -1,0 +1,305 @@
+// The statistics of one CPU chunk (Note [stats partials]) and its histogram (cpu/hist_chunk.h): the kernel
+// body that each ISA's translation unit, cpu/stats_chunk_{default,avx2,avx512}.cpp, instantiates for its
+// vector width (Note [cpu dispatch]), and the table of entry points through which the driver,
+// cpu/stats_cpu.cpp, calls them.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "../core/hist_ops.h"
+#include "../core/stats_ops.h"
+#include "cpu_common.h"
+#include "hist_chunk.h"
+#include "simd.h"
+
+namespace hookstats {
+namespace cpu {
+
+// The fast path over one contiguous chunk (Note [cpu dispatch]): the SIMD version of
+// fast_add() in core/stats_ops.h, in S interleaved sets of lanes (to hide the add and
+// fma latencies). The sum lanes restart every kBlock elements and their sums are added into
+// double lanes, so no float lane adds more than about kBlock / (S W) values (32 with AVX2, 16 with
+// AVX-512, 64 with the baseline's 4 lanes): a constant tensor's l1 stays within ~1e-6 of the truth (a single
+// lane over the whole chunk drifted to ~5e-6). min, max and the zero count run over the whole chunk.
+template <int W>
+constexpr int64_t kBlock = W <= 4 ? 512 : 64 * W;
+
+template <typename scalar_t>
+using CpuAcc = FastAcc<acc_of<scalar_t>, double>;
+
+// SCALED: e != 0 (Note [stats scaling]); SHIFTED: k != 0 (without a shift, d is the value itself:
+// one vector operation fewer per element group, for the data whose mean is small beside its spread).
+template <int B, typename scalar_t, bool SCALED, bool SHIFTED>
+HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
+  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
+  using acc_t = typename L::acc_t;
+  using V = typename L::V;
+  using M = typename L::M;
+  constexpr int W = L::W;
+  struct Lanes {
+    V sd, ssd, l1, mn, mx;
+    M z;
+  };
+  // Each block's lane sums are added to double lanes (DV), reduced once at the end of the chunk.
+  using DV = typename simd::F64Lanes<W>::type;
+  CpuAcc<scalar_t> f;
+  fast_init<acc_t>(f, k, e);
+  DV dsd{}, dssd{}, dl1{};
+  const V vk = V{} + k;
+  const V vs = V{} + f.s;
+  auto restart = [](Lanes& a) { a.sd = V{}; a.ssd = V{}; a.l1 = V{}; };
+  auto init = [&](Lanes& a) {
+    restart(a);
+    a.z = M{};
+    a.mn = V{} + static_cast<acc_t>(INFINITY);
+    a.mx = V{} - static_cast<acc_t>(INFINITY);
+  };
+  auto step = [&](Lanes& a, const V& v) {
+    const V y = SCALED ? v * vs : v;  // exact: a power of two (Note [stats scaling])
+    const V d = SHIFTED ? y - vk : y;
+    a.sd += d;
+    a.ssd += d * d;
+    a.l1 += simd::abs_bits<V, M>(y);
+    a.mn = simd::min_of<B>(v, a.mn);  // v < mn ? v : mn
+    a.mx = simd::max_of<B>(v, a.mx);
+#if HS_X86_BUILTINS
+    if constexpr (B == 64 && sizeof(acc_t) == 4) {  // one masked add (simd::k16)
+      a.z = simd::k16::add_where(simd::k16::cmp<0 /*EQ_OQ*/>(v, V{}), a.z, M{} + 1);
+      return;
+    }
+#endif
+    a.z -= (M)(v == 0);
+  };
+  // S interleaved sets of lanes: enough independent add / fma chains to cover their latency at the
+  // vector width's pace (4 at 64 bytes, where a step is as fast as a 32-byte one).
+  constexpr int S = B == 64 ? 4 : 2;
+  int64_t i = 0;
+  const int64_t n_vec = n - n % W;
+  Lanes a[S];
+  for (int u = 0; u < S; ++u) init(a[u]);
+  while (i < n_vec) {
+    for (int u = 0; u < S; ++u) restart(a[u]);
+    const int64_t end = std::min(n_vec, i + kBlock<W>);
+    for (; i + S * W <= end; i += S * W) {
+      for (int u = 0; u < S; ++u) step(a[u], L::load(p + i + u * W));
+    }
+    for (; i + W <= end; i += W) step(a[0], L::load(p + i));  // a block's last (< S) vectors
+    V sd = a[0].sd, ssd = a[0].ssd, l1 = a[0].l1;
+    for (int u = 1; u < S; ++u) {
+      sd += a[u].sd;
+      ssd += a[u].ssd;
+      l1 += a[u].l1;
+    }
+    dsd += __builtin_convertvector(sd, DV);
+    dssd += __builtin_convertvector(ssd, DV);
+    dl1 += __builtin_convertvector(l1, DV);
+  }
+  V mn = a[0].mn, mx = a[0].mx;
+  M z = a[0].z;
+  for (int u = 1; u < S; ++u) {
+    mn = simd::min_of<B>(mn, a[u].mn);
+    mx = simd::max_of<B>(mx, a[u].mx);
+    z += a[u].z;
+  }
+  for (int j = 0; j < W; ++j) {
+    f.sd += dsd[j];
+    f.ssd += dssd[j];
+    f.l1 += dl1[j];
+    f.mn = mn[j] < f.mn ? mn[j] : f.mn;
+    f.mx = mx[j] > f.mx ? mx[j] : f.mx;
+    f.zero += z[j];
+  }
+  f.n = i;
+  for (; i < n; ++i) {
+    fast_add<acc_t>(f, static_cast<acc_t>(p[i]));
+  }
+  return f;
+}
+
+template <int B, typename scalar_t>
+HS_INLINE CpuAcc<scalar_t> fast_chunk(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
+  if (k == 0) {
+    return e == 0 ? fast_chunk_simd<B, scalar_t, false, false>(p, n, k, 0)
+                  : fast_chunk_simd<B, scalar_t, true, false>(p, n, k, e);
+  }
+  return e == 0 ? fast_chunk_simd<B, scalar_t, false, true>(p, n, k, 0)
+                : fast_chunk_simd<B, scalar_t, true, true>(p, n, k, e);
+}
+
+// The counting pass of a piece with NaN/Inf (Note [stats nonfinite]), in SIMD: NaN, Inf and zero
+// counts by vector compares, NaN-free min and max.
+template <int B, typename scalar_t>
+HS_INLINE NonfiniteAcc<acc_of<scalar_t>> nonfinite_chunk_simd(const scalar_t* p, int64_t n) {
+  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
+  using acc_t = typename L::acc_t;
+  using V = typename L::V;
+  using M = typename L::M;
+  constexpr int W = L::W;
+  const V inf = V{} + static_cast<acc_t>(INFINITY);
+  M cn0{}, ci0{}, cz0{}, cn1{}, ci1{}, cz1{};
+  V mn0 = inf, mx0 = -inf, mn1 = inf, mx1 = -inf;
+  auto step = [&](M& cn, M& ci, M& cz, V& mn, V& mx, const V& v) {
+    cn -= (v != v);
+    ci -= (simd::abs_bits<V, M>(v) == inf);
+    cz -= (v == 0);
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+  };
+  NonfiniteAcc<acc_t> c;
+  nonfinite_init<acc_t>(c);
+  int64_t i = 0;
+  // Lane counters hold at most n / W <= kChunk / W: no int32 lane can wrap.
+  for (; i + 2 * W <= n; i += 2 * W) {
+    step(cn0, ci0, cz0, mn0, mx0, L::load(p + i));
+    step(cn1, ci1, cz1, mn1, mx1, L::load(p + i + W));
+  }
+  for (; i + W <= n; i += W) step(cn0, ci0, cz0, mn0, mx0, L::load(p + i));
+  for (int j = 0; j < W; ++j) {
+    c.nan += cn0[j] + cn1[j];
+    c.inf += ci0[j] + ci1[j];
+    c.zero += cz0[j] + cz1[j];
+    const acc_t mn = mn0[j] < mn1[j] ? mn0[j] : mn1[j];
+    const acc_t mx = mx0[j] > mx1[j] ? mx0[j] : mx1[j];
+    c.mn = mn < c.mn ? mn : c.mn;
+    c.mx = mx > c.mx ? mx : c.mx;
+  }
+  c.n = i;
+  for (; i < n; ++i) nonfinite_add<acc_t>(c, static_cast<acc_t>(p[i]));
+  return c;
+}
+
+// A shift representable in the input dtype: then x - k is exact for x near k, and sums of
+// such differences of fp16/bf16 inputs do not pile up k's rounding error.
+template <typename scalar_t>
+HS_INLINE acc_of<scalar_t> input_shift(double mean) {
+  const auto k = static_cast<acc_of<scalar_t>>(static_cast<scalar_t>(mean));
+  return k - k == 0 ? k : 0;
+}
+
+// What a task carries from chunk to chunk: the next chunk's shift (the previous chunk's mean, or 0 where
+// that mean is small beside its spread), its scale exponent (Note [stats scaling]), and whether a NaN/Inf
+// was seen (Note [stats nonfinite]).
+struct TaskState {
+  double mean;
+  int32_t e;
+  bool nonfinite;
+};
+
+// The statistics of a whole chunk, always in SIMD: counted only, once its task has seen NaN/Inf;
+// otherwise the fast path with the previous chunk's scale and shift, again with a fitting scale when
+// the magnitudes call for one (Note [stats scaling]) or a better shift when k was poor. The re-reads
+// (from L1) only redo statistics.
+template <int B, typename scalar_t>
+HS_INLINE StatsPartial chunk_stats(const scalar_t* p, int64_t n, TaskState& st) {
+  using acc_t = acc_of<scalar_t>;
+  if (st.nonfinite) return nonfinite_to_partial<acc_t>(nonfinite_chunk_simd<B, scalar_t>(p, n));
+  int32_t e = st.e;
+  CpuAcc<scalar_t> f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(hs_ldexp(st.mean, -e)), e);
+  if (fast_nonfinite<acc_t>(f)) {
+    const NonfiniteAcc<acc_t> c = nonfinite_chunk_simd<B, scalar_t>(p, n);
+    if (c.nan > 0 || c.inf > 0) {
+      st.nonfinite = true;
+      return nonfinite_to_partial<acc_t>(c);
+    }
+    // No NaN/Inf: l1 overflowed (|x| near the dtype's max, or a scale carried over from smaller
+    // values): the fitting scale below repairs it.
+  }
+  const double amax = fast_amax<acc_t>(f);
+  if (fast_nonfinite<acc_t>(f) || !scale_fits<acc_t>(amax, e)) {
+    // The previous chunk's mean belongs to other magnitudes, and this one's is unreliable (the first
+    // pass overflowed or underflowed): no shift; shift_is_poor asks for one more pass if one helps.
+    // (A shift near a mean dominated by one large value would add the same -k to every lane sum,
+    // each addition rounded the same way at that value's magnitude.)
+    e = scale_exponent<acc_t>(amax);
+    f = fast_chunk<B, scalar_t>(p, n, acc_t(0), e);
+  }
+  if (shift_is_poor<acc_t>(f)) f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(fast_mean<acc_t>(f)), e);
+  st.e = e;
+  // The next shift: no shift where mean^2 <= var / 4 (then n * mean^2 <= m2 / 4, so unshifted sums lose
+  // under a bit of m2 and sum(x^2) to cancellation, and shift_is_poor never asks for a second pass).
+  const double nd = static_cast<double>(f.n), sd = static_cast<double>(f.sd);
+  const double mean_s = static_cast<double>(f.k) + sd / nd;  // in scaled units
+  const double m2_s = static_cast<double>(f.ssd) - sd * sd / nd;
+  st.mean = 4.0 * nd * mean_s * mean_s <= m2_s ? 0.0 : hs_ldexp(static_cast<double>(fast_mean<acc_t>(f)), e);
+  return fast_to_partial<acc_t>(f);
+}
+
+// Note [cpu constant chunks]
+// The statistics come first, and they settle the histogram of a chunk whose non-NaN values are all
+// equal (min == max; -0.0 and +0.0 compare equal and share every slot) or that is all NaN: its counts
+// go to at most two counters at once, with no per-value work. Zeros, dead units, saturated
+// activations, a constant on an edge and the all-NaN tensors that follow a first NaN cost the
+// statistics alone. Other chunks are binned value by value (bin_chunk).
+template <int B, typename scalar_t, int HM>
+HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, TaskState& st, HistCounters* hist,
+                                       const BinPlan* hs) {
+  const StatsPartial part = chunk_stats<B, scalar_t>(p, n, st);
+  if constexpr (HM != kHistNone) {
+    if (part.nan == n || (part.mn == part.mx && part.mn == part.mn)) {
+      const int64_t others = n - part.nan;
+      if (others > 0) hist->c[slot_scalar<HM>(static_cast<scalar_t>(part.mn), *hs)] += static_cast<uint32_t>(others);
+      if (part.nan > 0) {
+        hist->c[slot_scalar<HM>(static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN()), *hs)] +=
+            static_cast<uint32_t>(part.nan);
+      }
+    } else {
+      bin_chunk<B, scalar_t, HM>(p, n, *hist, *hs);
+    }
+    hist->pending += n;
+    if (hist->pending >= (int64_t(1) << 31)) flush_counters(*hist);
+  }
+  return part;
+}
+
+
+// The chunk entry points of one ISA (Note [cpu dispatch]): [mode] = kHistNone, kHistRange, kHistExp.
+template <typename scalar_t>
+using chunk_fn = StatsPartial (*)(const scalar_t*, int64_t, TaskState&, HistCounters*, const BinPlan*);
+
+struct ChunkTable {
+  chunk_fn<float> f32[3];
+  chunk_fn<double> f64[3];
+  chunk_fn<c10::Half> f16[3];
+  chunk_fn<c10::BFloat16> bf16[3];
+};
+
+template <typename scalar_t> HS_INLINE chunk_fn<scalar_t> table_entry(const ChunkTable& t, int mode);
+template <> HS_INLINE chunk_fn<float> table_entry<float>(const ChunkTable& t, int mode) { return t.f32[mode]; }
+template <> HS_INLINE chunk_fn<double> table_entry<double>(const ChunkTable& t, int mode) { return t.f64[mode]; }
+template <> HS_INLINE chunk_fn<c10::Half> table_entry<c10::Half>(const ChunkTable& t, int mode) { return t.f16[mode]; }
+template <> HS_INLINE chunk_fn<c10::BFloat16> table_entry<c10::BFloat16>(const ChunkTable& t, int mode) {
+  return t.bf16[mode];
+}
+
+// Each defined in its own unit, compiled for its ISA (the wider ones alias the baseline off x86).
+extern const ChunkTable kChunksDefault;
+extern const ChunkTable kChunksAvx2;
+extern const ChunkTable kChunksAvx512;
+
+// HS_CHUNK_TABLE(name, B, TARGET): the table of one ISA, its entry points fast_chunk_body<B> marked TARGET.
+#define HS_CHUNK_TABLE(NAME, B, TARGET)                                                                       \
+  namespace {                                                                                               \
+  template <typename scalar_t, int HM>                                                                      \
+  TARGET StatsPartial chunk_entry(const scalar_t* p, int64_t n, TaskState& k, HistCounters* hist,            \
+                                  const BinPlan* hs) {                                                      \
+    return fast_chunk_body<B, scalar_t, HM>(p, n, k, hist, hs);                                             \
+  }                                                                                                         \
+  }                                                                                                         \
+  const ChunkTable NAME = {                                                                                 \
+      {&chunk_entry<float, kHistNone>, &chunk_entry<float, kHistRange>, &chunk_entry<float, kHistExp>},       \
+      {&chunk_entry<double, kHistNone>, &chunk_entry<double, kHistRange>, &chunk_entry<double, kHistExp>},    \
+      {&chunk_entry<c10::Half, kHistNone>, &chunk_entry<c10::Half, kHistRange>,                              \
+       &chunk_entry<c10::Half, kHistExp>},                                                                  \
+      {&chunk_entry<c10::BFloat16, kHistNone>, &chunk_entry<c10::BFloat16, kHistRange>,                      \
+       &chunk_entry<c10::BFloat16, kHistExp>}};
+
+}  // namespace cpu
+}  // namespace hookstats

@@ -1,0 +1,158 @@
+"""Every CPU SIMD level (Note [cpu dispatch] in csrc/cpu/simd.h: baseline, AVX2, AVX-512) against
+hookstats.reference: statistics, locations, range and exponent histograms, stats_into and norms, on odd sizes,
+tails, misaligned and non-contiguous inputs, NaN/Inf, each dtype; the level ATen runs at picked from
+ATEN_CPU_CAPABILITY in a fresh process; one level's results deterministic across calls and thread counts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hookstats
+from hookstats import reference
+
+from _testing import DTYPES, assert_stats_close
+
+LEVELS = ("avx512", "avx2", "default")
+RANGE = hookstats.Histogram.range(64, -4.0, 4.0)
+EXP = hookstats.Histogram.exponent()
+
+
+def cpu_max_level() -> str:
+    """The highest level this CPU runs (the setter caps what it is asked for)."""
+    before = torch.ops.hookstats._cpu_isa("")
+    try:
+        return torch.ops.hookstats._cpu_isa("avx512")
+    finally:
+        torch.ops.hookstats._cpu_isa(before)
+
+
+def inputs(dtype: torch.dtype):
+    """(name, tensor) pairs: sizes around the vector widths (16/32/64 bytes), the 4096-value chunk and the
+    2^15-value task; misaligned and strided views; NaN / Inf / zeros / constants; large magnitudes."""
+    g = torch.Generator().manual_seed(36)
+    for n in (1, 3, 7, 15, 17, 31, 33, 63, 65, 4095, 4097, 3 * 4096 + 5, 32768 * 2 + 13):
+        yield f"randn{n}", (torch.randn(n, generator=g) * 2).to(dtype)
+    base = (torch.randn(70001, generator=g) * 3).to(dtype)
+    yield "misaligned", base[1:]
+    yield "misaligned3", base[3:40003]
+    yield "strided", base[::3]
+    yield "transposed", base[: 250 * 201].view(250, 201).t()
+    yield "expanded", base[:513].view(1, 513).expand(7, 513)
+    x = (torch.randn(20000, generator=g)).to(dtype)
+    x[[5, 4100, 9000]] = float("nan")
+    x[[17, 12000]] = float("inf")
+    x[19999] = -float("inf")
+    yield "nan_inf", x
+    y = (torch.randn(9000, generator=g)).to(dtype)
+    y[7000:] = 0.0
+    y[100:4300] = 0.5  # a constant run over a whole chunk, on a bin edge
+    yield "const_runs", y
+    z = torch.full((5000,), 1.25).to(dtype)
+    yield "constant", z
+    if dtype in (torch.float32, torch.float64):
+        big = torch.randn(10000, generator=g, dtype=torch.float64) * (1e30 if dtype == torch.float32 else 1e200)
+        yield "huge", big.to(dtype)
+        yield "tiny", (big * 1e-60 if dtype == torch.float32 else big * 1e-400).to(dtype)
+    yield "mean_offset", (torch.randn(40000, generator=g) * 0.01 + 100.0).to(dtype)
+
+
+def check_all_ops(x: torch.Tensor, what: str) -> None:
+    assert_stats_close(hookstats.stats(x), reference.stats(x), x.dtype)
+    st, h = hookstats.stats(x, RANGE)
+    assert_stats_close(st, reference.stats(x), x.dtype)
+    assert torch.equal(h, reference.histogram_of(x, RANGE)), what
+    assert torch.equal(hookstats.exp_histogram(x), reference.histogram_of(x, EXP)), what
+    loc = hookstats.stats(x, locations=True)
+    want = reference.locations(x)
+    assert (int(loc.argmax_abs_index), int(loc.first_nonfinite_index)) == (int(want[0]), int(want[1])), what
+    out = hookstats.stats_buffer(2)
+    hookstats.stats_into(x, out, 1)
+    ref_out = hookstats.stats_buffer(2)
+    reference.stats_into(x, ref_out, 1)
+    assert torch.equal(out[1].isnan(), ref_out[1].isnan()), what
+    assert torch.equal(out[1][:1], ref_out[1][:1]), what  # numel
+    got, ref = hookstats.norms([x], 2.0), reference.norms([x], 2.0)
+    a, b = float(got[0][0]), float(ref[0][0])
+    assert (a != a and b != b) or a == b or abs(a - b) <= 2e-6 * abs(b), (what, a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_op_on_every_level(dtype, isa):
+    for name, x in inputs(dtype):
+        check_all_ops(x, f"{isa} {dtype} {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_levels_agree_exactly_where_exact(dtype):
+    """Counts, min, max and histograms are the same bits on every level; sums within the tolerance."""
+    before = torch.ops.hookstats._cpu_isa("")
+    try:
+        results = {}
+        for level in LEVELS:
+            if torch.ops.hookstats._cpu_isa(level) != level:
+                continue
+            results[level] = [(hookstats.stats(x, RANGE), hookstats.exp_histogram(x)) for _, x in inputs(dtype)]
+        first = next(iter(results.values()))
+        for level, rs in results.items():
+            for (s, h, e), (s0, h0, e0) in zip(((a, b, c) for (a, b), c in rs), ((a, b, c) for (a, b), c in first)):
+                for f in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "linf"):
+                    assert torch.equal(getattr(s, f).isnan(), getattr(s0, f).isnan())
+                    if not bool(getattr(s, f).isnan()):
+                        assert torch.equal(getattr(s, f), getattr(s0, f)), (level, f)
+                assert torch.equal(h, h0) and torch.equal(e, e0), level
+    finally:
+        torch.ops.hookstats._cpu_isa(before)
+
+
+def test_deterministic_across_threads(isa, restore_threads):
+    """One level's results are the same bits whatever the thread count and however often it runs (fixed tasks,
+    fixed-order merges)."""
+    x = torch.randn(3 * 2**18 + 77, generator=torch.Generator().manual_seed(5))
+    runs = []
+    for threads in (1, 2, 1):
+        torch.set_num_threads(threads)
+        s, h = hookstats.stats(x, RANGE)
+        runs.append((torch.stack([v.double() for v in s]), h))
+    for v, h in runs[1:]:
+        assert torch.equal(v, runs[0][0]) and torch.equal(h, runs[0][1])
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch, hookstats
+    from hookstats import reference
+    print(torch.ops.hookstats._cpu_isa(""), torch.backends.cpu.get_cpu_capability())
+    x = torch.randn(70001, generator=torch.Generator().manual_seed(1))[1:]
+    x[100] = float("nan")
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        y = x.to(dt)
+        assert torch.equal(hookstats.exp_histogram(y), reference.histogram_of(y, hookstats.Histogram.exponent()))
+        h = hookstats.Histogram.range(64, -4.0, 4.0)
+        assert torch.equal(hookstats.histogram(y, 64, range=(-4.0, 4.0)), reference.histogram_of(y, h))
+        s, r = hookstats.stats(y[200:]), reference.stats(y[200:])
+        assert float(s.min) == float(r.min) and float(s.max) == float(r.max)
+        assert abs(float(s.l2) - float(r.l2)) <= 2e-6 * float(r.l2)
+""")
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_aten_cpu_capability_picks_the_level(level):
+    """A fresh process follows ATEN_CPU_CAPABILITY as ATen's own kernels do (capped at what the CPU runs), and
+    computes the right results there; HOOKSTATS_CPU_ISA, when set, wins."""
+    order = {"default": 0, "avx2": 1, "avx512": 2}
+    top = cpu_max_level()
+    want = level if order[level] <= order[top] else top
+    env = {k: v for k, v in os.environ.items() if k != "HOOKSTATS_CPU_ISA"}
+    env["ATEN_CPU_CAPABILITY"] = level
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == want, out.stdout
+    env["HOOKSTATS_CPU_ISA"] = "default"
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "default", out.stdout
