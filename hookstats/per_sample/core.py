@@ -388,7 +388,7 @@ class PerSampleGradNorms:
                 term = terms[a].rows_to_samples(call.k)
                 deferred = a in call.deferred
                 if deferred:  # Note [book-keeping]: the per-sample gradients, when they are the cheaper route
-                    term = (getattr(term, "materialize", lambda: None)() if not __import__("os").environ.get("NOMAT") else None) or term
+                    term = getattr(term, "materialize", lambda: None)() or term
                 self._terms.setdefault(pid, []).append((term, deferred))
                 if all(not self._pending.get(layer) for layer in self._holders[pid]):
                     self._finalize(pid)

@@ -153,7 +153,7 @@ class Dense(Term):
         return Dense(self.D.reshape(-1, k, self.D.shape[1]).sum(1))
 
     def sq(self):
-        return self.D.square().sum(1)
+        return torch.linalg.vector_norm(self.D, dim=1).square()  # one pass, no [B, n] temporary
 
     def delta(self, w, shape):
         return torch.mv(self.D.t(), w.to(self.D.dtype)).reshape(shape)
