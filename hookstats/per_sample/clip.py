@@ -68,7 +68,7 @@ class _Deliver(torch.autograd.Function):
         return (None, *grads)
 
 
-def deliver(grads: Dict[int, torch.Tensor], params: Dict[int, torch.nn.Parameter]) -> None:
+def deliver(grads: Dict[int, torch.Tensor], params: Dict[int, torch.nn.Parameter], owner=None) -> None:
     """Accumulates each gradient into its parameter through a backward of its own (Note [book-keeping] in core.py):
     AccumulateGrad adds it to .grad (or sets it), and the parameter's hooks, post-accumulate-grad hooks and DDP's
     reducer see it, as they would autograd's."""
@@ -77,4 +77,10 @@ def deliver(grads: Dict[int, torch.Tensor], params: Dict[int, torch.nn.Parameter
     pids = list(grads)
     with torch.enable_grad():
         tok = _Deliver.apply(tuple(grads[pid] for pid in pids), *(params[pid] for pid in pids))
-    torch.autograd.backward(tok)
+    if owner is not None:
+        owner._delivering = True  # its post-accumulate-grad hooks: the clip's own gradient, not autograd's
+    try:
+        torch.autograd.backward(tok)
+    finally:
+        if owner is not None:
+            owner._delivering = False

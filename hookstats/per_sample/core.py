@@ -12,6 +12,7 @@ from . import rules as _rules  # noqa: F401  (registers the shipped rules)
 from .._owned_hooks import in_backward, register
 from .._select import Selection
 from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows
+from .bookkeeping import _is_functorch, defer_hook, restore_hook, untracked
 from .clip import OPT_OUT, apply_clip, deliver
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused
@@ -97,9 +98,9 @@ class PerSampleGradNorms:
         self._accumulated: set = set()  # pids whose .grad autograd changed in this backward (max_norm)
         self._termed: set = set()  # pids that got a per-sample term in this backward
         self._rows: dict = {}  # autograd node -> (batch, rows per sample): outputs proved batch-major flattened
-        self._swapped: Dict[str, list] = {}  # layer -> a stack of [(attr, Parameter)] detached for its running call
-        self._deferred: Dict[str, tuple] = {}  # layer -> the attributes its call that just returned deferred
-        self._delivering = False
+        # Note [book-keeping]: layer -> a stack of [(attr, Parameter)] detached for its running calls; layer -> the
+        # attributes its call that just returned deferred; whether the clip is delivering its own gradient
+        self._swapped, self._deferred, self._delivering = {}, {}, False
         if self.max_norm is not None and cov.in_scope_uncovered and not self.allow_unclipped:
             items = [f"{self._pname[pid]} ({cov.why[pid]})" for pid in cov.in_scope_uncovered]
             shown = "; ".join(items[:12]) + (f"; and {len(items) - 12} more" if len(items) > 12 else "")
@@ -110,16 +111,14 @@ class PerSampleGradNorms:
             raise ValueError(f"hookstats.PerSampleGradNorms: no Linear, Conv, Embedding, norm or other layer with a "
                              f"per-sample rule matches include={include!r}, exclude={exclude!r}")
         mods = dict(model.named_modules())
-        # Note [book-keeping]: with max_norm (and no allow_unclipped, whose refusals must leave autograd's gradient
-        # in place), the layers whose rule can defer a parameter get it from the clip instead of autograd
-        self._defer = self.max_norm is not None and not self.allow_unclipped
+        self._defer = self.max_norm is not None and not self.allow_unclipped  # Note [book-keeping]
         for name in self.layers:
             defer = [(a, pid) for a, pid in self._attrs[name] if a in self._rule[name].defer] if self._defer else []
             if defer:
-                self._handles.append(register(mods[name], "register_forward_pre_hook",
-                                              self._defer_hook(name, defer), with_kwargs=True))
-                self._handles.append(register(mods[name], "register_forward_hook", self._restore_hook(name),
-                                              always_call=True))
+                self._handles += [register(mods[name], "register_forward_pre_hook", defer_hook(self, name, defer),
+                                           with_kwargs=True),
+                                  register(mods[name], "register_forward_hook", restore_hook(self, name),
+                                           always_call=True)]
             self._handles.append(register(mods[name], "register_forward_hook", self._forward_hook(name, mods[name]),
                                           with_kwargs=True))
         if self.max_norm is not None:  # Note [clipping refuses what it cannot bound]
@@ -162,73 +161,6 @@ class PerSampleGradNorms:
                       "recomputed call cannot be matched to its samples; run one backward per forward, or "
                       "use_reentrant=False")
 
-    # -- book-keeping: the clipped weight gradient computed once, instead of autograd's ----------------------------
-    def _defer_hook(self, name: str, defer: list):
-        rule = self._rule[name]
-
-        def hook(mod, args, kwargs):
-            # Note [book-keeping]: decided before the call, from what the forward hook will check after it: a
-            # deferred call must be kept (its gradient exists nowhere else)
-            self._swapped.setdefault(name, []).append([])
-            if not torch.is_grad_enabled() or not args or name in self._refused:
-                return None
-            x0 = rule.input(mod, args, kwargs)
-            if not isinstance(x0, torch.Tensor) or _is_functorch(x0):
-                return None
-            bd = self.batch_dim if rule.batch_dim_applies else 0
-            if not rule.is_batched(mod, x0) or x0.dim() <= bd:
-                return None
-            b = self._batch
-            if b is None and in_backward():
-                try:
-                    b = self._recompute_batch(name)
-                except Refused:
-                    return None
-            if b is None or x0.shape[bd] != b:
-                return None
-            attrs = [a for a, pid in defer if mod._parameters.get(a) is self._param[pid]
-                     and self._param[pid].requires_grad and pid not in self._dead]
-            # the output must still require grad without them, or no gradient reaches the layer
-            if not attrs or not (x0.requires_grad or any(
-                    p is not None and p.requires_grad for a, p in mod._parameters.items() if a not in attrs)):
-                return None
-            swapped = self._swapped[name][-1]
-            for a in attrs:
-                p = mod._parameters[a]
-                swapped.append((a, p))
-                mod._parameters[a] = p.detach()
-            return None
-        return hook
-
-    def _restore_hook(self, name: str):
-        def hook(mod, args, output):
-            stack = self._swapped.get(name)
-            swapped = stack.pop() if stack else []
-            for a, p in swapped:
-                mod._parameters[a] = p
-            self._deferred[name] = tuple(a for a, _ in swapped)
-            return None
-        return hook
-
-    # Note [book-keeping]: with max_norm, autograd's weight gradient of a covered layer (x^T g over the batch) is
-    # wasted work: the clip needs sum_b coef_b grad_b, which the layer's terms give in one product with the output
-    # gradient scaled per sample (Bu et al., "Differentially private optimization on large model at small cost"),
-    # while the unclipped sum would then need sum_b (coef_b - 1) grad_b added, a second product. So for the
-    # parameters a rule can defer (Rule.defer: Linear and conv weights) the forward pre-hook puts a detached alias
-    # of the parameter in mod._parameters for the call (restored by an always-call forward hook, also when the
-    # forward raises): the op sees a tensor that needs no gradient and autograd computes only the input's (and the
-    # bias's). At the end of the outermost backward, when the coefficients are known, the clipped gradient of the
-    # deferred uses is handed to each parameter by a backward of its own through one node whose edges are the
-    # parameters' AccumulateGrad (clip.deliver): .grad accumulates as autograd accumulates it (set, or added to an
-    # earlier micro-batch's), and the parameter's hooks, post-accumulate-grad hooks and DDP's reducer see that
-    # gradient. A call is deferred only when the forward hook will keep it: grad mode, a batched input of the
-    # model's batch size, not refused, and an output that still requires grad without the parameter (an input that
-    # requires grad, or a bias): a first layer on data without a bias, an embedding on token ids, a flattened or
-    # broadcast batch keep autograd's gradient and get the correction. Under non-reentrant checkpointing the
-    # recompute makes the same decision (the graphs must match); under reentrant checkpointing the recomputed
-    # calls are deferred too, and their terms wait for the end of the outermost backward like the others.
-    # allow_unclipped=True defers nothing (a layer refused at run time must keep autograd's gradient).
-
     # -- forward: keep what the backward needs -------------------------------------------------------------------
     def _forward_hook(self, name: str, mod: nn.Module):
         rule = self._rule[name]
@@ -236,10 +168,10 @@ class PerSampleGradNorms:
         def hook(mod, args, kwargs, output):
             deferred = self._deferred.pop(name, ())
             if not torch.is_grad_enabled() or not args or name in self._refused:
-                return self._untracked(name, deferred)
+                return untracked(name, deferred)
             out = rule.output(mod, output)
             if out is None or not out.requires_grad or _is_functorch(out):
-                return self._untracked(name, deferred)
+                return untracked(name, deferred)
             recompute = in_backward()
             replay = recompute and nonreentrant_recompute()
             # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
@@ -253,10 +185,10 @@ class PerSampleGradNorms:
                     if replay or not active:
                         return None
                     self._refuse(name, str(e))
-                    return self._untracked(name, deferred)
+                    return untracked(name, deferred)
             x0 = rule.input(mod, args, kwargs)
             if not isinstance(x0, torch.Tensor):
-                return self._untracked(name, deferred)
+                return untracked(name, deferred)
             x = x0.detach()
             batched = rule.is_batched(mod, x)
             bd = self.batch_dim if rule.batch_dim_applies else 0
@@ -273,10 +205,8 @@ class PerSampleGradNorms:
                     k = rows // b
                     if rule.rowwise and out.shape[0] == rows and out.grad_fn is not None:
                         self._rows[out.grad_fn] = (b, k)  # Note [flattened batches]
-                elif replay:
-                    return None
-                elif not active:
-                    return self._untracked(name, deferred)
+                elif replay or not active:
+                    return None if replay else untracked(name, deferred)
                 else:
                     why = (f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples: a value "
                            f"broadcast over the batch after the layer has its gradient summed over the samples before "
@@ -289,9 +219,9 @@ class PerSampleGradNorms:
                     # refused when a gradient reaches this output: a side computation whose result is detached
                     # (DoRA's lora_B(lora_A(eye)) for its weight norm) leaves the layer's other calls covered
                     out.register_hook(lambda g, name=name, why=why: self._refuse(name, why))
-                    return self._untracked(name, deferred)
+                    return untracked(name, deferred)
             if not active:
-                return self._untracked(name, deferred)
+                return untracked(name, deferred)
             if replay:  # the gradient comes through the first forward's call; the graph must be the same
                 if expand:
                     shape = list(out.shape)
@@ -302,7 +232,7 @@ class PerSampleGradNorms:
                 kept = rule.keep(mod, x, args, kwargs)
             except Refused as e:
                 self._refuse(name, str(e))
-                return self._untracked(name, deferred)
+                return untracked(name, deferred)
             target, ret = out, None
             if expand:
                 shape = list(out.shape)
@@ -323,14 +253,6 @@ class PerSampleGradNorms:
                 self._queue_flush()  # on the backward running the recompute, if the model's output did not
             return ret
         return hook
-
-    def _untracked(self, name: str, deferred: tuple) -> None:
-        """A call the forward hook does not keep; one whose parameters' gradient was deferred would lose it."""
-        if deferred:
-            raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): layer {name or '<model>'}'s call ran "
-                               f"without autograd's gradient of {', '.join(deferred)} (Note [book-keeping]) but "
-                               f"could not be kept for the clip: its gradient would be lost")
-        return None
 
     # Note [broadcast layers]: a layer fed a batch of 1 whose output is broadcast over the batch afterwards (GPT-2 /
     # BERT position embeddings on [1, T] ids) gets the batch's gradient summed by the broadcast's backward before
@@ -365,12 +287,7 @@ class PerSampleGradNorms:
             return None
         pend = self._pending.get(name, [])
         if not any(c is call for c in pend):  # cleared by step() or refused since the forward
-            if call.deferred:
-                raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): a gradient reached a call of layer "
-                                   f"{name or '<model>'} that was already backpropagated or cleared by step(): its "
-                                   f"{', '.join(call.deferred)} gradient is computed by the clip, once per forward "
-                                   f"(Note [book-keeping]); run one backward per forward")
-            return None
+            return untracked(name, call.deferred, again=True)
         pend[:] = [c for c in pend if c is not call]
         with torch.no_grad():
             g = grad.detach().reshape(call.shape)
@@ -386,10 +303,9 @@ class PerSampleGradNorms:
                     continue
                 self._termed.add(pid)
                 term = terms[a].rows_to_samples(call.k)
-                deferred = a in call.deferred
-                if deferred:  # Note [book-keeping]: the per-sample gradients, when they are the cheaper route
+                if a in call.deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
                     term = getattr(term, "materialize", lambda: None)() or term
-                self._terms.setdefault(pid, []).append((term, deferred))
+                self._terms.setdefault(pid, []).append((term, a in call.deferred))
                 if all(not self._pending.get(layer) for layer in self._holders[pid]):
                     self._finalize(pid)
                 else:
@@ -448,11 +364,7 @@ class PerSampleGradNorms:
         coef, grads = apply_clip(entries, self.max_norm, self.eps, self._param)
         if coef is not None:
             self._coef.append(coef)
-        self._delivering = True
-        try:
-            deliver(grads, self._param)
-        finally:
-            self._delivering = False
+        deliver(grads, self._param, self)
 
     def clip_coef(self) -> torch.Tensor:
         """The per-sample clipping coefficients min(1, max_norm / (norm + eps)) of this step, [samples] float64."""
@@ -577,11 +489,6 @@ def _param_at(mod: nn.Module, path: str):
         return mod.get_submodule(owner)._parameters.get(attr)
     except AttributeError:
         return None
-
-
-def _is_functorch(t: torch.Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(check is not None and check(t))
 
 
 def _sum_same_length(vs: List[torch.Tensor], what: str) -> torch.Tensor:
