@@ -317,3 +317,88 @@ def test_opt_checkpointed_flattened_rows(reentrant):
     model.train()
     ids = lambda s: torch.randint(2, 40, (B, 6), generator=torch.Generator().manual_seed(30 + s))  # noqa: E731
     clip_check(model, lambda m, x: m(input_ids=x).logits, ids, twin=twin)
+
+
+# -- book-keeping: the clipped weight gradient computed once, instead of autograd's (Note [book-keeping]) -------------
+
+def _graph_reaches(t: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether autograd would compute a gradient for `param` in a backward from t (an edge to its AccumulateGrad)."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if getattr(n, "variable", None) is param:
+            return True
+        todo += [m for m, _ in n.next_functions]
+    return False
+
+
+def test_book_keeping_weights_leave_autograd_and_their_hooks_see_the_clipped_gradient():
+    """The covered Linear weights are not in the forward's graph (autograd computes no weight gradient for them);
+    the clipped gradient reaches each through AccumulateGrad once, at the end of the backward: a tensor hook and a
+    post-accumulate-grad hook of the parameter see it, .grad accumulates it over micro-batches, and an optimizer
+    step reads it."""
+    model = Stack(None).double()
+    x = torch.randn(B, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    r = torch.randn(B, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    names, per = per_sample_grads(copy.deepcopy(model), lambda m, x: m(x), x, r)
+    norms = torch.stack([torch.stack([g.square().sum() for g in gs]).sum().sqrt() for gs in per])
+    c = float(norms.median())
+    coef = torch.clamp(c / (norms + 1e-6), max=1.0)
+    want = {k: sum(coef[b] * per[b][i] for b in range(B)) for i, k in enumerate(names)}
+    psn = hookstats.PerSampleGradNorms(model, max_norm=c)
+    params = dict(model.named_parameters())
+    hooked, posted = {}, {}
+    for k, p in params.items():
+        p.register_hook(lambda g, k=k: hooked.setdefault(k, []).append(g.clone()))
+        p.register_post_accumulate_grad_hook(lambda p, k=k: posted.setdefault(k, []).append(p.grad.clone()))
+    for step in range(2):  # two micro-batches of the same samples: .grad holds twice the clipped sum
+        out = model(x)
+        deferred = [k for k in names if k.endswith("weight") and not _graph_reaches(out, params[k])]
+        assert deferred == ["inp.weight"] + [f"blocks.{i}.{n}.weight" for i in range(3) for n in ("fc", "out")] + [
+            "head.weight"]  # the LayerNorm weights and the biases stay in autograd, corrected after
+        (out * r).sum().backward()
+        for k in names:
+            torch.testing.assert_close(params[k].grad, (step + 1) * want[k], rtol=1e-9, atol=1e-15)
+            assert len(hooked[k]) == len(posted[k]) == step + 1
+            if k in deferred:  # the hooks see the clipped gradient: it is what autograd accumulates
+                torch.testing.assert_close(hooked[k][-1], want[k], rtol=1e-9, atol=1e-15)
+        psn.step()
+    before = params["head.weight"].detach().clone()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    torch.testing.assert_close(params["head.weight"].detach(), before - 0.5 * 2 * want["head.weight"])
+    psn.remove()
+
+
+def test_book_keeping_keeps_autograd_where_it_must():
+    """A first layer on data without a bias (without the weight its output would need no gradient, and no gradient
+    would reach the layer) keeps autograd's weight gradient, corrected after; the next layer is deferred: the clip
+    is exact either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.randn(B, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    clip_check(model, lambda m, x: m(x), x)
+    psn = hookstats.PerSampleGradNorms(model, max_norm=1.0)
+    out = model(x)
+    assert _graph_reaches(out, model[0].weight) and not _graph_reaches(out, model[2].weight)
+    psn.remove()
+
+
+def test_book_keeping_restores_parameters_and_refuses_a_second_backward():
+    """The detached alias a deferred call runs with is put back when its forward raises; a second backward through
+    the same forward would have no clipped gradient to give (it is computed once per forward): refused."""
+    model = Stack(None).double()
+    psn = hookstats.PerSampleGradNorms(model, max_norm=1.0)
+    w = model.head.weight
+    with pytest.raises(RuntimeError):
+        model.head(torch.randn(B, 4, 7, dtype=torch.float64, requires_grad=True))  # wrong width: F.linear raises
+    assert model.head._parameters["weight"] is w and isinstance(w, nn.Parameter)
+    x = torch.randn(B, 4, 5, dtype=torch.float64)
+    out = model(x)
+    assert model.head._parameters["weight"] is w
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"already backpropagated or cleared by step\(\).*one backward per forward"):
+        out.sum().backward()
+    psn.remove()

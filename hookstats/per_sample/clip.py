@@ -1,7 +1,7 @@
 """Per-sample clipping from the terms, and what it refuses."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -27,22 +27,60 @@ OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...)
 
 
 def apply_clip(entries: List[tuple], max_norm: float, eps: float,
-               params: Dict[int, torch.nn.Parameter]) -> Optional[torch.Tensor]:
-    """Clips the .grad of each entry's parameter (entries: (pid, samples, squared norm, terms) of this backward);
-    returns the [samples] float64 coefficients min(1, max_norm / (norm + eps)), or None without entries."""
+               params: Dict[int, torch.nn.Parameter]) -> Tuple[Optional[torch.Tensor], Dict[int, torch.Tensor]]:
+    """Clips the gradients of each entry's parameter (entries: (pid, samples, squared norm, [(term, deferred)]) of
+    this backward). A term autograd has already summed into .grad gets sum_b (coef_b - 1) grad_b added there; a
+    deferred one (Note [book-keeping] in core.py: autograd did not compute it) contributes sum_b coef_b grad_b to the
+    returned {pid: gradient}, which the caller delivers through autograd. Returns ([samples] float64 coefficients
+    min(1, max_norm / (norm + eps)) or None without entries, that dict)."""
     if not entries:
-        return None
+        return None, {}
     batches = {n for _, n, _, _ in entries}
     if len(batches) > 1:
         raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): one backward saw batches of sizes "
                            f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
+    deliver: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
         sq = torch.stack([v.to(torch.float64) for _, _, v, _ in entries]).sum(0)
         coef = torch.clamp(max_norm / (sq.sqrt() + eps), max=1.0)
         for pid, _, _, ts in entries:
             p = params[pid]
-            if p.grad is None:
-                continue
-            for t in ts:
-                p.grad.add_(t.delta(coef - 1.0, p.shape).to(p.grad.dtype))
-    return coef
+            for t, deferred in ts:
+                if deferred:
+                    d = t.delta(coef, p.shape).to(p.dtype)
+                    deliver[pid] = d if pid not in deliver else deliver[pid].add_(d)
+                elif p.grad is not None:
+                    p.grad.add_(t.delta(coef - 1.0, p.shape).to(p.grad.dtype))
+    return coef, deliver
+
+
+class _Deliver(torch.autograd.Function):
+    """A node whose backward hands the given gradients to the parameters' AccumulateGrad nodes."""
+
+    @staticmethod
+    def forward(ctx, grads, *params):
+        ctx.grads = grads
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grads, ctx.grads = ctx.grads, None
+        return (None, *grads)
+
+
+def deliver(grads: Dict[int, torch.Tensor], params: Dict[int, torch.nn.Parameter], owner=None) -> None:
+    """Accumulates each gradient into its parameter through a backward of its own (Note [book-keeping] in core.py):
+    AccumulateGrad adds it to .grad (or sets it), and the parameter's hooks, post-accumulate-grad hooks and DDP's
+    reducer see it, as they would autograd's."""
+    if not grads:
+        return
+    pids = list(grads)
+    with torch.enable_grad():
+        tok = _Deliver.apply(tuple(grads[pid] for pid in pids), *(params[pid] for pid in pids))
+    if owner is not None:
+        owner._delivering = True  # its post-accumulate-grad hooks: the clip's own gradient, not autograd's
+    try:
+        torch.autograd.backward(tok)
+    finally:
+        if owner is not None:
+            owner._delivering = False

@@ -12,7 +12,8 @@ from . import rules as _rules  # noqa: F401  (registers the shipped rules)
 from .._owned_hooks import in_backward, register
 from .._select import Selection
 from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows
-from .clip import OPT_OUT, apply_clip
+from .bookkeeping import _is_functorch, defer_hook, restore_hook, untracked
+from .clip import OPT_OUT, apply_clip, deliver
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused
 from .terms import sum_sq
@@ -21,10 +22,11 @@ from .terms import sum_sq
 class _Call:
     """One forward call of a layer whose gradient is awaited."""
 
-    __slots__ = ("kept", "active", "batched", "bd", "k", "shape")
+    __slots__ = ("kept", "active", "batched", "bd", "k", "shape", "deferred")
 
-    def __init__(self, kept, active, batched, bd, k, shape):
+    def __init__(self, kept, active, batched, bd, k, shape, deferred=()):
         self.kept, self.active, self.batched, self.bd, self.k, self.shape = kept, active, batched, bd, k, shape
+        self.deferred = deferred  # attributes whose gradient autograd does not compute (Note [book-keeping])
 
 
 class PerSampleGradNorms:
@@ -96,6 +98,9 @@ class PerSampleGradNorms:
         self._accumulated: set = set()  # pids whose .grad autograd changed in this backward (max_norm)
         self._termed: set = set()  # pids that got a per-sample term in this backward
         self._rows: dict = {}  # autograd node -> (batch, rows per sample): outputs proved batch-major flattened
+        # Note [book-keeping]: layer -> a stack of [(attr, Parameter)] detached for its running calls; layer -> the
+        # attributes its call that just returned deferred; whether the clip is delivering its own gradient
+        self._swapped, self._deferred, self._delivering = {}, {}, False
         if self.max_norm is not None and cov.in_scope_uncovered and not self.allow_unclipped:
             items = [f"{self._pname[pid]} ({cov.why[pid]})" for pid in cov.in_scope_uncovered]
             shown = "; ".join(items[:12]) + (f"; and {len(items) - 12} more" if len(items) > 12 else "")
@@ -106,7 +111,14 @@ class PerSampleGradNorms:
             raise ValueError(f"hookstats.PerSampleGradNorms: no Linear, Conv, Embedding, norm or other layer with a "
                              f"per-sample rule matches include={include!r}, exclude={exclude!r}")
         mods = dict(model.named_modules())
+        self._defer = self.max_norm is not None and not self.allow_unclipped  # Note [book-keeping]
         for name in self.layers:
+            defer = [(a, pid) for a, pid in self._attrs[name] if a in self._rule[name].defer] if self._defer else []
+            if defer:
+                self._handles += [register(mods[name], "register_forward_pre_hook", defer_hook(self, name, defer),
+                                           with_kwargs=True),
+                                  register(mods[name], "register_forward_hook", restore_hook(self, name),
+                                           always_call=True)]
             self._handles.append(register(mods[name], "register_forward_hook", self._forward_hook(name, mods[name]),
                                           with_kwargs=True))
         if self.max_norm is not None:  # Note [clipping refuses what it cannot bound]
@@ -154,11 +166,12 @@ class PerSampleGradNorms:
         rule = self._rule[name]
 
         def hook(mod, args, kwargs, output):
+            deferred = self._deferred.pop(name, ())
             if not torch.is_grad_enabled() or not args or name in self._refused:
-                return None
+                return untracked(name, deferred)
             out = rule.output(mod, output)
             if out is None or not out.requires_grad or _is_functorch(out):
-                return None
+                return untracked(name, deferred)
             recompute = in_backward()
             replay = recompute and nonreentrant_recompute()
             # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
@@ -172,10 +185,10 @@ class PerSampleGradNorms:
                     if replay or not active:
                         return None
                     self._refuse(name, str(e))
-                    return None
+                    return untracked(name, deferred)
             x0 = rule.input(mod, args, kwargs)
             if not isinstance(x0, torch.Tensor):
-                return None
+                return untracked(name, deferred)
             x = x0.detach()
             batched = rule.is_batched(mod, x)
             bd = self.batch_dim if rule.batch_dim_applies else 0
@@ -193,7 +206,7 @@ class PerSampleGradNorms:
                     if rule.rowwise and out.shape[0] == rows and out.grad_fn is not None:
                         self._rows[out.grad_fn] = (b, k)  # Note [flattened batches]
                 elif replay or not active:
-                    return None
+                    return None if replay else untracked(name, deferred)
                 else:
                     why = (f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples: a value "
                            f"broadcast over the batch after the layer has its gradient summed over the samples before "
@@ -206,9 +219,9 @@ class PerSampleGradNorms:
                     # refused when a gradient reaches this output: a side computation whose result is detached
                     # (DoRA's lora_B(lora_A(eye)) for its weight norm) leaves the layer's other calls covered
                     out.register_hook(lambda g, name=name, why=why: self._refuse(name, why))
-                    return None
+                    return untracked(name, deferred)
             if not active:
-                return None
+                return untracked(name, deferred)
             if replay:  # the gradient comes through the first forward's call; the graph must be the same
                 if expand:
                     shape = list(out.shape)
@@ -219,7 +232,7 @@ class PerSampleGradNorms:
                 kept = rule.keep(mod, x, args, kwargs)
             except Refused as e:
                 self._refuse(name, str(e))
-                return None
+                return untracked(name, deferred)
             target, ret = out, None
             if expand:
                 shape = list(out.shape)
@@ -233,7 +246,7 @@ class PerSampleGradNorms:
                 if (base is not None and base.requires_grad and base.numel() == out.numel()
                         and base.is_contiguous() and out.is_contiguous()):
                     target = base
-            call = _Call(kept, active, batched, bd, k, target.shape if expand else out.shape)
+            call = _Call(kept, active, batched, bd, k, target.shape if expand else out.shape, deferred)
             self._pending.setdefault(name, []).append(call)
             target.register_hook(lambda g, name=name, call=call, mod=mod: self._grad_hook(name, mod, call, g))
             if recompute:
@@ -274,7 +287,7 @@ class PerSampleGradNorms:
             return None
         pend = self._pending.get(name, [])
         if not any(c is call for c in pend):  # cleared by step() or refused since the forward
-            return None
+            return untracked(name, call.deferred, again=True)
         pend[:] = [c for c in pend if c is not call]
         with torch.no_grad():
             g = grad.detach().reshape(call.shape)
@@ -289,7 +302,10 @@ class PerSampleGradNorms:
                 if pid in self._dead:
                     continue
                 self._termed.add(pid)
-                self._terms.setdefault(pid, []).append(terms[a].rows_to_samples(call.k))
+                term = terms[a].rows_to_samples(call.k)
+                if a in call.deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
+                    term = getattr(term, "materialize", lambda: None)() or term
+                self._terms.setdefault(pid, []).append((term, a in call.deferred))
                 if all(not self._pending.get(layer) for layer in self._holders[pid]):
                     self._finalize(pid)
                 else:
@@ -307,16 +323,18 @@ class PerSampleGradNorms:
         """The squared norm of the parameter's per-sample gradient: the sum of its uses' terms, per group of calls
         with the same number of samples."""
         groups: Dict[int, list] = {}
-        for t in self._terms.pop(pid, []):
-            groups.setdefault(t.samples, []).append(t)
+        for t, deferred in self._terms.pop(pid, []):
+            groups.setdefault(t.samples, []).append((t, deferred))
         with torch.no_grad():
             for n, ts in groups.items():
-                sq = sum_sq(ts)
+                sq = sum_sq([t for t, _ in ts])
                 self._sq.setdefault(self._pname[pid], []).append(sq)
                 if self.max_norm is not None:  # kept until the end of this backward (Note [per-sample clipping])
                     self._clip.append((pid, n, sq, ts))
 
     def _on_accumulate(self, pid: int) -> None:
+        if self._delivering:  # the clip's own gradient (Note [book-keeping])
+            return
         self._accumulated.add(pid)
         self._queue_flush()
 
@@ -343,9 +361,10 @@ class PerSampleGradNorms:
 
     def _apply_clip(self) -> None:  # Note [per-sample clipping]
         entries, self._clip = [e for e in self._clip if e[0] not in self._dead], []
-        coef = apply_clip(entries, self.max_norm, self.eps, self._param)
+        coef, grads = apply_clip(entries, self.max_norm, self.eps, self._param)
         if coef is not None:
             self._coef.append(coef)
+        deliver(grads, self._param, self)
 
     def clip_coef(self) -> torch.Tensor:
         """The per-sample clipping coefficients min(1, max_norm / (norm + eps)) of this step, [samples] float64."""
@@ -469,11 +488,6 @@ def _param_at(mod: nn.Module, path: str):
         return mod.get_submodule(owner)._parameters.get(attr)
     except AttributeError:
         return None
-
-
-def _is_functorch(t: torch.Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(check is not None and check(t))
 
 
 def _sum_same_length(vs: List[torch.Tensor], what: str) -> torch.Tensor:

@@ -34,6 +34,9 @@ class Rule:
     - `rowwise`: True when output row r (dim 0) is computed from input row r alone (Linear, norms over the last
       dims, embeddings): a batch-major flattened input then makes a batch-major flattened output (Note [flattened
       batches] in core.py).
+    - `defer`: the parameter attributes whose gradient the clip may compute instead of autograd (Note
+      [book-keeping] in core.py): attributes the module's forward applies as an ordinary tensor argument (read from
+      mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights).
     - `input(mod, args, kwargs)`: the tensor whose batch dim is checked and that keep() receives (default: the
       first argument).
     - `check(mod)`: a reason to refuse this module (an option the rule does not cover), or None.
@@ -53,6 +56,7 @@ class Rule:
     params: Tuple[str, ...] = ("weight", "bias")
     batch_dim_applies: bool = True
     rowwise: bool = False
+    defer: Tuple[str, ...] = ()
 
     def input(self, mod: nn.Module, args: tuple, kwargs: Optional[dict]):
         """The tensor whose dim 0 (dim batch_dim) is the batch and that keep() receives: the first argument."""

@@ -83,6 +83,18 @@ class Outer(Term):
         n = self.R.shape[-1]
         return outer_sq_norms(self.R.reshape(b * g, t, n), self.L.reshape(b * g, t, m)).reshape(b, g).sum(1)
 
+    def materialize(self) -> Optional["Dense"]:
+        """The per-sample gradients themselves ([B, G m n] by one bmm), when that is no larger than twice the L and R
+        this term keeps, else None. When the clip computes the weight gradient instead of autograd (Note
+        [book-keeping] in core.py) they are the cheaper route: T m n flops per sample, then a weighted sum, against
+        T^2 (m + n) for the Gram norm plus T m n for the clipped product."""
+        b, g, t, m = self.L.shape
+        n = self.R.shape[-1]
+        if t == 1 or m * n > 2 * t * (m + n):
+            return None
+        ps = torch.bmm(self.L.reshape(b * g, t, m).transpose(1, 2), self.R.reshape(b * g, t, n))
+        return Dense(ps.reshape(b, g * m * n))
+
     def delta(self, w, shape):
         b, g, t, m = self.L.shape
         lw = self.L * w.to(self.L.dtype).reshape(b, 1, 1, 1)
@@ -141,10 +153,10 @@ class Dense(Term):
         return Dense(self.D.reshape(-1, k, self.D.shape[1]).sum(1))
 
     def sq(self):
-        return self.D.square().sum(1)
+        return torch.linalg.vector_norm(self.D, dim=1).square()  # one pass, no [B, n] temporary
 
     def delta(self, w, shape):
-        return (self.D * w.to(self.D.dtype).reshape(-1, 1)).sum(0).reshape(shape)
+        return torch.mv(self.D.t(), w.to(self.D.dtype)).reshape(shape)
 
 
 def _cat(terms: Sequence[Term]) -> Optional[Term]:

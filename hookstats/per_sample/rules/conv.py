@@ -27,7 +27,15 @@ def conv_terms(mod, x, g, attrs, pad=None):
     b, groups = x.shape[0], mod.groups
     length = math.prod(g.shape[2:])
     out = {}
-    if "weight" in attrs and mod.out_channels // groups <= length:
+    if "weight" in attrs and mod.out_channels // groups <= length and x.shape[1] // groups <= 4:
+        # few input channels per group (a first layer on RGB): the grouped kernel runs B * O tiny convolutions, the
+        # products of the gradient with the (small) patches are 2-4x faster
+        u = unfold(mod, x.to(dt), nd, pad)  # [B, C_in * K, L]
+        ck = u.shape[1]
+        a = u.reshape(b * groups, ck // groups, length)
+        gg = g.to(dt).reshape(b * groups, mod.out_channels // groups, length)
+        out["weight"] = Dense(torch.bmm(gg, a.transpose(1, 2)).reshape(b, -1))
+    elif "weight" in attrs and mod.out_channels // groups <= length:
         xp, p = padded(mod, x.to(dt), nd, pad)
         c = xp.shape[1]
         wshape = (b * mod.out_channels, c // groups, *mod.kernel_size)
@@ -49,6 +57,7 @@ def conv_terms(mod, x, g, attrs, pad=None):
 
 class ConvRule(Rule):
     batch_dim_applies = False
+    defer = ("weight",)
     nd = 2
 
     def is_batched(self, mod, x):

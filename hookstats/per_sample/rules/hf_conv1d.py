@@ -9,5 +9,7 @@ from .linear import affine_terms
 @register_rule("transformers.pytorch_utils.Conv1D")
 class HFConv1DRule(Rule):
     rowwise = True
+    defer = ("weight",)
+
     def terms(self, mod, x, g, attrs):
         return affine_terms(x, g, attrs, transposed=True)

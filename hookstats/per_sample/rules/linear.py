@@ -30,5 +30,7 @@ def affine_terms(x, g, attrs, transposed: bool = False) -> dict:
 @register_rule([nn.Linear, "timm.layers.linear.Linear"])  # timm's casts the weight to the input dtype
 class LinearRule(Rule):
     rowwise = True
+    defer = ("weight",)
+
     def terms(self, mod, x, g, attrs):
         return affine_terms(x, g, attrs)

@@ -1,0 +1,98 @@
+"""Book-keeping: the clipped weight gradient of a covered layer computed once by the clip, instead of autograd's
+weight gradient plus a correction (Note [book-keeping])."""
+from __future__ import annotations
+
+import torch
+
+from .._owned_hooks import in_backward
+from .rules.refused import Refused
+
+# Note [book-keeping]: with max_norm, autograd's weight gradient of a covered layer (x^T g over the batch) is
+# wasted work: the clip needs sum_b coef_b grad_b, which the layer's terms give in one product with the output
+# gradient scaled per sample (Bu et al., "Differentially private optimization on large model at small cost"),
+# while the unclipped sum would then need sum_b (coef_b - 1) grad_b added, a second product. So for the
+# parameters a rule can defer (Rule.defer: Linear and conv weights) the forward pre-hook puts a detached alias
+# of the parameter in mod._parameters for the call (restored by an always-call forward hook, also when the
+# forward raises): the op sees a tensor that needs no gradient and autograd computes only the input's (and the
+# bias's). At the end of the outermost backward, when the coefficients are known, the clipped gradient of the
+# deferred uses is handed to each parameter by a backward of its own through one node whose edges are the
+# parameters' AccumulateGrad (clip.deliver): .grad accumulates as autograd accumulates it (set, or added to an
+# earlier micro-batch's), and the parameter's hooks, post-accumulate-grad hooks and DDP's reducer see that
+# gradient. A call is deferred only when the forward hook will keep it: grad mode, a batched input of the
+# model's batch size, not refused, and an output that still requires grad without the parameter (an input that
+# requires grad, or a bias): a first layer on data without a bias, an embedding on token ids, a flattened or
+# broadcast batch keep autograd's gradient and get the correction. Under non-reentrant checkpointing the
+# recompute makes the same decision (the graphs must match); under reentrant checkpointing the recomputed
+# calls are deferred too, and their terms wait for the end of the outermost backward like the others.
+# allow_unclipped=True defers nothing (a layer refused at run time must keep autograd's gradient).
+
+
+def defer_hook(self, name: str, defer: list):
+    """The forward pre-hook that runs one layer's call with detached aliases of its deferrable parameters
+    (`self`: the PerSampleGradNorms)."""
+    rule = self._rule[name]
+
+    def hook(mod, args, kwargs):
+        # Note [book-keeping]: decided before the call, from what the forward hook will check after it: a
+        # deferred call must be kept (its gradient exists nowhere else)
+        self._swapped.setdefault(name, []).append([])
+        if not torch.is_grad_enabled() or not args or name in self._refused:
+            return None
+        x0 = rule.input(mod, args, kwargs)
+        if not isinstance(x0, torch.Tensor) or _is_functorch(x0):
+            return None
+        bd = self.batch_dim if rule.batch_dim_applies else 0
+        if not rule.is_batched(mod, x0) or x0.dim() <= bd:
+            return None
+        b = self._batch
+        if b is None and in_backward():
+            try:
+                b = self._recompute_batch(name)
+            except Refused:
+                return None
+        if b is None or x0.shape[bd] != b:
+            return None
+        attrs = [a for a, pid in defer if mod._parameters.get(a) is self._param[pid]
+                 and self._param[pid].requires_grad and pid not in self._dead]
+        # the output must still require grad without them, or no gradient reaches the layer
+        if not attrs or not (x0.requires_grad or any(
+                p is not None and p.requires_grad for a, p in mod._parameters.items() if a not in attrs)):
+            return None
+        swapped = self._swapped[name][-1]
+        for a in attrs:
+            p = mod._parameters[a]
+            swapped.append((a, p))
+            mod._parameters[a] = p.detach()
+        return None
+    return hook
+
+def restore_hook(self, name: str):
+    """The always-call forward hook that puts the parameters back and tells the forward hook what was deferred."""
+    def hook(mod, args, output):
+        stack = self._swapped.get(name)
+        swapped = stack.pop() if stack else []
+        for a, p in swapped:
+            mod._parameters[a] = p
+        self._deferred[name] = tuple(a for a, _ in swapped)
+        return None
+    return hook
+
+
+def _is_functorch(t: torch.Tensor) -> bool:
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check is not None and check(t))
+
+
+def untracked(name: str, deferred: tuple, again: bool = False) -> None:
+    """A call the forward hook does not keep (again: a gradient reaching a call already used): one whose parameters'
+    gradient was deferred would lose it."""
+    if deferred and again:
+        raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): a gradient reached a call of layer "
+                           f"{name or '<model>'} that was already backpropagated or cleared by step(): its "
+                           f"{', '.join(deferred)} gradient is computed by the clip, once per forward (Note "
+                           f"[book-keeping]); run one backward per forward")
+    if deferred:
+        raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): layer {name or '<model>'}'s call ran "
+                           f"without autograd's gradient of {', '.join(deferred)} (Note [book-keeping]) but could "
+                           f"not be kept for the clip: its gradient would be lost")
+    return None
