@@ -147,7 +147,7 @@ class Monitor(FeatureAccess):
             if "forward" in kinds or "backward_pre" in kinds:
                 fwd = b.hook(name, "forward") if "forward" in kinds else -1
                 grad = b.hook(name, "backward_pre") if "backward_pre" in kinds else -1
-                hook, pre_hook = _hooks.forward_hook(rec, mid, fwd, grad, self._unplaced)
+                hook, pre_hook = _hooks.forward_hook(rec, mid, fwd, grad, self._unplaced, mod)
                 if pre_hook is not None:
                     self._handles.append(register(mod, "register_forward_pre_hook", pre_hook))
                 self._handles.append(register(mod, "register_forward_hook", hook))

@@ -12,7 +12,7 @@ every module's inputs and outputs in autograd nodes (that alone doubles the step
 what that hook receives: per output slot of the call, the gradient that flows through that slot (not the tensor's
 total gradient). The forward hook puts a C++ tensor hook on an output where the autograd sequence numbers prove
 that the two are the same, and returns an alias with a recording node of its own in place of any other output
-(Note [grad_output per output slot] in csrc/monitor/monitor_py.cpp; a forward pre-hook per module notes the
+(Note [grad_output per output slot] in csrc/monitor/slots.cpp; a forward pre-hook notes the
 call's start). When a record equals PyTorch's grad_output (tests/test_grad_output_slots.py and
 tests/test_real_models.py against the pre-hook on twins; docs/guide/hooks-semantics.md has the table):
 - Equal, to rounding, for every Tensor or tuple output: a computed output; an output that is an input (nn.Identity,
@@ -64,16 +64,35 @@ from ..hooks import _flatten, _is_dataclass_instance
 from .compile import inlined_only, is_compiling, record_traced, record_traced_tensor
 
 
-def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = None):
+# Modules whose forward computes every tensor it returns, by the forward function their class runs: an output of
+# theirs that requires grad has a node that the call made (Note [grad_output per output slot] in
+# csrc/monitor/slots.cpp), so their grad_output hooks need no forward pre-hook for the call's start. Not here: modules
+# that can return an input (nn.Identity, Dropout in eval or with p=0, Flatten of a tensor that is already flat),
+# containers, and any class that overrides forward (a subclass of these included: its forward is its own).
+_FRESH_FORWARDS = frozenset(getattr(torch.nn, name).forward for name in (
+    "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "LayerNorm", "GroupNorm", "RMSNorm", "LocalResponseNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+    "Embedding", "EmbeddingBag", "ReLU", "ReLU6", "GELU", "SiLU", "Mish", "Tanh", "Sigmoid", "Softmax",
+    "LogSoftmax", "LeakyReLU", "ELU", "SELU", "CELU", "GLU", "Hardtanh", "Hardswish", "Hardsigmoid", "Softplus",
+    "PReLU") if hasattr(torch.nn, name))
+
+
+def computes_outputs(module) -> bool:
+    """Whether every tensor `module` returns is computed by its call (_FRESH_FORWARDS)."""
+    return getattr(type(module), "forward", None) in _FRESH_FORWARDS
+
+
+def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = None, module=None):
     """(forward hook, forward pre-hook or None): the forward hook records the output (hook id fwd >= 0) and hooks
-    grad_output (grad >= 0: per output slot, Note [grad_output per output slot] in csrc/monitor/monitor_py.cpp),
-    putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0)
-    takes the call's start. An alias that cannot be put in place (a tuple subclass that cannot be rebuilt) records
-    nothing, and is counted in unplaced[0]."""
+    grad_output (grad >= 0: per output slot, Note [grad_output per output slot] in csrc/monitor/slots.cpp),
+    putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0,
+    unless `module` computes every output it returns: computes_outputs) takes the call's start. An alias that
+    cannot be put in place (a tuple subclass that cannot be rebuilt) records nothing, and is counted in
+    unplaced[0]."""
     _C = extension()
     unplaced = [0] if unplaced is None else unplaced
 
-    call, start, call_no_grad = _C.forward_hook(rec, fwd, grad)
+    call, start = _C.forward_hook(rec, fwd, grad, module is not None and computes_outputs(module))
 
     def hook(module, args, output):
         if is_compiling():
@@ -82,14 +101,13 @@ def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = Non
             if grad >= 0:
                 return _traced_grad_hooks(mid, grad, output, unplaced)
             return None
-        if grad >= 0 and _compiled_autograd_on():
-            # An eager forward whose backward compiled autograd will trace: it cannot run C++ hooks or nodes, so the
-            # grad_output hooks are Python ones it can trace (they record through the ordered op).
-            call_no_grad(module, args, output)
-            return _traced_grad_hooks(mid, grad, output, unplaced)
         aliases = call(module, args, output)
         if aliases is None:
             return None
+        if aliases is ...:
+            # An eager forward whose backward compiled autograd will trace: it cannot run C++ hooks or nodes, so the
+            # grad_output hooks are Python ones it can trace (they record through the ordered op).
+            return _traced_grad_hooks(mid, grad, output, unplaced)
         made = {i: a for i, a in aliases if a is not None}
         unplaced[0] += len(aliases) - len(made)
         return replace_outputs(output, made, unplaced)
@@ -103,21 +121,6 @@ def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = Non
         return None
 
     return inlined_only(hook), inlined_only(pre_hook)
-
-
-_CA = None
-
-
-def _compiled_autograd_on() -> bool:
-    global _CA
-    if _CA is None:
-        import sys
-
-        _CA = sys.modules.get("torch._dynamo.compiled_autograd", False)
-        if _CA is False:  # never imported: compiled autograd cannot be on
-            _CA = None
-            return False
-    return bool(getattr(_CA, "compiled_autograd_enabled", False))
 
 
 def _traced_grad_hooks(mid: int, hid: int, output, unplaced: list | None = None):
