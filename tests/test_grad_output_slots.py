@@ -1,5 +1,5 @@
 """backward_pre records are PyTorch's grad_output, per output slot (issue #23, section 1; Note [grad_output per
-output slot] in csrc/monitor/monitor_py.cpp, Note [grad_output by tensor hooks] in hookstats/monitor/hooks.py).
+output slot] in csrc/monitor/slots.cpp, Note [grad_output by tensor hooks] in hookstats/monitor/hooks.py).
 
 Each case runs a float64 model with a Monitor and a twin (same weights, same inputs) with PyTorch's
 register_full_backward_pre_hook on every module (tests/real_models.PreHookTwin), never both on one model. Gradients

@@ -277,7 +277,7 @@ def test_clip_grad_norm_error_names_the_switch_that_was_set():
 def test_grad_output_aliases_go_where_the_walk_counts(name):
     """The Monitor's forward hook puts a grad_output alias at a flat index of the C++ walk (None counted):
     hookstats.monitor.hooks.replace_outputs must count the same positions. (A dict subclass whose values() disagree
-    with its keys() in order is left out: replace_outputs walks items(), the C++ walk values().)"""
+    with its keys() in order: the next test.)"""
     from hookstats.monitor.hooks import replace_outputs
 
     n = len(flatten(CASES[name](), keep_none=True))
@@ -289,3 +289,22 @@ def test_grad_output_aliases_go_where_the_walk_counts(name):
         unplaced = [0]
         new = replace_outputs(obj, {i: marker}, unplaced)
         assert flatten(new, keep_none=True)[i] is marker and unplaced == [0]
+
+
+def test_grad_output_alias_in_a_reordered_dict_is_counted_not_misplaced():
+    """A dict subclass whose values() are not in the order of its keys(): an alias at the C++ walk's index could not
+    go back under the key its tensor came from, so replace_outputs leaves the dict as it is and counts the alias as
+    unplaced (Monitor.unrecorded_grad_outputs), never putting it under another key."""
+    from hookstats.monitor.hooks import replace_outputs
+
+    obj = CASES["dict_subclass_order"]()
+    before = dict(obj.items())
+    n = len(flatten(obj, keep_none=True))
+    for i in range(n):
+        if flatten(obj, keep_none=True)[i] is None:
+            continue
+        unplaced = [0]
+        new = replace_outputs(obj, {i: torch.full((1,), -7.0)}, unplaced)
+        assert new is obj and unplaced == [1]
+        assert list(obj.keys()) == list(before) and all(obj[k] is v for k, v in before.items())
+

@@ -141,6 +141,10 @@ class Recorder {
   void record(int32_t hook, int32_t index, int32_t call, const at::Tensor& t);
   // Records many tensors of one hook call under one lock.
   void record_many(int32_t hook, int32_t call, const std::vector<std::pair<int32_t, at::Tensor>>& ts);
+  // One lock for a hook run: next_call(hook) then record_many (a forward-side hook), or next_tensor_call(hook,
+  // index) then record (a tensor hook). The call is counted even when nothing of it is recorded.
+  void record_call(int32_t hook, const std::vector<std::pair<int32_t, at::Tensor>>& ts);
+  void record_tensor(int32_t hook, int32_t index, const at::Tensor& t);
 
   // Records tensor 0 of many hook calls (hook, call, tensor) under one lock, into one step slot.
   void record_calls(const std::vector<std::tuple<int32_t, int32_t, at::Tensor>>& calls);
@@ -175,6 +179,8 @@ class Recorder {
   int64_t pending_slots();
 
  private:
+  void record_locked(int32_t hook, int32_t index, int32_t call, const at::Tensor& t);
+  void record_many_locked(int32_t hook, int32_t call, const std::vector<std::pair<int32_t, at::Tensor>>& ts);
   int32_t site_for(int32_t hook, int32_t index, int32_t call, const at::Tensor& t, bool captured = false);
   uint64_t capture_of(const at::Tensor& t) const;
   Ring& ring_for(uint64_t capture, const at::Tensor& t);

@@ -7,7 +7,7 @@ would be a guard, and every step a recompile. Such a hook traces one _record_op 
 two constant ids (the recorder's and the hook's). The op is registered as effectful (ordered), so compilers neither
 drop it (it returns nothing) nor reorder it; when the compiled graph runs, it hands the tensors to the C++
 recorder (Note [monitor sites] in csrc/monitor/recorder.h): the eager recording, with the step, call numbers and `every` of that
-moment. The op is C++ (csrc/monitor/monitor_py.cpp): a compiled graph makes no call into Python where a hook was.
+moment. The op is C++ (csrc/monitor/traced.cpp): a compiled graph makes no call into Python where a hook was.
 Records, their sites and their step numbers are the eager ones, and no guard depends on them. Where the
 effect cannot be registered (older PyTorch), the op is called through torch.compiler.disable: a graph break per
 hook, same records.

@@ -12,8 +12,8 @@ every module's inputs and outputs in autograd nodes (that alone doubles the step
 what that hook receives: per output slot of the call, the gradient that flows through that slot (not the tensor's
 total gradient). The forward hook puts a C++ tensor hook on an output where the autograd sequence numbers prove
 that the two are the same, and returns an alias with a recording node of its own in place of any other output
-(Note [grad_output per output slot] in csrc/monitor/monitor_py.cpp; a forward pre-hook per module notes the
-call's start). When a record equals PyTorch's grad_output (tests/test_grad_output_slots.py and
+(Note [grad_output per output slot] in csrc/monitor/slots.cpp; a forward pre-hook notes the call's start, except
+on modules whose outputs are known: module_outputs). When a record equals PyTorch's grad_output (tests/test_grad_output_slots.py and
 tests/test_real_models.py against the pre-hook on twins; docs/guide/hooks-semantics.md has the table):
 - Equal, to rounding, for every Tensor or tuple output: a computed output; an output that is an input (nn.Identity,
   Dropout in eval or p=0); the same tensor in several slots; an output the module also consumed (router logits,
@@ -64,16 +64,45 @@ from .._nested import flatten, is_dataclass_instance
 from .compile import inlined_only, is_compiling, record_traced, record_traced_tensor
 
 
-def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = None):
+# What a module's call returns, by the forward function its class runs, for grad_output hooks without a forward
+# pre-hook (Note [grad_output per output slot] in csrc/monitor/slots.cpp): COMPUTED, every tensor it returns is
+# computed by the call, so an output's node (when it has one) was made by the call; COMPUTED_OR_INPUT, those or its
+# positional input as it came (nn.Identity; Dropout in eval or with p=0, when not in place: in place, training with
+# p > 0, it returns its input with a node the call made, which only the call's start tells apart). Any other module
+# (containers, a class that overrides forward, a subclass of these included) gets a forward pre-hook that takes the
+# call's start.
+COMPUTED, COMPUTED_OR_INPUT = 1, 2
+_COMPUTED = frozenset(getattr(torch.nn, name).forward for name in (
+    "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "LayerNorm", "GroupNorm", "RMSNorm", "LocalResponseNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+    "Embedding", "EmbeddingBag", "ReLU", "ReLU6", "GELU", "SiLU", "Mish", "Tanh", "Sigmoid", "Softmax",
+    "LogSoftmax", "LeakyReLU", "ELU", "SELU", "CELU", "GLU", "Hardtanh", "Hardswish", "Hardsigmoid", "Softplus",
+    "PReLU") if hasattr(torch.nn, name))
+_DROPOUTS = frozenset(getattr(torch.nn, name).forward for name in (
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout") if hasattr(torch.nn, name))
+
+
+def module_outputs(module) -> int:
+    """COMPUTED, COMPUTED_OR_INPUT or 0 (unknown: the call's start is needed) for what `module` returns."""
+    fwd = getattr(type(module), "forward", None)
+    if fwd in _COMPUTED:
+        return COMPUTED
+    if fwd is torch.nn.Identity.forward or (fwd in _DROPOUTS and not getattr(module, "inplace", True)):
+        return COMPUTED_OR_INPUT
+    return 0
+
+
+def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = None, module=None):
     """(forward hook, forward pre-hook or None): the forward hook records the output (hook id fwd >= 0) and hooks
-    grad_output (grad >= 0: per output slot, Note [grad_output per output slot] in csrc/monitor/monitor_py.cpp),
-    putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0)
-    takes the call's start. An alias that cannot be put in place (a tuple subclass that cannot be rebuilt) records
-    nothing, and is counted in unplaced[0]."""
+    grad_output (grad >= 0: per output slot, Note [grad_output per output slot] in csrc/monitor/slots.cpp),
+    putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0,
+    unless what `module` returns is known: module_outputs) takes the call's start. An alias that
+    cannot be put in place (a tuple subclass that cannot be rebuilt) records nothing, and is counted in
+    unplaced[0]."""
     _C = extension()
     unplaced = [0] if unplaced is None else unplaced
 
-    call, start, call_no_grad = _C.forward_hook(rec, fwd, grad)
+    call, start = _C.forward_hook(rec, fwd, grad, 0 if module is None else module_outputs(module))
 
     def hook(module, args, output):
         if is_compiling():
@@ -82,14 +111,13 @@ def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = Non
             if grad >= 0:
                 return _traced_grad_hooks(mid, grad, output, unplaced)
             return None
-        if grad >= 0 and _compiled_autograd_on():
-            # An eager forward whose backward compiled autograd will trace: it cannot run C++ hooks or nodes, so the
-            # grad_output hooks are Python ones it can trace (they record through the ordered op).
-            call_no_grad(module, args, output)
-            return _traced_grad_hooks(mid, grad, output, unplaced)
         aliases = call(module, args, output)
         if aliases is None:
             return None
+        if aliases is ...:
+            # An eager forward whose backward compiled autograd will trace: it cannot run C++ hooks or nodes, so the
+            # grad_output hooks are Python ones it can trace (they record through the ordered op).
+            return _traced_grad_hooks(mid, grad, output, unplaced)
         made = {i: a for i, a in aliases if a is not None}
         unplaced[0] += len(aliases) - len(made)
         return replace_outputs(output, made, unplaced)
@@ -103,21 +131,6 @@ def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = Non
         return None
 
     return inlined_only(hook), inlined_only(pre_hook)
-
-
-_CA = None
-
-
-def _compiled_autograd_on() -> bool:
-    global _CA
-    if _CA is None:
-        import sys
-
-        _CA = sys.modules.get("torch._dynamo.compiled_autograd", False)
-        if _CA is False:  # never imported: compiled autograd cannot be on
-            _CA = None
-            return False
-    return bool(getattr(_CA, "compiled_autograd_enabled", False))
 
 
 def _traced_grad_hooks(mid: int, hid: int, output, unplaced: list | None = None):
@@ -167,8 +180,15 @@ def replace_outputs(obj, aliases: dict, unplaced: list | None = None):
                 if n is not v:
                     o[k] = n
             return o
-        if isinstance(o, dict):
-            items = {k: walk(v) for k, v in o.items()}
+        if isinstance(o, dict):  # walked by values() (Note [nested hook arguments]); each alias back under its key
+            first, keys, vals = pos[0], list(o.keys()), list(o.values())
+            new = [walk(v) for v in vals]
+            if len(keys) != len(vals) or any(o[k] is not v for k, v in zip(keys, vals)):
+                # values() not in the order of keys(): an alias could not go back where its tensor was found
+                if unplaced is not None:
+                    unplaced[0] += sum(first <= i < pos[0] for i in aliases)
+                return o
+            items = dict(zip(keys, new))
             if is_compiling():  # dynamo does not carry a ModelOutput's __setitem__ into the traced output
                 return type(o)(**items) if type(o) is not dict else items
             for k, n in items.items():
