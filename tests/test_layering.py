@@ -336,6 +336,17 @@ def test_no_python_file_over_500_lines():
     assert not long, f"split these along the data path: {long}"
 
 
+def test_no_kernel_source_over_500_lines():
+    """The C++ and CUDA sources too (csrc/ of the source tree; an installed package has none, and nothing to check)."""
+    csrc = PKG.parent / "csrc"
+    if not csrc.is_dir():
+        pytest.skip("no csrc/ beside the package (an installed wheel)")
+    files = [p for ext in ("*.cpp", "*.h", "*.cu", "*.cuh") for p in csrc.rglob(ext)]
+    assert files
+    long = {str(p.relative_to(csrc)): n for p in files if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"split these along the data path: {long}"
+
+
 def test_function_level_imports_only_for_optional_dependencies():
     """A hookstats module is imported inside a function only when importing it (or what it imports when imported)
     needs an optional package; every other import sits at the top, where the import graph shows it."""
