@@ -1,6 +1,6 @@
-"""The Monitor's hook path without a forward pre-hook where a module's outputs are known (issue #36; Note
-[grad_output per output slot] in csrc/monitor/slots.cpp, module_outputs in hookstats/monitor/hooks.py): which modules
-get one, and that the records stay PyTorch's grad_output where the call's start is not taken."""
+"""The Monitor's hook path (issue #36; Note [grad_output per output slot] in csrc/monitor/slots.cpp): a forward
+pre-hook (the call's start) only where grad_output is recorded, the records PyTorch's grad_output, the output objects
+kept where a tensor hook is exact, and a second Monitor on the same model changing nothing in the first's records."""
 from __future__ import annotations
 
 import copy
@@ -48,9 +48,7 @@ class Net(nn.Module):
 def test_pre_hooks_only_where_the_start_is_needed():
     model = Net()
     mon = hookstats.Monitor(model, kinds=("forward", "backward_pre"))
-    pre = {n: len(m._forward_pre_hooks) for n, m in model.named_modules()}
-    assert pre == {"": 1, "fc": 0, "act": 0, "drop": 0, "drop_inplace": 1, "short": 0, "custom": 1, "custom.fc": 0,
-                   "mine": 1}
+    assert all(len(m._forward_pre_hooks) == 1 for m in model.modules())  # the start of every call: grad_output
     mon.detach()
     assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())
     mon = hookstats.Monitor(model, kinds=("forward",))  # no grad_output: no start needed anywhere
@@ -58,7 +56,35 @@ def test_pre_hooks_only_where_the_start_is_needed():
     mon.detach()
 
 
-def test_records_without_a_start_are_pytorch_grad_output():
+def test_a_second_monitor_changes_nothing_in_the_first_ones_records():
+    """Two Monitors on one model (the root returns its last Linear's output): each records what a Monitor alone
+    records, in the same order (PyTorch's: the root's grad_output slot before the Linear's)."""
+
+    class Net2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 6)
+            self.out = nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.lin(x)))
+
+    def records(n_monitors):
+        torch.manual_seed(0)
+        net = Net2()
+        mons = [hookstats.Monitor(net, kinds=("forward", "backward_pre")) for _ in range(n_monitors)]
+        net(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).sum().backward()
+        out = [[(r["module"], r["kind"], r["index"], r["stats"]["sum"]) for r in m.records()] for m in mons]
+        for m in mons:
+            m.detach()
+        return out
+
+    (alone,) = records(1)
+    assert [m for m, k, _, _ in alone if k == "backward_pre"] == ["", "out", "lin"]
+    assert records(2) == [alone, alone]
+
+
+def test_records_are_pytorch_grad_output():
     torch.manual_seed(0)
     model = Net().double()
     twin, plain = copy.deepcopy(model), copy.deepcopy(model)
@@ -86,7 +112,8 @@ def test_records_without_a_start_are_pytorch_grad_output():
 
 
 def test_known_modules_keep_their_output_object():
-    # A Linear's and a ReLU's outputs are exact with no start: tensor hooks, the output objects unchanged.
+    # A Linear's and a ReLU's outputs are exact (made by the call, nothing after them): tensor hooks, the output
+    # objects unchanged.
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     mon = hookstats.Monitor(model, kinds=("backward_pre",))
     seen = []

@@ -10,10 +10,7 @@
 //   node of the thread (nothing differentiable was computed after it, so nothing in the module
 //   consumed it), and the tensor fills one slot only (several outputs of one node, such as
 //   chunk's, can all be newest). "Created during this call": its sequence number is >= the call's
-//   start, taken by a forward pre-hook before the forward ran (forward_start); or the module is one
-//   whose forward computes every output it returns (kFreshOutputs: nn.Linear, convolutions, norms,
-//   activations, embeddings; the list and why in hookstats/monitor/hooks.py), which needs no
-//   pre-hook: its output's node, when it has one, was made by the call;
+//   start, taken by a forward pre-hook before the forward ran (forward_start);
 // - otherwise (a leaf; an input or any tensor from before the call; a tensor the module computed
 //   on after producing it, or returned twice) the output is replaced by an alias: a detach() of
 //   it (same storage and version counter, so in-place ops and saved-tensor checks work as before)
@@ -126,7 +123,7 @@ std::vector<std::pair<int32_t, at::Tensor>> hook_outputs(const std::shared_ptr<R
     const at::Tensor& t = ts[k].second;
     if (!t.defined() || !t.requires_grad()) continue;
     const auto& fn = t.grad_fn();
-    exact = fn && start > 0 && (start == kFreshOutputs || fn->sequence_nr() >= start) &&
+    exact = fn && start > 0 && fn->sequence_nr() >= start &&
             fn->sequence_nr() + 1 == newest;
     for (size_t j = 0; exact && j < ts.size(); ++j) {
       exact = j == k || !ts[j].second.defined() || !ts[j].second.is_same(t);
