@@ -251,7 +251,7 @@ def _monitor_main(out: Path, repeats: int) -> None:
                 mon.step()
         if mon is not None:
             mon.first_nonfinite()  # a cheap read: the last merge ends inside the sample
-            mon._buf.blocks.clear()  # keep memory flat across samples
+            mon._store.blocks.clear()  # keep memory flat across samples
 
     # check: a merged step's records hold both ranks' batches
     mon = runs["merged_1"][2]
@@ -266,7 +266,7 @@ def _monitor_main(out: Path, repeats: int) -> None:
     fwd = [r for r in recs if r["kind"] == "forward" and r["module"] == "0"]
     check = {"records_per_step": per_step, "numel": fwd[0]["stats"]["numel"] if fwd else -1,
              "want_numel": world * MERGE_BATCH * MERGE_WIDTH}
-    mon._buf.blocks.clear()
+    mon._store.blocks.clear()
     times: dict = {c: [] for c in MERGE_CASES}
     for i in range(MERGE_WARMUP + repeats):
         k = i % len(MERGE_CASES)

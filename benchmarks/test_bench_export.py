@@ -8,7 +8,7 @@ FLUSH_EVERY steps. What is measured (one torch thread; one run per writer, not i
 run of its writer):
   step_thread_s      the training thread's time in Monitor.step() per step, flushes included
   flush_s            of it, in the flush proper (the device-to-host copy into a Block: hookstats.monitor.buffers and .block,
-                     issue #13's flush; timed by wrapping the Monitor's Buffers.flush in this run)
+                     issue #13's flush; timed by wrapping the Monitor's Recorder.take in this run)
   wait_s             of it, waiting for a free place in the export queue (the writer `export_queue` flushes behind;
                      the count is export_waits). This model's "training" is only its hooks (a few ms a step): a
                      writer slower than that makes the loop wait, which a real training step would hide
@@ -106,17 +106,17 @@ def _run(name: str, run_dir: str, modules: int, steps: int) -> dict:
     writer, path = _writer(name, run_dir)
     mon = hookstats.Monitor(model, kinds=("forward_pre", "forward"), flush_every=FLUSH_EVERY,
                             exporters=[writer] if writer else [], keep_records=writer is None)
-    buf_flush = mon._buf.flush
+    take = mon._rec.take
     in_flush = [0.0]
 
     def timed_flush(*args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return buf_flush(*args, **kwargs)
+            return take(*args, **kwargs)
         finally:
             in_flush[0] += time.perf_counter() - t0
 
-    mon._buf.flush = timed_flush  # this run's flush time, beside the hand-over's
+    mon._rec.take = timed_flush  # this run's flush time (the copy into a Block), beside the hand-over's
     in_step = 0.0
     t_loop = time.perf_counter()
     for x in xs:

@@ -244,7 +244,7 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
     bare, with_mon = [], []
     mon = hookstats.Monitor(lin, kinds="forward", flush_every=None)
     for _ in range(1 if smoke else 9):  # interleaved: hooks off, hooks on
-        mon._buf.rec.begin_step(0, False, False)
+        mon._rec.begin_step(0, False, False)
         bare.append(forwards())
         mon.step()
         with_mon.append(forwards())
@@ -260,9 +260,9 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
     for _ in range(1 if smoke else 7):
         loss(model(xin)).backward()
         mon.step()
-        k = mon._buf.pending
+        k = mon._rec.pending
         t0 = time.perf_counter()
-        block = mon._buf.flush()
+        block = mon._flush_block()
         flush.append((time.perf_counter() - t0) / max(len(block), 1))
     records = len(block)
     mon.detach()
@@ -275,7 +275,7 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
             loss(model(xin)).backward()
             mon.step()
         t0 = time.perf_counter()
-        block = mon._buf.flush()
+        block = mon._flush_block()
         flush_exp.append((time.perf_counter() - t0) / max(len(block), 1))
         kept = sum(h.data.nbytes for h in block.hists)
         dense = sum(len(h) * h.length * 8 for h in block.hists)

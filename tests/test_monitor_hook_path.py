@@ -1,6 +1,6 @@
 """The Monitor's hook path (issue #36; Note [grad_output per output slot] in csrc/monitor/slots.cpp): a forward
-pre-hook (the call's start) only where grad_output is recorded, the records PyTorch's grad_output, the output objects
-kept where a tensor hook is exact, and a second Monitor on the same model changing nothing in the first's records."""
+pre-hook (the call's start) only where grad_output is recorded, the records PyTorch's grad_output, and the output objects
+kept where a tensor hook is exact."""
 from __future__ import annotations
 
 import copy
@@ -54,35 +54,6 @@ def test_pre_hooks_only_where_the_start_is_needed():
     mon = hookstats.Monitor(model, kinds=("forward",))  # no grad_output: no start needed anywhere
     assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())
     mon.detach()
-
-
-def test_a_second_monitor_changes_nothing_in_the_first_ones_records():
-    """Two Monitors on one model (the root returns its last Linear's output, one node in two modules' slots): each
-    records what a Monitor alone records, in the same order (where that order may differ from PyTorch's pre-hooks':
-    Note [grad_output by tensor hooks])."""
-
-    class Net2(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 6)
-            self.out = nn.Linear(6, 2)
-
-        def forward(self, x):
-            return self.out(torch.tanh(self.lin(x)))
-
-    def records(n_monitors):
-        torch.manual_seed(0)
-        net = Net2()
-        mons = [hookstats.Monitor(net, kinds=("forward", "backward_pre")) for _ in range(n_monitors)]
-        net(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).sum().backward()
-        out = [[(r["module"], r["kind"], r["index"], r["stats"]["sum"]) for r in m.records()] for m in mons]
-        for m in mons:
-            m.detach()
-        return out
-
-    (alone,) = records(1)
-    assert sorted(m for m, k, _, _ in alone if k == "backward_pre") == ["", "lin", "out"]
-    assert records(2) == [alone, alone]
 
 
 def test_records_are_pytorch_grad_output():
