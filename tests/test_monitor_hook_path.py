@@ -1,9 +1,11 @@
-"""The Monitor's hook path (issue #36; Note [grad_output per output slot] in csrc/monitor/slots.cpp): a forward
-pre-hook (the call's start) only where grad_output is recorded, the records PyTorch's grad_output, and the output objects
-kept where a tensor hook is exact."""
+"""The Monitor's hook path without a forward pre-hook where a module's outputs are known (issue #36; Note
+[grad_output per output slot] in csrc/monitor/slots.cpp, module_outputs in hookstats/monitor/hooks.py): which modules
+get one, that the records stay PyTorch's grad_output where the call's start is not taken, and that several Monitors
+on one model each record what one alone records."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -48,7 +50,9 @@ class Net(nn.Module):
 def test_pre_hooks_only_where_the_start_is_needed():
     model = Net()
     mon = hookstats.Monitor(model, kinds=("forward", "backward_pre"))
-    assert all(len(m._forward_pre_hooks) == 1 for m in model.modules())  # the start of every call: grad_output
+    pre = {n: len(m._forward_pre_hooks) for n, m in model.named_modules()}
+    assert pre == {"": 1, "fc": 0, "act": 0, "drop": 0, "drop_inplace": 1, "short": 0, "custom": 1, "custom.fc": 0,
+                   "mine": 1}
     mon.detach()
     assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())
     mon = hookstats.Monitor(model, kinds=("forward",))  # no grad_output: no start needed anywhere
@@ -56,7 +60,7 @@ def test_pre_hooks_only_where_the_start_is_needed():
     mon.detach()
 
 
-def test_records_are_pytorch_grad_output():
+def test_records_without_a_start_are_pytorch_grad_output():
     torch.manual_seed(0)
     model = Net().double()
     twin, plain = copy.deepcopy(model), copy.deepcopy(model)
@@ -84,8 +88,7 @@ def test_records_are_pytorch_grad_output():
 
 
 def test_known_modules_keep_their_output_object():
-    # A Linear's and a ReLU's outputs are exact (made by the call, nothing after them): tensor hooks, the output
-    # objects unchanged.
+    # A Linear's and a ReLU's outputs are exact with no start: tensor hooks, the output objects unchanged.
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     mon = hookstats.Monitor(model, kinds=("backward_pre",))
     seen = []
@@ -96,3 +99,46 @@ def test_known_modules_keep_their_output_object():
     y.sum().backward()
     assert {(r["module"], r["index"]) for r in mon.records()} == {("", 0), ("0", 0), ("1", 0)}
     mon.detach()
+
+
+class Net2(nn.Module):  # the root returns its last Linear's output: one node fills two modules' slots
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x)))
+
+
+def _records_of(make, n_monitors: int, x: torch.Tensor) -> list:
+    torch.manual_seed(0)
+    net = make().double()
+    mons = [hookstats.Monitor(net, kinds=("forward", "backward_pre")) for _ in range(n_monitors)]
+    for _ in range(2):
+        torch.manual_seed(7)  # the same dropout masks for every count of Monitors
+        net(x).sum().backward()
+        for m in mons:
+            m.step()
+    out = [[(r["step"], r["module"], r["kind"], r["index"], r["stats"]["sum"]) for r in m.records()] for m in mons]
+    for m in mons:
+        m.detach()
+    return out
+
+
+@pytest.mark.parametrize("make", [Net, Net2], ids=["aliases", "shared_node"])
+def test_each_of_several_monitors_records_what_one_alone_records(make):
+    """Monitors interleave their hooks (A's pre-hook, B's, ..., A's forward hook, B's): each takes back its own
+    call's start (csrc/monitor/slots.cpp), so each records what a Monitor alone records, in the same order, whether
+    the thread has made autograd nodes before or not (a fresh thread's sequence numbers start at 0)."""
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (alone,) = _records_of(make, 1, x)
+    assert _records_of(make, 2, x) == [alone, alone]
+    assert _records_of(make, 3, x) == [alone, alone, alone]
+    if make is Net2:  # the child's record first, then the container's (Note [grad_output by tensor hooks])
+        assert [r[1] for r in alone if r[2] == "backward_pre" and r[0] == 0] == ["out", "", "lin"]
+    fresh = []
+    t = threading.Thread(target=lambda: fresh.append(_records_of(make, 2, x)))
+    t.start()
+    t.join()
+    assert fresh == [[alone, alone]]

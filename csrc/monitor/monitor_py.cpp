@@ -96,18 +96,39 @@ struct ForwardStart {
   void operator()(py::handle module, py::handle args) const { forward_start(key.get()); }
 };
 
+// What a module without a ForwardStart returns (hookstats/monitor/hooks.py decides): tensors its call computes
+// (kComputed), or those and its positional input (kComputedOrInput: nn.Identity, Dropout that is not in place).
+constexpr int32_t kComputed = 1, kComputedOrInput = 2;
+
+// The start of a call whose module returns what `outputs` says: kFreshOutputs, or 0 (unknown: every output gets an
+// alias) where an output is an input, or where the input came by keyword (the hook does not see it).
+uint64_t start_of(int32_t outputs, py::handle args, const Tensors& ts) {
+  if (outputs == kComputed) return kFreshOutputs;
+  if (outputs != kComputedOrInput) return 0;
+  const Tensors in = flat(args.ptr());
+  if (in.empty()) return 0;
+  for (const auto& [i, t] : ts) {
+    for (const auto& [j, a] : in) {
+      if (t.defined() && t.is_same(a)) return 0;
+    }
+  }
+  return kFreshOutputs;
+}
+
 // forward hook (module, args, output): records output (fwd >= 0) and hooks grad_output (grad >= 0, Note
 // [grad_output per output slot]). Returns None, the (index, alias) pairs to put in place of outputs (None where
 // no alias could be made), or Ellipsis: compiled autograd is on, and the Python hook puts traceable hooks instead.
 struct ForwardHook {
   std::shared_ptr<Recorder> rec;
   int32_t fwd, grad;
-  std::shared_ptr<const void> key;  // shared with its ForwardStart (null: none, no grad_output hooked)
+  std::shared_ptr<const void> key;  // shared with its ForwardStart (null: none)
+  int32_t outputs;                  // what the module returns, for a ForwardHook without a ForwardStart
   py::object operator()(py::handle module, py::handle args, py::handle output) const {
     uint64_t start = key ? take_start(key.get()) : 0;
     if (!rec->active()) return py::none();
     Tensors ts = flat(output.ptr());
     if (ts.empty()) return py::none();
+    if (!key && grad >= 0) start = start_of(outputs, args, ts);
     py::object out = py::none();
     if (grad >= 0 && compiled_autograd_on()) {
       out = py::ellipsis();
@@ -271,18 +292,21 @@ PYBIND11_MODULE(_C, m) {
         return out;
       });
 
-  m.def("forward_hook", [](std::shared_ptr<Recorder> r, int32_t fwd, int32_t grad) -> py::object {
-    if (grad < 0) {
-      return py::make_tuple(make_hook<ForwardHook, 3>(ForwardHook{r, fwd, grad, nullptr}, "forward_hook"), py::none());
+  m.def("forward_hook", [](std::shared_ptr<Recorder> r, int32_t fwd, int32_t grad, int32_t outputs) -> py::object {
+    if (grad < 0 || outputs == kComputed || outputs == kComputedOrInput) {
+      return py::make_tuple(make_hook<ForwardHook, 3>(ForwardHook{r, fwd, grad, nullptr, outputs}, "forward_hook"),
+                            py::none());
     }
     std::shared_ptr<const void> key = std::make_shared<char>();
-    return py::make_tuple(make_hook<ForwardHook, 3>(ForwardHook{r, fwd, grad, key}, "forward_hook"),
+    return py::make_tuple(make_hook<ForwardHook, 3>(ForwardHook{r, fwd, grad, key, 0}, "forward_hook"),
                           make_hook<ForwardStart, 2>(ForwardStart{key}, "forward_start"));
-  }, py::arg("rec"), py::arg("fwd"), py::arg("grad"),
+  }, py::arg("rec"), py::arg("fwd"), py::arg("grad"), py::arg("outputs") = 0,
      "(forward hook, forward pre-hook or None): the forward hook (module, args, output) records output (hook id "
      "fwd >= 0) and hooks grad_output (grad >= 0, Note [grad_output per output slot] in csrc/monitor/slots.cpp), "
      "returning None, the (index, alias) pairs to put in place of outputs, or Ellipsis (compiled autograd is on: "
-     "put traceable hooks instead); the pre-hook (module, args), made when grad >= 0, takes the call's start");
+     "put traceable hooks instead); the pre-hook (module, args) takes the call's start, which a module whose outputs "
+     "are known needs not: outputs 1, every tensor it returns is computed by its call; 2, those or its positional "
+     "input");
   m.def("forward_pre_hook", [](std::shared_ptr<Recorder> r, int32_t hook) {
     return make_hook<PreHook, 2>(PreHook{ArgsHook{std::move(r), hook}}, "forward_pre_hook");
   }, "a forward pre-hook (module, args): records the positional inputs");

@@ -10,7 +10,10 @@
 //   node of the thread (nothing differentiable was computed after it, so nothing in the module
 //   consumed it), and the tensor fills one slot only (several outputs of one node, such as
 //   chunk's, can all be newest). "Created during this call": its sequence number is >= the call's
-//   start, taken by a forward pre-hook before the forward ran (forward_start);
+//   start, taken by a forward pre-hook before the forward ran (forward_start); or the module is one
+//   whose forward computes every output it returns (kFreshOutputs: nn.Linear, convolutions, norms,
+//   activations, embeddings; the list and why in hookstats/monitor/hooks.py), which needs no
+//   pre-hook: its output's node, when it has one, was made by the call;
 // - otherwise (a leaf; an input or any tensor from before the call; a tensor the module computed
 //   on after producing it, or returned twice) the output is replaced by an alias: a detach() of
 //   it (same storage and version counter, so in-place ops and saved-tensor checks work as before)
@@ -84,10 +87,15 @@ auto make_node(Args&&... args) {
   }
 }
 
-// The autograd sequence number each monitored call started at (forward_start), per thread, with
-// the state of the forward hook that takes it back; entries left by a forward that raised are
-// dropped when an outer call ends.
+// The autograd sequence number each monitored call started at (forward_start), per thread, plus one
+// (0 stays "no start"), keyed by the forward hook that takes it back. Two Monitors interleave their
+// hooks (A's pre-hook, B's pre-hook, ..., A's forward hook, B's forward hook), so a call takes back
+// its own entry only: dropping the entries above it would take B's start away (B then aliased every
+// output, and the first Monitor's record order changed with a second one on the model). Entries
+// left by a forward that raised stay until the list outgrows kMaxStarts; a key's newest entry is
+// its innermost live call, so they are never taken back in place of a live one.
 using Start = std::pair<const void*, uint64_t>;
+constexpr size_t kMaxStarts = 4096;
 std::vector<Start>& starts() {
   static thread_local std::vector<Start> s;
   return s;
@@ -97,8 +105,8 @@ std::vector<Start>& starts() {
 
 void forward_start(const void* key) {
   auto& s = starts();
-  if (s.size() > 4096) s.clear();  // only forwards that raised leave entries behind
-  s.emplace_back(key, at::sequence_number::peek());
+  if (s.size() >= kMaxStarts) s.clear();  // only forwards that raised leave entries behind
+  s.emplace_back(key, at::sequence_number::peek() + 1);
 }
 
 uint64_t take_start(const void* key) {
@@ -106,7 +114,7 @@ uint64_t take_start(const void* key) {
   for (size_t i = s.size(); i-- > 0;) {
     if (s[i].first == key) {
       const uint64_t v = s[i].second;
-      s.resize(i);
+      s.erase(s.begin() + static_cast<std::ptrdiff_t>(i));
       return v;
     }
   }
@@ -123,7 +131,7 @@ std::vector<std::pair<int32_t, at::Tensor>> hook_outputs(const std::shared_ptr<R
     const at::Tensor& t = ts[k].second;
     if (!t.defined() || !t.requires_grad()) continue;
     const auto& fn = t.grad_fn();
-    exact = fn && start > 0 && fn->sequence_nr() >= start &&
+    exact = fn && start > 0 && (start == kFreshOutputs || fn->sequence_nr() + 1 >= start) &&
             fn->sequence_nr() + 1 == newest;
     for (size_t j = 0; exact && j < ts.size(); ++j) {
       exact = j == k || !ts[j].second.defined() || !ts[j].second.is_same(t);

@@ -14,10 +14,14 @@
 namespace hookstats {
 namespace monitor {
 
-// A call's start (the autograd sequence number before its forward ran), per thread, keyed by the forward hook that
-// takes it back: forward_start at the forward pre-hook, take_start at the forward hook (0: unknown).
+// A call's start (the autograd sequence number before its forward ran, plus one), per thread, keyed by the forward
+// hook that takes it back: forward_start at the forward pre-hook, take_start at the forward hook (0: unknown).
 void forward_start(const void* key);
 uint64_t take_start(const void* key);
+
+// The start of a call whose module computes every output it returns (a Linear, a norm, an activation: hooks.py
+// decides which, Note [grad_output per output slot]): any node of an output was made by the call.
+constexpr uint64_t kFreshOutputs = ~uint64_t{0};
 
 // grad_output of each output of ts that requires grad: a tensor hook where that is exact, else an alias (Note
 // [grad_output per output slot]). Returns the aliases as (flat index, alias) pairs, an undefined alias where none

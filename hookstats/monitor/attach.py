@@ -30,7 +30,7 @@ def attach_module_hooks(model: torch.nn.Module, rec: Recorder, kinds, wanted: Ca
         if Site.FORWARD in kinds or Site.BACKWARD_PRE in kinds:
             fwd = rec.hook(name, Site.FORWARD.value) if Site.FORWARD in kinds else -1
             grad = rec.hook(name, Site.BACKWARD_PRE.value) if Site.BACKWARD_PRE in kinds else -1
-            hook, pre_hook = _hooks.forward_hook(C, mid, fwd, grad, unplaced)
+            hook, pre_hook = _hooks.forward_hook(C, mid, fwd, grad, unplaced, mod)
             if pre_hook is not None:
                 handles.append(register(mod, "register_forward_pre_hook", pre_hook))
             handles.append(register(mod, "register_forward_hook", hook))

@@ -12,7 +12,8 @@ every module's inputs and outputs in autograd nodes (that alone doubles the step
 what that hook receives: per output slot of the call, the gradient that flows through that slot (not the tensor's
 total gradient). The forward hook puts a C++ tensor hook on an output where the autograd sequence numbers prove
 that the two are the same, and returns an alias with a recording node of its own in place of any other output
-(Note [grad_output per output slot] in csrc/monitor/slots.cpp; a forward pre-hook notes the call's start). When a record equals PyTorch's grad_output (tests/test_grad_output_slots.py and
+(Note [grad_output per output slot] in csrc/monitor/slots.cpp; a forward pre-hook notes the call's start, except
+on modules whose outputs are known: module_outputs). When a record equals PyTorch's grad_output (tests/test_grad_output_slots.py and
 tests/test_real_models.py against the pre-hook on twins; docs/guide/hooks-semantics.md has the table):
 - Equal, to rounding, for every Tensor or tuple output: a computed output; an output that is an input (nn.Identity,
   Dropout in eval or p=0); the same tensor in several slots; an output the module also consumed (router logits,
@@ -63,17 +64,45 @@ from .._nested import flatten, is_dataclass_instance
 from .compile import inlined_only, is_compiling, record_traced, record_traced_tensor
 
 
-def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = None):
+# What a module's call returns, by the forward function its class runs, for grad_output hooks without a forward
+# pre-hook (Note [grad_output per output slot] in csrc/monitor/slots.cpp): COMPUTED, every tensor it returns is
+# computed by the call, so an output's node (when it has one) was made by the call; COMPUTED_OR_INPUT, those or its
+# positional input as it came (nn.Identity; Dropout in eval or with p=0, when not in place: in place, training with
+# p > 0, it returns its input with a node the call made, which only the call's start tells apart). Any other module
+# (containers, a class that overrides forward, a subclass of these included) gets a forward pre-hook that takes the
+# call's start.
+COMPUTED, COMPUTED_OR_INPUT = 1, 2
+_COMPUTED = frozenset(getattr(torch.nn, name).forward for name in (
+    "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "LayerNorm", "GroupNorm", "RMSNorm", "LocalResponseNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+    "Embedding", "EmbeddingBag", "ReLU", "ReLU6", "GELU", "SiLU", "Mish", "Tanh", "Sigmoid", "Softmax",
+    "LogSoftmax", "LeakyReLU", "ELU", "SELU", "CELU", "GLU", "Hardtanh", "Hardswish", "Hardsigmoid", "Softplus",
+    "PReLU") if hasattr(torch.nn, name))
+_DROPOUTS = frozenset(getattr(torch.nn, name).forward for name in (
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout") if hasattr(torch.nn, name))
+
+
+def module_outputs(module) -> int:
+    """COMPUTED, COMPUTED_OR_INPUT or 0 (unknown: the call's start is needed) for what `module` returns."""
+    fwd = getattr(type(module), "forward", None)
+    if fwd in _COMPUTED:
+        return COMPUTED
+    if fwd is torch.nn.Identity.forward or (fwd in _DROPOUTS and not getattr(module, "inplace", True)):
+        return COMPUTED_OR_INPUT
+    return 0
+
+
+def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = None, module=None):
     """(forward hook, forward pre-hook or None): the forward hook records the output (hook id fwd >= 0) and hooks
     grad_output (grad >= 0: per output slot, Note [grad_output per output slot] in csrc/monitor/slots.cpp),
-    putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0)
-    takes the call's start. An alias that
+    putting an alias in place of an output where that is needed; the pre-hook (registered with it when grad >= 0,
+    unless what `module` returns is known: module_outputs) takes the call's start. An alias that
     cannot be put in place (a tuple subclass that cannot be rebuilt) records nothing, and is counted in
     unplaced[0]."""
     _C = extension()
     unplaced = [0] if unplaced is None else unplaced
 
-    call, start = _C.forward_hook(rec, fwd, grad)
+    call, start = _C.forward_hook(rec, fwd, grad, 0 if module is None else module_outputs(module))
 
     def hook(module, args, output):
         if is_compiling():
