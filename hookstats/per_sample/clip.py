@@ -5,6 +5,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .terms import term_dtype
+
 OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...), register a rule for it "
            "(hookstats.per_sample.register_rule), or pass allow_unclipped=True to clip only the covered parameters "
            "(the others keep their unclipped gradients: the per-sample bound, and DP, then do not hold for them)")
@@ -43,14 +45,29 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float,
     with torch.no_grad():
         sq = torch.stack([v.to(torch.float64) for _, _, v, _ in entries]).sum(0)
         coef = torch.clamp(max_norm / (sq.sqrt() + eps), max=1.0)
+        weights: Dict[tuple, torch.Tensor] = {}  # (minus one, dtype) -> coef (or coef - 1) in that dtype, made once
+
+        def weight(minus_one: bool, dtype: torch.dtype) -> torch.Tensor:
+            w = weights.get((minus_one, dtype))
+            if w is None:
+                w = weights[minus_one, dtype] = (coef - 1.0 if minus_one else coef).to(dtype)
+            return w
+
+        corrections: Dict[int, torch.Tensor] = {}  # pid -> what its .grad gets added, in the .grad's dtype
         for pid, _, _, ts in entries:
             p = params[pid]
             for t, deferred in ts:
+                dt = term_dtype(t)
                 if deferred:
-                    d = t.delta(coef, p.shape).to(p.dtype)
+                    d = t.delta(weight(False, dt), p.shape)
+                    d = d if d.dtype == p.dtype else d.to(p.dtype)
                     deliver[pid] = d if pid not in deliver else deliver[pid].add_(d)
                 elif p.grad is not None:
-                    p.grad.add_(t.delta(coef - 1.0, p.shape).to(p.grad.dtype))
+                    d = t.delta(weight(True, dt), p.shape)
+                    d = d if d.dtype == p.grad.dtype else d.to(p.grad.dtype)
+                    corrections[pid] = d if pid not in corrections else corrections[pid].add_(d)
+        if corrections:  # one call for every parameter (each once)
+            torch._foreach_add_([params[pid].grad for pid in corrections], list(corrections.values()))
     return coef, deliver
 
 
