@@ -43,7 +43,11 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float,
                            f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
     deliver: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        sq = torch.stack([v.to(torch.float64) for _, _, v, _ in entries]).sum(0)
+        sqs = [v for _, _, v, _ in entries]
+        if all(v.dtype == sqs[0].dtype for v in sqs):  # one cast, not one per parameter (the same float64 sum)
+            sq = torch.stack(sqs).to(torch.float64).sum(0)
+        else:
+            sq = torch.stack([v.to(torch.float64) for v in sqs]).sum(0)
         coef = torch.clamp(max_norm / (sq.sqrt() + eps), max=1.0)
         weights: Dict[tuple, torch.Tensor] = {}  # (minus one, dtype) -> coef (or coef - 1) in that dtype, made once
 
