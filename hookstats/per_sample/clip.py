@@ -32,7 +32,7 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float,
                params: Dict[int, torch.nn.Parameter]) -> Tuple[Optional[torch.Tensor], Dict[int, torch.Tensor]]:
     """Clips the gradients of each entry's parameter (entries: (pid, samples, squared norm, [(term, deferred)]) of
     this backward). A term autograd has already summed into .grad gets sum_b (coef_b - 1) grad_b added there; a
-    deferred one (Note [book-keeping] in core.py: autograd did not compute it) contributes sum_b coef_b grad_b to the
+    deferred one (Note [book-keeping] in bookkeeping.py: autograd did not compute it) contributes sum_b coef_b grad_b to the
     returned {pid: gradient}, which the caller delivers through autograd. Returns ([samples] float64 coefficients
     min(1, max_norm / (norm + eps)) or None without entries, that dict)."""
     if not entries:
@@ -90,7 +90,7 @@ class _Deliver(torch.autograd.Function):
 
 
 def deliver(grads: Dict[int, torch.Tensor], params: Dict[int, torch.nn.Parameter], owner=None) -> None:
-    """Accumulates each gradient into its parameter through a backward of its own (Note [book-keeping] in core.py):
+    """Accumulates each gradient into its parameter through a backward of its own (Note [book-keeping] in bookkeeping.py):
     AccumulateGrad adds it to .grad (or sets it), and the parameter's hooks, post-accumulate-grad hooks and DDP's
     reducer see it, as they would autograd's."""
     if not grads:
