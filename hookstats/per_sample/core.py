@@ -12,11 +12,11 @@ from . import rules as _rules  # noqa: F401  (registers the shipped rules)
 from .._owned_hooks import in_backward, register
 from .._select import Selection
 from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows
-from .bookkeeping import _is_functorch, defer_hook, restore_hook, untracked
+from .bookkeeping import _is_functorch, defer_hook, param_at, restore_hook, untracked
 from .clip import OPT_OUT, apply_clip, deliver
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused
-from .terms import sum_sq
+from .terms import sum_same_length, sum_sq
 from .workspace import Workspace
 
 
@@ -177,7 +177,7 @@ class PerSampleGradNorms:
             recompute = in_backward()
             replay = recompute and nonreentrant_recompute()
             # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
-            active = [(a, pid) for a, pid in self._attrs[name] if _param_at(mod, a) is self._param[pid]
+            active = [(a, pid) for a, pid in self._attrs[name] if param_at(mod, a) is self._param[pid]
                       and self._param[pid].requires_grad and pid not in self._dead]
             b = self._batch
             if recompute and b is None:
@@ -398,7 +398,7 @@ class PerSampleGradNorms:
         for layer in self.layers:
             vs = [sq[pn] for pn, _ in self._params[layer] if pn in sq]
             if vs:
-                out[layer] = _sum_same_length(vs, layer).sqrt()
+                out[layer] = sum_same_length(vs, layer).sqrt()
         return out
 
     def total(self) -> torch.Tensor:
@@ -410,7 +410,7 @@ class PerSampleGradNorms:
             raise RuntimeError(f"hookstats.PerSampleGradNorms: no per-sample gradient since the last step(): no "
                                f"backward ran, or none reached a covered parameter through its layer{refused}; see "
                                f"coverage()")
-        return _sum_same_length(list(sq.values()), "the covered parameters").sqrt()
+        return sum_same_length(list(sq.values()), "the covered parameters").sqrt()
 
     def coverage(self) -> Coverage:
         """Which trainable parameters count and which do not, by name and reason (hookstats.per_sample.Coverage),
@@ -488,20 +488,3 @@ class PerSampleGradNorms:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-
-def _param_at(mod: nn.Module, path: str):
-    if "." not in path:
-        return mod._parameters.get(path)
-    owner, _, attr = path.rpartition(".")
-    try:
-        return mod.get_submodule(owner)._parameters.get(attr)
-    except AttributeError:
-        return None
-
-
-def _sum_same_length(vs: List[torch.Tensor], what: str) -> torch.Tensor:
-    n = {v.numel() for v in vs}
-    if len(n) > 1:
-        raise RuntimeError(f"hookstats.PerSampleGradNorms: {what} saw different numbers of samples this step "
-                           f"({sorted(n)}): a layer ran in only some backward passes; read per_param() instead")
-    return torch.stack(vs).sum(0)

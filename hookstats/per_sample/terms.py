@@ -237,3 +237,12 @@ def sum_sq(terms: List[Term]) -> torch.Tensor:
         for b in parts[i + 1:]:
             sq = sq + 2 * cross(a, b)
     return sq
+
+
+def sum_same_length(vs: List[torch.Tensor], what: str) -> torch.Tensor:
+    """The sum of per-sample vectors that must hold the same samples."""
+    n = {v.numel() for v in vs}
+    if len(n) > 1:
+        raise RuntimeError(f"hookstats.PerSampleGradNorms: {what} saw different numbers of samples this step "
+                           f"({sorted(n)}): a layer ran in only some backward passes; read per_param() instead")
+    return torch.stack(vs).sum(0)
