@@ -23,6 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+try:
+    import resource  # minor page faults (Unix)
+except ImportError:  # pragma: no cover
+    resource = None
+
 VOCAB = 256
 
 
@@ -191,7 +196,10 @@ def test_per_sample_interleaved(benchmark, hookstats, device):
 #                  clipped gradient by a second one (Opacus's DPTensorFastGradientClipping.backward); Opacus 1.6
 #                  refuses tied parameters there (extra_info["opacus_ghost_refused"] says so)
 # and records each median and its ratio to plain in extra_info (overhead_<case>). The [B] totals of hookstats and
-# Opacus's GradSampleModule are checked equal first (Opacus sums a tied parameter's uses too).
+# Opacus's GradSampleModule are checked equal first (Opacus sums a tied parameter's uses too). On the CPU it also
+# records each case's minor page faults a step (faults_<case>): the C allocator hands large freed blocks back to the
+# system and faults them in again, which can take a third of the plain CNN step, and how often it does depends on what
+# the other cases allocated; ratios taken with very different fault counts are not comparable.
 
 class SmallCNN(nn.Module):
     def __init__(self, c: int = 16, classes: int = 10):
@@ -320,10 +328,20 @@ def test_per_sample_vs_opacus(benchmark, hookstats, device, name):
         fns = {"plain": plain, "hookstats": ours, "hookstats_clip": ours_clip, "opacus": op_norms}
         if ghost is not None:
             fns["opacus_ghost"] = op_ghost
+        faults = {case: 0 for case in fns}
+        if resource is not None and device == "cpu":
+            def counted(case, fn):
+                def run():
+                    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    fn()
+                    faults[case] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+                return run
+            fns = {case: counted(case, fn) for case, fn in fns.items()}
         times, timed = interleaved_timer(fns, device)
         reps = 1 if benchmark.disabled else 15
         for case in fns:  # warm-up
             fns[case]()
+        faults.update(dict.fromkeys(faults, 0))  # the timed steps only
         for _ in range(reps):
             for case in fns:
                 timed(case)
@@ -332,7 +350,9 @@ def test_per_sample_vs_opacus(benchmark, hookstats, device, name):
         benchmark.extra_info.update(family="per_sample", device=device, model=name, batch=b, torch_threads=1,
                                     opacus=opacus.__version__, opacus_ghost_refused=ghost_refused,
                                     **{f"{c}_ms": v * 1e3 for c, v in med.items()},
-                                    **{f"overhead_{c}": v / med["plain"] for c, v in med.items() if c != "plain"})
+                                    **{f"overhead_{c}": v / med["plain"] for c, v in med.items() if c != "plain"},
+                                    **({f"faults_{c}": n / reps for c, n in faults.items()}
+                                       if resource is not None and device == "cpu" else {}))
         benchmark.pedantic(ours, rounds=1, iterations=1)
         psn.remove()
         psn_clip.remove()

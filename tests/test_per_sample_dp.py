@@ -402,3 +402,35 @@ def test_book_keeping_restores_parameters_and_refuses_a_second_backward():
     with pytest.raises(RuntimeError, match=r"already backpropagated or cleared by step\(\).*one backward per forward"):
         out.sum().backward()
     psn.remove()
+
+
+class Same(nn.Module):
+    """Three Linear layers of one shape, the middle one called twice: per-sample products of one shape, four a
+    backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+def test_workspace_buffers_are_reused_across_steps_and_never_shared_within_one():
+    """Note [workspace]: the per-sample products of the deferred weights go into buffers that the next backward
+    reuses; within one backward each term has its own (a layer called twice, layers of the same shape), so the
+    clipped gradients stay exact step after step, with batches of different sizes; remove() frees them."""
+    torch.manual_seed(0)
+    model = Same().double()
+    xs = [torch.randn(n, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(n + s))
+          for s, n in enumerate((B, B, B + 2, B))]
+    clip_check(model, lambda m, x: m(x), lambda step: xs[step], steps=len(xs))
+    psn = hookstats.PerSampleGradNorms(model, max_norm=0.1)
+    held = []
+    for x in xs[:2]:
+        model(x).sum().backward()
+        held.append(psn._ws.nbytes())
+        psn.step()
+    assert held[0] == held[1] == 4 * B * 6 * 6 * 8  # the four calls' [B, 6, 6] products, allocated once
+    psn.remove()
+    assert psn._ws.nbytes() == 0

@@ -78,6 +78,17 @@ def restore_hook(self, name: str):
     return hook
 
 
+def param_at(mod, path: str):
+    """The Parameter `mod` holds at `path` (a dotted path names a child's), or None."""
+    if "." not in path:
+        return mod._parameters.get(path)
+    owner, _, attr = path.rpartition(".")
+    try:
+        return mod.get_submodule(owner)._parameters.get(attr)
+    except AttributeError:
+        return None
+
+
 def _is_functorch(t: torch.Tensor) -> bool:
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
     return bool(check is not None and check(t))

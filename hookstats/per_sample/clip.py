@@ -5,6 +5,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .terms import term_dtype
+
 OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...), register a rule for it "
            "(hookstats.per_sample.register_rule), or pass allow_unclipped=True to clip only the covered parameters "
            "(the others keep their unclipped gradients: the per-sample bound, and DP, then do not hold for them)")
@@ -30,7 +32,7 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float,
                params: Dict[int, torch.nn.Parameter]) -> Tuple[Optional[torch.Tensor], Dict[int, torch.Tensor]]:
     """Clips the gradients of each entry's parameter (entries: (pid, samples, squared norm, [(term, deferred)]) of
     this backward). A term autograd has already summed into .grad gets sum_b (coef_b - 1) grad_b added there; a
-    deferred one (Note [book-keeping] in core.py: autograd did not compute it) contributes sum_b coef_b grad_b to the
+    deferred one (Note [book-keeping] in bookkeeping.py: autograd did not compute it) contributes sum_b coef_b grad_b to the
     returned {pid: gradient}, which the caller delivers through autograd. Returns ([samples] float64 coefficients
     min(1, max_norm / (norm + eps)) or None without entries, that dict)."""
     if not entries:
@@ -41,16 +43,35 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float,
                            f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
     deliver: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        sq = torch.stack([v.to(torch.float64) for _, _, v, _ in entries]).sum(0)
+        sqs = [v for _, _, v, _ in entries]
+        if all(v.dtype == sqs[0].dtype for v in sqs):  # one cast, not one per parameter (the same float64 sum)
+            sq = torch.stack(sqs).to(torch.float64).sum(0)
+        else:
+            sq = torch.stack([v.to(torch.float64) for v in sqs]).sum(0)
         coef = torch.clamp(max_norm / (sq.sqrt() + eps), max=1.0)
+        weights: Dict[tuple, torch.Tensor] = {}  # (minus one, dtype) -> coef (or coef - 1) in that dtype, made once
+
+        def weight(minus_one: bool, dtype: torch.dtype) -> torch.Tensor:
+            w = weights.get((minus_one, dtype))
+            if w is None:
+                w = weights[minus_one, dtype] = (coef - 1.0 if minus_one else coef).to(dtype)
+            return w
+
+        corrections: Dict[int, torch.Tensor] = {}  # pid -> what its .grad gets added, in the .grad's dtype
         for pid, _, _, ts in entries:
             p = params[pid]
             for t, deferred in ts:
+                dt = term_dtype(t)
                 if deferred:
-                    d = t.delta(coef, p.shape).to(p.dtype)
+                    d = t.delta(weight(False, dt), p.shape)
+                    d = d if d.dtype == p.dtype else d.to(p.dtype)
                     deliver[pid] = d if pid not in deliver else deliver[pid].add_(d)
                 elif p.grad is not None:
-                    p.grad.add_(t.delta(coef - 1.0, p.shape).to(p.grad.dtype))
+                    d = t.delta(weight(True, dt), p.shape)
+                    d = d if d.dtype == p.grad.dtype else d.to(p.grad.dtype)
+                    corrections[pid] = d if pid not in corrections else corrections[pid].add_(d)
+        if corrections:  # one call for every parameter (each once)
+            torch._foreach_add_([params[pid].grad for pid in corrections], list(corrections.values()))
     return coef, deliver
 
 
@@ -69,7 +90,7 @@ class _Deliver(torch.autograd.Function):
 
 
 def deliver(grads: Dict[int, torch.Tensor], params: Dict[int, torch.nn.Parameter], owner=None) -> None:
-    """Accumulates each gradient into its parameter through a backward of its own (Note [book-keeping] in core.py):
+    """Accumulates each gradient into its parameter through a backward of its own (Note [book-keeping] in bookkeeping.py):
     AccumulateGrad adds it to .grad (or sets it), and the parameter's hooks, post-accumulate-grad hooks and DDP's
     reducer see it, as they would autograd's."""
     if not grads:

@@ -12,11 +12,12 @@ from . import rules as _rules  # noqa: F401  (registers the shipped rules)
 from .._owned_hooks import in_backward, register
 from .._select import Selection
 from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows
-from .bookkeeping import _is_functorch, defer_hook, restore_hook, untracked
+from .bookkeeping import _is_functorch, defer_hook, param_at, restore_hook, untracked
 from .clip import OPT_OUT, apply_clip, deliver
 from .coverage import Coverage, build_coverage
 from .rules.refused import Refused
-from .terms import sum_sq
+from .terms import sum_same_length, sum_sq
+from .workspace import Workspace
 
 
 class _Call:
@@ -101,6 +102,7 @@ class PerSampleGradNorms:
         # Note [book-keeping]: layer -> a stack of [(attr, Parameter)] detached for its running calls; layer -> the
         # attributes its call that just returned deferred; whether the clip is delivering its own gradient
         self._swapped, self._deferred, self._delivering = {}, {}, False
+        self._ws = Workspace()  # Note [workspace]: the materialised per-sample products of the deferred weights
         if self.max_norm is not None and cov.in_scope_uncovered and not self.allow_unclipped:
             items = [f"{self._pname[pid]} ({cov.why[pid]})" for pid in cov.in_scope_uncovered]
             shown = "; ".join(items[:12]) + (f"; and {len(items) - 12} more" if len(items) > 12 else "")
@@ -175,7 +177,7 @@ class PerSampleGradNorms:
             recompute = in_backward()
             replay = recompute and nonreentrant_recompute()
             # `is`: a deepcopy of the model carries these hooks too; its parameters are not ours
-            active = [(a, pid) for a, pid in self._attrs[name] if _param_at(mod, a) is self._param[pid]
+            active = [(a, pid) for a, pid in self._attrs[name] if param_at(mod, a) is self._param[pid]
                       and self._param[pid].requires_grad and pid not in self._dead]
             b = self._batch
             if recompute and b is None:
@@ -304,7 +306,8 @@ class PerSampleGradNorms:
                 self._termed.add(pid)
                 term = terms[a].rows_to_samples(call.k)
                 if a in call.deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
-                    term = getattr(term, "materialize", lambda: None)() or term
+                    mat = getattr(term, "materialize", None)
+                    term = (mat(self._ws) if mat is not None else None) or term
                 self._terms.setdefault(pid, []).append((term, a in call.deferred))
                 if all(not self._pending.get(layer) for layer in self._holders[pid]):
                     self._finalize(pid)
@@ -343,21 +346,25 @@ class PerSampleGradNorms:
         self._bwd_batches.clear()
         self._fwd_batches.clear()
         self._rows.clear()
-        for pid in list(self._terms):
-            self._finalize(pid)
-        unclipped = sorted(self._pname[pid] for pid in self._accumulated - self._termed if pid not in self._dead)
-        self._accumulated.clear()
-        self._termed.clear()
-        if unclipped:
-            msg = (f"hookstats.PerSampleGradNorms(max_norm=...): {', '.join(unclipped)} got a gradient in this "
-                   f"backward but no per-sample term (used outside the layer whose rule covers it, or that layer's "
-                   f"hook did not see the call): its gradient is not clipped")
-            if not self.allow_unclipped:
-                self._clip.clear()
-                raise RuntimeError(f"{msg}. {OPT_OUT}")
-            warnings.warn(msg, stacklevel=2)
-        if self._clip:
-            self._apply_clip()
+        try:
+            for pid in list(self._terms):
+                self._finalize(pid)
+            unclipped = sorted(self._pname[pid] for pid in self._accumulated - self._termed if pid not in self._dead)
+            self._accumulated.clear()
+            self._termed.clear()
+            if unclipped:
+                msg = (f"hookstats.PerSampleGradNorms(max_norm=...): {', '.join(unclipped)} got a gradient in this "
+                       f"backward but no per-sample term (used outside the layer whose rule covers it, or that "
+                       f"layer's hook did not see the call): its gradient is not clipped")
+                if not self.allow_unclipped:
+                    raise RuntimeError(f"{msg}. {OPT_OUT}")
+                warnings.warn(msg, stacklevel=2)
+            if self._clip:
+                self._apply_clip()
+        finally:  # no term outlives the backward: their workspace buffers are free again (Note [workspace])
+            self._terms.clear()
+            self._clip.clear()
+            self._ws.release()
 
     def _apply_clip(self) -> None:  # Note [per-sample clipping]
         entries, self._clip = [e for e in self._clip if e[0] not in self._dead], []
@@ -391,7 +398,7 @@ class PerSampleGradNorms:
         for layer in self.layers:
             vs = [sq[pn] for pn, _ in self._params[layer] if pn in sq]
             if vs:
-                out[layer] = _sum_same_length(vs, layer).sqrt()
+                out[layer] = sum_same_length(vs, layer).sqrt()
         return out
 
     def total(self) -> torch.Tensor:
@@ -403,7 +410,7 @@ class PerSampleGradNorms:
             raise RuntimeError(f"hookstats.PerSampleGradNorms: no per-sample gradient since the last step(): no "
                                f"backward ran, or none reached a covered parameter through its layer{refused}; see "
                                f"coverage()")
-        return _sum_same_length(list(sq.values()), "the covered parameters").sqrt()
+        return sum_same_length(list(sq.values()), "the covered parameters").sqrt()
 
     def coverage(self) -> Coverage:
         """Which trainable parameters count and which do not, by name and reason (hookstats.per_sample.Coverage),
@@ -455,6 +462,7 @@ class PerSampleGradNorms:
         self._terms.clear()
         self._clip.clear()
         self._coef.clear()
+        self._ws.release()
 
     def reset(self) -> None:
         """Back to the state right after construction, the hooks kept: what step() clears, and also the layers
@@ -472,6 +480,7 @@ class PerSampleGradNorms:
             h.remove()
         self._handles.clear()
         self.step()
+        self._ws.clear()
 
     def __enter__(self) -> "PerSampleGradNorms":
         return self
@@ -479,20 +488,3 @@ class PerSampleGradNorms:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-
-def _param_at(mod: nn.Module, path: str):
-    if "." not in path:
-        return mod._parameters.get(path)
-    owner, _, attr = path.rpartition(".")
-    try:
-        return mod.get_submodule(owner)._parameters.get(attr)
-    except AttributeError:
-        return None
-
-
-def _sum_same_length(vs: List[torch.Tensor], what: str) -> torch.Tensor:
-    n = {v.numel() for v in vs}
-    if len(n) > 1:
-        raise RuntimeError(f"hookstats.PerSampleGradNorms: {what} saw different numbers of samples this step "
-                           f"({sorted(n)}): a layer ran in only some backward passes; read per_param() instead")
-    return torch.stack(vs).sum(0)

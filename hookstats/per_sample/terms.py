@@ -83,16 +83,19 @@ class Outer(Term):
         n = self.R.shape[-1]
         return outer_sq_norms(self.R.reshape(b * g, t, n), self.L.reshape(b * g, t, m)).reshape(b, g).sum(1)
 
-    def materialize(self) -> Optional["Dense"]:
-        """The per-sample gradients themselves ([B, G m n] by one bmm), when that is no larger than twice the L and R
-        this term keeps, else None. When the clip computes the weight gradient instead of autograd (Note
-        [book-keeping] in core.py) they are the cheaper route: T m n flops per sample, then a weighted sum, against
-        T^2 (m + n) for the Gram norm plus T m n for the clipped product."""
+    def materialize(self, workspace=None) -> Optional["Dense"]:
+        """The per-sample gradients themselves ([B, G m n] by one bmm, into a buffer of `workspace` when given: Note
+        [workspace]), when that is no larger than twice the L and R this term keeps, else None. When the clip
+        computes the weight gradient instead of autograd (Note [book-keeping] in bookkeeping.py) they are the cheaper
+        route: T m n flops per sample, then a weighted sum, against T^2 (m + n) for the Gram norm plus T m n for the
+        clipped product (measured on the tied transformer of benchmarks/test_bench_per_sample.py: 1.55x against
+        1.71x a plain step)."""
         b, g, t, m = self.L.shape
         n = self.R.shape[-1]
         if t == 1 or m * n > 2 * t * (m + n):
             return None
-        ps = torch.bmm(self.L.reshape(b * g, t, m).transpose(1, 2), self.R.reshape(b * g, t, n))
+        out = None if workspace is None else workspace.take((b * g, m, n), self.L.dtype, self.L.device)
+        ps = torch.bmm(self.L.reshape(b * g, t, m).transpose(1, 2), self.R.reshape(b * g, t, n), out=out)
         return Dense(ps.reshape(b, g * m * n))
 
     def delta(self, w, shape):
@@ -164,7 +167,7 @@ def _cat(terms: Sequence[Term]) -> Optional[Term]:
         return None
     if len(terms) == 1:
         return terms[0]
-    dt = torch.float64 if any(_dtype(t) == torch.float64 for t in terms) else torch.float32
+    dt = torch.float64 if any(term_dtype(t) == torch.float64 for t in terms) else torch.float32
     t0 = terms[0]
     if isinstance(t0, Outer):
         shapes = {(t.L.shape[1], t.L.shape[3], t.R.shape[3]) for t in terms}
@@ -181,8 +184,10 @@ def _cat(terms: Sequence[Term]) -> Optional[Term]:
     return Dense(sum(t.D.to(dt) for t in terms))
 
 
-def _dtype(t: Term) -> torch.dtype:
-    return t.L.dtype if isinstance(t, Outer) else t.R.dtype if isinstance(t, Index) else t.D.dtype
+def term_dtype(t: Term) -> torch.dtype:
+    """The dtype the term's tensors hold (that of its delta); float64 for a Term subclass of another form."""
+    return (t.L.dtype if isinstance(t, Outer) else t.R.dtype if isinstance(t, Index) else t.D.dtype
+            if isinstance(t, Dense) else torch.float64)
 
 
 def combine(terms: List[Term]) -> List[Term]:
@@ -198,7 +203,7 @@ def cross(a: Term, b: Term) -> torch.Tensor:
                            "of layer too has no per-sample rule")
     if isinstance(a, Dense):
         a, b = b, a
-    dt = torch.promote_types(_dtype(a), _dtype(b))
+    dt = torch.promote_types(term_dtype(a), term_dtype(b))
     if isinstance(b, Dense):
         d = b.D.to(dt)
         if isinstance(a, Outer):  # sum_t L_t^T D_b R_t, per block
@@ -222,6 +227,8 @@ def cross(a: Term, b: Term) -> torch.Tensor:
 
 def sum_sq(terms: List[Term]) -> torch.Tensor:
     """||sum of the terms||^2 per sample."""
+    if len(terms) == 1:
+        return terms[0].sq()
     parts = combine(terms)
     sq = parts[0].sq()
     for i, a in enumerate(parts):
@@ -230,3 +237,12 @@ def sum_sq(terms: List[Term]) -> torch.Tensor:
         for b in parts[i + 1:]:
             sq = sq + 2 * cross(a, b)
     return sq
+
+
+def sum_same_length(vs: List[torch.Tensor], what: str) -> torch.Tensor:
+    """The sum of per-sample vectors that must hold the same samples."""
+    n = {v.numel() for v in vs}
+    if len(n) > 1:
+        raise RuntimeError(f"hookstats.PerSampleGradNorms: {what} saw different numbers of samples this step "
+                           f"({sorted(n)}): a layer ran in only some backward passes; read per_param() instead")
+    return torch.stack(vs).sum(0)
