@@ -752,7 +752,8 @@ def test_timm_swin_window_attention_covered():
 
 class Windows(nn.Module):
     """[B, T, d] tokens cut into windows of 2, attention within each window, an output projection on the windows'
-    rows, then a head on [B, T, d]. `mode` says how the windows are formed: "batch_major" (rows of sample b together: covered), "interleaved"
+    rows, then a head on [B, T, d]. `mode` says how the windows are formed: "batch_major" (rows of sample b
+    together: covered), "sdpa" (the same through scaled_dot_product_attention's fused node: covered), "interleaved"
     (a transpose puts the batch inside each window's index: rows of all samples alternate), "across" (the attention
     runs over one token position of every sample), "softmax_across" (scores normalised over the whole flattened
     batch)."""
@@ -773,22 +774,25 @@ class Windows(nn.Module):
         q, k, v = self.qkv(w).reshape(w.shape[0], 2, 3, d).permute(2, 0, 1, 3).unbind(0)
         if self.mode == "across":  # windows regrouped by position: [T/2, B, 2, d] -> attention over samples
             q, k, v = (z.reshape(b, t // 2, 2, d).transpose(0, 1).reshape(t // 2, b * 2, d) for z in (q, k, v))
-        s = q @ k.transpose(-2, -1)
-        s = torch.softmax(s.reshape(-1), 0).reshape(s.shape) if self.mode == "softmax_across" else s.softmax(-1)
-        o = s @ v
+        if self.mode == "sdpa":  # the fused node (ScaledDotProductFlashAttentionForCpuBackward0 here)
+            o = F.scaled_dot_product_attention(q, k, v)
+        else:
+            s = q @ k.transpose(-2, -1)
+            s = torch.softmax(s.reshape(-1), 0).reshape(s.shape) if self.mode == "softmax_across" else s.softmax(-1)
+            o = s @ v
         if self.mode == "across":
             o = o.reshape(t // 2, b, 2, d).transpose(0, 1)
         return self.head(self.proj(o.reshape(-1, 2, d)).reshape(b, t, d))
 
 
-@pytest.mark.parametrize("mode", ["batch_major", "interleaved", "across", "softmax_across"])
+@pytest.mark.parametrize("mode", ["batch_major", "sdpa", "interleaved", "across", "softmax_across"])
 def test_window_rows_proved_or_refused(mode):
     """Note [batch layouts]: the output projection of windowed attention is split per sample only when the graph
     proves each window's rows stay with their sample; rows that alternate between samples, an attention that runs
     across samples, or a softmax over the whole batch leave it refused, by name, with the reason."""
     torch.manual_seed(0)
     model = Windows(mode)
-    if mode == "batch_major":
+    if mode in ("batch_major", "sdpa"):
         check(model, call, f64(B, 4, 4), covered=[n for n, _ in model.named_parameters()])
         return
     with pytest.warns(UserWarning, match="layer proj is refused"):
