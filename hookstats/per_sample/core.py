@@ -15,7 +15,7 @@ from .batch import first_batch, flattened, nonreentrant_recompute, output_tensor
 from .bookkeeping import _is_functorch, defer_hook, restore_hook, untracked
 from .clip import OPT_OUT, apply_clip, deliver
 from .coverage import Coverage, build_coverage
-from .ddp import active_ddp, add_after_ddp
+from .ddp import active_ddp, clip_with
 from .rules.refused import Refused
 from .terms import sum_sq
 
@@ -100,9 +100,8 @@ class PerSampleGradNorms:
         self._termed: set = set()  # pids that got a per-sample term in this backward
         self._rows: dict = {}  # autograd node -> (batch, rows per sample): outputs proved batch-major flattened
         # Note [book-keeping]: layer -> a stack of [(attr, Parameter)] detached for its running calls; layer -> the
-        # attributes its call that just returned deferred; whether the clip is delivering its own gradient
-        self._swapped, self._deferred, self._delivering = {}, {}, False
-        self._ddp = None  # the DDP that reduces this backward's gradients (Note [clipping under DDP] in ddp.py)
+        # attributes its call just deferred; whether the clip is delivering its own gradient; the DDP reducing (ddp.py)
+        self._swapped, self._deferred, self._delivering, self._ddp = {}, {}, False, None
         if self.max_norm is not None and cov.in_scope_uncovered and not self.allow_unclipped:
             items = [f"{self._pname[pid]} ({cov.why[pid]})" for pid in cov.in_scope_uncovered]
             shown = "; ".join(items[:12]) + (f"; and {len(items) - 12} more" if len(items) > 12 else "")
@@ -136,8 +135,7 @@ class PerSampleGradNorms:
     # -- the model's batch size, while its forward runs and in the backward -------------------------------------
     def _root_pre(self, mod, args, kwargs):
         self._batch = first_batch(args, kwargs, self.batch_dim)
-        if self.max_norm is not None and not in_backward():
-            self._ddp = active_ddp(mod)
+        self._ddp = active_ddp(mod, self.max_norm)
 
     def _root_post(self, mod, args, output):
         b, self._batch = self._batch, None
@@ -360,25 +358,12 @@ class PerSampleGradNorms:
                 self._clip.clear()
                 raise RuntimeError(f"{msg}. {OPT_OUT}")
             warnings.warn(msg, stacklevel=2)
-        ddp, self._ddp = self._ddp, None
-        if self._clip or ddp is not None:
-            self._apply_clip(ddp)
+        if self._clip or self._ddp is not None:  # under DDP the ranks' collectives must line up
+            self._apply_clip()
 
-    def _apply_clip(self, ddp=None) -> None:  # Note [per-sample clipping]
+    def _apply_clip(self) -> None:  # Note [per-sample clipping]
         entries, self._clip = [e for e in self._clip if e[0] not in self._dead], []
-        if ddp is None:
-            coef, grads = apply_clip(entries, self.max_norm, self.eps, self._param)
-        else:  # Note [clipping under DDP]: autograd's gradients were reduced unclipped; their corrections after DDP
-            coef, grads = apply_clip([(pid, n, sq, [(t, d) for t, d in ts if d]) for pid, n, sq, ts in entries],
-                                     self.max_norm, self.eps, self._param)
-            deltas: Dict[int, torch.Tensor] = {}
-            with torch.no_grad():
-                for pid, _, _, ts in entries:
-                    for t, d in ts:
-                        if not d:
-                            x = t.delta(coef - 1.0, self._param[pid].shape)
-                            deltas[pid] = x if pid not in deltas else deltas[pid].add_(x)
-            add_after_ddp(ddp, deltas, list(self._pname), self._param, self._pname)
+        coef, grads = clip_with(self._ddp, self._pname)(entries, self.max_norm, self.eps, self._param)
         if coef is not None:
             self._coef.append(coef)
         deliver(grads, self._param, self)

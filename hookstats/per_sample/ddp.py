@@ -5,6 +5,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .clip import apply_clip
+
 # Note [clipping under DDP]: DDP's reducer copies each parameter's gradient into its bucket when autograd
 # accumulates it (a hook on AccumulateGrad) and all-reduces the bucket then; at the end of the backward it writes
 # the averaged buckets back into .grad. The clip runs at the end of the backward too, queued before DDP's own
@@ -21,9 +23,11 @@ import torch
 #   custom average) cannot be mirrored and is refused; so is a correction set that differs between ranks.
 
 
-def active_ddp(model: torch.nn.Module):
-    """The DistributedDataParallel whose forward is running `model` (or `model` itself), when it will all-reduce
-    the gradients of this forward's backward; None otherwise."""
+def active_ddp(model: torch.nn.Module, max_norm: Optional[float]):
+    """With max_norm, the DistributedDataParallel whose forward is running `model` (or `model` itself), when it will
+    all-reduce the gradients of this forward's backward; None otherwise."""
+    if max_norm is None:
+        return None
     try:
         from torch.nn.parallel import DistributedDataParallel as DDP
     except ImportError:  # torch built without distributed
@@ -77,3 +81,23 @@ def add_after_ddp(ddp, deltas: Dict[int, torch.Tensor], order: List[int], params
 
     torch.autograd.Variable._execution_engine.queue_callback(reduce_and_add)
 
+
+def clip_with(ddp, names: Dict[int, str]):
+    """clip.apply_clip, or under a DDP that reduces this backward (Note [clipping under DDP]) the same with the
+    corrections of autograd's gradients kept and queued for after DDP's reduction."""
+    if ddp is None:
+        return apply_clip
+
+    def clip(entries: list, max_norm: float, eps: float, params: Dict[int, torch.nn.Parameter]):
+        coef, grads = apply_clip([(pid, n, sq, [(t, d) for t, d in ts if d]) for pid, n, sq, ts in entries],
+                                 max_norm, eps, params)
+        deltas: Dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for pid, _, _, ts in entries:
+                for t, deferred in ts:
+                    if not deferred:
+                        x = t.delta(coef - 1.0, params[pid].shape)
+                        deltas[pid] = x if pid not in deltas else deltas[pid].add_(x)
+        add_after_ddp(ddp, deltas, list(names), params, names)
+        return coef, grads
+    return clip
