@@ -958,9 +958,13 @@ def clipped_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_norm: f
     return total, torch.stack(coefs)
 
 
+CLIP_DDP = ("default", "bucket_view", "find_unused", "static_graph")  # DDP options of sec_ddp_clip
+
+
 def sec_ddp_clip(rank: int, world: int, out: Path) -> dict:
     """PerSampleGradNorms(max_norm=) on the module inside DDP, each rank a chunk of the batch, two steps (the second
-    with a no_sync() micro-batch first), with gradient_as_bucket_view False and True: the all-reduced .grad must be
+    with a no_sync() micro-batch first), under DDP's defaults, gradient_as_bucket_view, find_unused_parameters and
+    static_graph (the last two: nothing deferred, Note [clipping under DDP]): the all-reduced .grad must be
     the average over the ranks of each rank's sum of clipped per-sample gradients (Note [clipping under DDP]); a
     DDP with a communication hook is refused."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -973,12 +977,13 @@ def sec_ddp_clip(rank: int, world: int, out: Path) -> dict:
     Y = torch.randn(3, 8, 4, 3, generator=gen, dtype=torch.float64)
     local = 8 // world
     res: dict = {}
-    for view in (False, True):
+    for how in CLIP_DDP:
         torch.manual_seed(21)
         model = Block().double()
         ref = copy.deepcopy(model)
         psn = hookstats.PerSampleGradNorms(model, max_norm=0.05)
-        ddp = DDP(model, gradient_as_bucket_view=view)
+        ddp = DDP(model, gradient_as_bucket_view=how == "bucket_view", find_unused_parameters=how == "find_unused",
+                  static_graph=how == "static_graph")
 
         def loss(i: int) -> torch.Tensor:  # each rank's mean over its samples: DDP's average is the global mean
             x, y = X[i].chunk(world)[rank], Y[i].chunk(world)[rank]
@@ -1008,7 +1013,7 @@ def sec_ddp_clip(rank: int, world: int, out: Path) -> dict:
             got["want_coef"].append(torch.cat(coefs))
         got["names"] = [n for n, _ in model.named_parameters()]
         psn.remove()
-        res[f"bucket_view={view}"] = got
+        res[how] = got
 
     torch.manual_seed(21)
     model = Block().double()

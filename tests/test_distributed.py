@@ -654,8 +654,8 @@ def test_one_collective_per_flush(monitor_run):
 # Per-sample clipping under DDP
 
 
-@pytest.mark.parametrize("view", [False, True])
-def test_ddp_per_sample_clipping_matches_per_sample_loop(per_sample_run, view):
+@pytest.mark.parametrize("how", dist_helpers.CLIP_DDP)
+def test_ddp_per_sample_clipping_matches_per_sample_loop(per_sample_run, how):
     """PerSampleGradNorms(max_norm=) inside DDP (Note [clipping under DDP]): the Linear weights' clipped gradients
     delivered through AccumulateGrad (DDP's reducer averages them), the biases' and LayerNorm's autograd gradients
     corrected after DDP's reduction by the all-reduced corrections: every .grad is the average over the ranks of
@@ -663,7 +663,7 @@ def test_ddp_per_sample_clipping_matches_per_sample_loop(per_sample_run, view):
     for a plain step and for a step with a no_sync() micro-batch first; the coefficients are each rank's own."""
     ranks = per_sample_run.section("ddp_clip")
     for rank, r in enumerate(ranks):
-        got = r[f"bucket_view={view}"]
+        got = r[how]
         for step in range(2):
             torch.testing.assert_close(got["coef"][step], got["want_coef"][step], rtol=1e-12, atol=0)
             assert float(got["coef"][step].max()) < 0.1  # every sample clipped: the clip matters
@@ -671,7 +671,7 @@ def test_ddp_per_sample_clipping_matches_per_sample_loop(per_sample_run, view):
                 # the corrected ones: the average of unclipped sums (~30x larger) plus the correction
                 torch.testing.assert_close(g, w, rtol=0, atol=1e-12 * float(w.abs().max()),
                                            msg=lambda m: f"rank {rank} step {step} {name}: {m}")
-    for a, b in zip(ranks[0][f"bucket_view={view}"]["grads"], ranks[1][f"bucket_view={view}"]["grads"]):
+    for a, b in zip(ranks[0][how]["grads"], ranks[1][how]["grads"]):
         for g0, g1 in zip(a, b):
             assert torch.equal(g0, g1)
 

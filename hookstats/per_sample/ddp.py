@@ -21,6 +21,9 @@ from .clip import apply_clip
 #   each rank's clipped sum. In a no_sync() backward the correction is added locally, as without DDP: the
 #   accumulated .grad is reduced by the next syncing backward. A DDP with a communication hook (compression, a
 #   custom average) cannot be mirrored and is refused; so is a correction set that differs between ranks.
+# - a DDP that reads the autograd graph (find_unused_parameters=True, static_graph) would take a weight the layer ran
+#   detached for unused and mark it ready at once, then again when the clip delivers its gradient (DDP's "marked
+#   ready twice" error): under such a DDP nothing is deferred, and every correction is all-reduced as above.
 
 
 def active_ddp(model: torch.nn.Module, max_norm: Optional[float]):
@@ -42,6 +45,12 @@ def active_ddp(model: torch.nn.Module, max_norm: Optional[float]):
                            "DDP]); remove the hook, or run the backward under ddp.no_sync() and all-reduce the "
                            "clipped .grad yourself")
     return ddp
+
+
+def graph_ddp(ddp) -> bool:
+    """Whether a DDP that reduces this backward finds its parameters from the autograd graph (Note [clipping under
+    DDP]): book-keeping's detached weights would look unused to it."""
+    return ddp is not None and bool(getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False))
 
 
 def add_after_ddp(ddp, deltas: Dict[int, torch.Tensor], order: List[int], params: Dict[int, torch.nn.Parameter],
