@@ -50,7 +50,8 @@ def active_ddp(model: torch.nn.Module, max_norm: Optional[float]):
 def graph_ddp(ddp) -> bool:
     """Whether a DDP that reduces this backward finds its parameters from the autograd graph (Note [clipping under
     DDP]): book-keeping's detached weights would look unused to it."""
-    return ddp is not None and bool(getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False))
+    return ddp is not None and bool(getattr(ddp, "find_unused_parameters", False)
+                                    or getattr(ddp, "static_graph", False))
 
 
 def add_after_ddp(ddp, deltas: Dict[int, torch.Tensor], order: List[int], params: Dict[int, torch.nn.Parameter],
