@@ -722,17 +722,55 @@ def swin(impl: str, depths=(2, 2)):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_swin_window_attention_covered(impl):
     """HF Swin: the attention's q/k/v and output projections on [B * windows, N, C] rows, proved batch-major through
-    the window partition, the cyclic shift, the attention product and the head merge (Note [batch layouts]), are
-    covered and exact; only the relative-position table is refused, with its reason."""
+    the window partition, the cyclic shift, the attention product and the head merge (Note [batch layouts]), and the
+    relative-position table, from the scores' gradient per window (Note [relative-position table]): every parameter
+    covered, exact (the table to float32 rounding: the model's softmax runs in float32 and autograd differentiates
+    it there, the rule in float64)."""
     model = swin(impl)
     table = [n for n, _ in model.named_parameters() if n.endswith("relative_position_bias_table")]
     assert len(table) == 4 and model.swin.encoder.layers[0].blocks[1].shift_size > 0
     psn = check(model, lambda m, x: m(pixel_values=x).logits, _vision(),
-                covered=[n for n, _ in model.named_parameters() if n not in table], not_covered=table)
-    cov = psn.coverage()
-    assert "added to the attention scores of every window of every sample" in cov.not_covered[table[0]]
+                covered=[n for n, _ in model.named_parameters()], rtol=1e-5)
+    assert psn._rule["swin.encoder.layers.0.blocks.1.attention"].name == "SwinRelativePositionTableRule"
     assert "swin.encoder.layers.0.blocks.1.attention.o_proj" in psn.layers
-    assert cov.fraction > 0.99
+    assert psn.coverage().fraction == 1.0
+
+
+def _f64_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' eager_attention_forward with its softmax in the model's dtype (no float32 round trip)."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1)
+    return torch.matmul(attn_weights, value).transpose(1, 2).contiguous(), attn_weights
+
+
+def test_swin_relative_position_table_exact():
+    """The table's per-sample norms to float64 rounding where the model's attention is differentiated in float64
+    (an attention function registered with transformers: the eager one without the float32 softmax)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("hookstats_f64_eager", _f64_attention)
+    model = swin("hookstats_f64_eager")
+    psn = check(model, lambda m, x: m(pixel_values=x).logits, _vision(),
+                covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule["swin.encoder.layers.0.blocks.0.attention"].name == "SwinRelativePositionTableRule"
+
+
+def test_swin_table_refused_with_attention_dropout():
+    model = swin("eager")
+    model.config.attention_probs_dropout_prob = 0.1
+    for m in model.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.1
+    model.train()
+    with pytest.warns(UserWarning, match="attention's dropout is active"):
+        psn = hookstats.PerSampleGradNorms(model)
+        model(pixel_values=_vision().float()).logits.sum().backward()
+    why = psn.coverage().not_covered
+    table = [n for n in why if n.endswith("relative_position_bias_table")]
+    assert len(table) == 4 and "random mask" in why[table[0]]
+    psn.remove()
 
 
 def test_timm_swin_window_attention_covered():

@@ -231,7 +231,7 @@ class PerSampleGradNorms:
                     return out.expand(shape)
                 return None
             try:
-                kept = rule.keep(mod, x, args, kwargs)
+                kept = rule.keep_call(mod, x, args, kwargs, output)
             except Refused as e:
                 self._refuse(name, str(e))
                 return untracked(name, deferred)
