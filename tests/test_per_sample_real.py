@@ -757,6 +757,15 @@ def test_swin_relative_position_table_exact():
     assert psn._rule["swin.encoder.layers.0.blocks.0.attention"].name == "SwinRelativePositionTableRule"
 
 
+def test_swin_clipping():
+    """max_norm on HF Swin (every parameter covered: the window projections, the table by its Index term):
+    .grad is the clipped sum of the loop's per-sample gradients."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("hookstats_f64_eager", _f64_attention)
+    clip_check(swin("hookstats_f64_eager"), lambda m, x: m(pixel_values=x).logits, _vision())
+
+
 def test_swin_table_refused_with_attention_dropout():
     model = swin("eager")
     model.config.attention_probs_dropout_prob = 0.1
@@ -775,17 +784,18 @@ def test_swin_table_refused_with_attention_dropout():
 
 def test_timm_swin_window_attention_covered():
     """timm Swin: qkv split by a permute that moves the heads' q/k/v axis in front of the windows, then unbind; the
-    window mask added through a [B, windows, ...] view; the output projection covered."""
+    window mask added through a [B, windows, ...] view; the output projection and the relative-position table
+    (WindowAttention's rule, by its code) covered: every parameter, exact (timm's softmax runs in the model's
+    dtype)."""
     import timm
 
     torch.manual_seed(0)
     model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=3, img_size=32,
                               window_size=2, embed_dim=8, depths=(2, 2), num_heads=(1, 2))
-    table = [n for n, _ in model.named_parameters() if n.endswith("relative_position_bias_table")]
-    assert len(table) == 4
-    psn = check(model, call, f64(B, 3, 32, 32), covered=[n for n, _ in model.named_parameters() if n not in table],
-                not_covered=table)
+    assert sum(n.endswith("relative_position_bias_table") for n, _ in model.named_parameters()) == 4
+    psn = check(model, call, f64(B, 3, 32, 32), covered=[n for n, _ in model.named_parameters()])
     assert "layers.0.blocks.1.attn.proj" in psn.layers
+    assert psn._rule["layers.0.blocks.1.attn"].name == "TimmWindowAttentionTableRule"
 
 
 class Windows(nn.Module):

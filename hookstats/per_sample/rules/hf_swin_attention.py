@@ -127,29 +127,37 @@ class SwinRelativePositionTableRule(Rule):
         if mod.training and mod.attention_dropout > 0:
             raise Refused("the attention's dropout is active (training mode, p > 0): a random mask the rule cannot "
                           "replay")
-        p, v = _kept_product(self.output(mod, output))
-        heads = mod.num_attention_heads
-        n = x.shape[1]
-        if p.shape != (x.shape[0] * heads, n, n) or v.shape[:2] != (x.shape[0] * heads, n):
-            raise Refused(f"the attention product's operands {tuple(p.shape)} x {tuple(v.shape)} are not the "
-                          f"[windows * heads, N, N] probabilities and values of {x.shape[0]} windows of {n} tokens")
-        return p.detach(), v.detach()
+        return kept_probabilities(self.output(mod, output), x.shape[0], mod.num_attention_heads, x.shape[1])
 
     def terms(self, mod, kept, g, attrs):
-        p, v = kept
-        dt = compute_dtype(g)
-        x_, n, c = g.shape
-        heads = mod.num_attention_heads
-        w_o = mod.o_proj.weight.detach().to(dt)
-        d_o = (g.to(dt) @ w_o).reshape(x_, n, heads, -1).transpose(1, 2).reshape(x_ * heads, n, -1)
-        p = p.to(dt)
-        d_p = torch.bmm(d_o, v.to(dt).transpose(1, 2))
-        d_s = p * (d_p - (d_p * p).sum(-1, keepdim=True))  # [windows * heads, N, N]
         rel = mod.relative_position_bias
-        idx = rel.relative_position_index.reshape(1, n * n).expand(x_, -1)
-        r = d_s.reshape(x_, heads, n * n).transpose(1, 2)  # [windows, N * N, heads]
-        table = rel.relative_position_bias_table
-        return {"relative_position_bias.relative_position_bias_table": Index(idx, r, table.shape[0])}
+        return {"relative_position_bias.relative_position_bias_table": table_term(
+            kept, g, mod.o_proj.weight, mod.num_attention_heads, rel.relative_position_index,
+            rel.relative_position_bias_table.shape[0])}
+
+
+def kept_probabilities(out: torch.Tensor, windows: int, heads: int, n: int):
+    """The [windows * heads, N, N] probabilities and [windows * heads, N, d] values the attention product of the
+    call whose output projection gave `out` keeps for its backward, or Refused."""
+    p, v = _kept_product(out)
+    if p.shape != (windows * heads, n, n) or v.shape[:2] != (windows * heads, n):
+        raise Refused(f"the attention product's operands {tuple(p.shape)} x {tuple(v.shape)} are not the "
+                      f"[windows * heads, N, N] probabilities and values of {windows} windows of {n} tokens")
+    return p.detach(), v.detach()
+
+
+def table_term(kept, g: torch.Tensor, w_o: torch.Tensor, heads: int, index: torch.Tensor, rows: int) -> Index:
+    """The table's gradient per window (Note [relative-position table]) from the output projection's output gradient
+    g [windows, N, C], its weight, and the kept probabilities and values: an Index term over the N * N positions."""
+    p, v = kept
+    dt = compute_dtype(g)
+    x_, n, _ = g.shape
+    d_o = (g.to(dt) @ w_o.detach().to(dt)).reshape(x_, n, heads, -1).transpose(1, 2).reshape(x_ * heads, n, -1)
+    p = p.to(dt)
+    d_p = torch.bmm(d_o, v.to(dt).transpose(1, 2))
+    d_s = p * (d_p - (d_p * p).sum(-1, keepdim=True))  # the scores' gradient, [windows * heads, N, N]
+    idx = index.reshape(1, n * n).expand(x_, -1)
+    return Index(idx, d_s.reshape(x_, heads, n * n).transpose(1, 2), rows)  # R: [windows, N * N, heads]
 
 
 def _match(mod: nn.Module) -> bool:
