@@ -13,7 +13,7 @@ from .._owned_hooks import in_backward, register
 from .._select import Selection
 from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows
 from .bookkeeping import _is_functorch, defer_hook, restore_hook, untracked
-from .clip import OPT_OUT, apply_clip, deliver
+from .clip import OPT_OUT, deliver
 from .coverage import Coverage, build_coverage
 from .ddp import active_ddp, clip_with
 from .rules.refused import Refused

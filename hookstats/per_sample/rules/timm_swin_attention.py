@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..registry import Rule, register_pattern, same_code
+from ..registry import Rule, register_pattern, register_refusal, same_code
 from .hf_swin_attention import kept_probabilities, table_term
-from .refused import Refused
+from .refused import _REL_POS, Refused
 
 
 class _WindowAttention(nn.Module):  # timm.models.swin_transformer.WindowAttention
@@ -92,3 +92,6 @@ def timm_window_attention(mod: nn.Module) -> bool:
 
 register_pattern("timm Swin WindowAttention (the relative-position table)", timm_window_attention,
                  TimmWindowAttentionTableRule())
+register_refusal(lambda name, mod: type(mod).__module__.startswith("timm.")
+                 and isinstance(mod._parameters.get("relative_position_bias_table"), nn.Parameter)
+                 and not timm_window_attention(mod), _REL_POS)
