@@ -924,12 +924,118 @@ def sec_placements(rank: int, world: int, out: Path) -> dict:
     return res
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Scenario "per_sample": DP-SGD clipping under DDP
+
+
+class Block(nn.Module):
+    """Linear weights (their clipped gradient computed by the clip and delivered through autograd: Note
+    [book-keeping]) beside biases and LayerNorm parameters (autograd's gradient plus the clip's correction)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):  # x [B, T, 6]
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def clipped_sums(model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_norm: float, scale: float,
+                 eps: float = 1e-6) -> tuple[list, torch.Tensor]:
+    """sum_b min(1, max_norm / (||g_b|| + eps)) g_b over the samples of x, g_b the gradient of scale * (sample b's
+    squared error summed over its tokens and outputs), one float64 backward per sample; and the coefficients."""
+    params = list(model.parameters())
+    total = [torch.zeros_like(p) for p in params]
+    coefs = []
+    for b in range(x.shape[0]):
+        loss = scale * (model(x[b:b + 1]) - y[b:b + 1]).square().sum()
+        gs = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum(g.square().sum() for g in gs))
+        c = torch.clamp(max_norm / (norm + eps), max=1.0)
+        coefs.append(c)
+        for t, g in zip(total, gs):
+            t.add_(c * g)
+    return total, torch.stack(coefs)
+
+
+CLIP_DDP = ("default", "bucket_view", "find_unused", "static_graph")  # DDP options of sec_ddp_clip
+
+
+def sec_ddp_clip(rank: int, world: int, out: Path) -> dict:
+    """PerSampleGradNorms(max_norm=) on the module inside DDP, each rank a chunk of the batch, two steps (the second
+    with a no_sync() micro-batch first), under DDP's defaults, gradient_as_bucket_view, find_unused_parameters and
+    static_graph (the last two: nothing deferred, Note [clipping under DDP]): the all-reduced .grad must be
+    the average over the ranks of each rank's sum of clipped per-sample gradients (Note [clipping under DDP]); a
+    DDP with a communication hook is refused."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hookstats
+
+    gen = _gen(22)
+    X = torch.randn(3, 8, 4, 6, generator=gen, dtype=torch.float64)  # 3 micro-batches of 8 samples of 4 tokens
+    Y = torch.randn(3, 8, 4, 3, generator=gen, dtype=torch.float64)
+    local = 8 // world
+    res: dict = {}
+    for how in CLIP_DDP:
+        torch.manual_seed(21)
+        model = Block().double()
+        ref = copy.deepcopy(model)
+        psn = hookstats.PerSampleGradNorms(model, max_norm=0.05)
+        ddp = DDP(model, gradient_as_bucket_view=how == "bucket_view", find_unused_parameters=how == "find_unused",
+                  static_graph=how == "static_graph")
+
+        def loss(i: int) -> torch.Tensor:  # each rank's mean over its samples: DDP's average is the global mean
+            x, y = X[i].chunk(world)[rank], Y[i].chunk(world)[rank]
+            return (ddp(x) - y).square().sum((1, 2)).mean()
+
+        got: dict = {"grads": [], "coef": [], "want": [], "want_coef": []}
+        for micro in ([0], [1, 2]):
+            ddp.zero_grad()
+            for i in micro:
+                with ddp.no_sync() if i != micro[-1] else contextlib.nullcontext():
+                    loss(i).backward()
+            got["grads"].append([p.grad.clone() for p in model.parameters()])
+            got["coef"].append(psn.clip_coef().clone())
+            psn.step()
+            # the reference: every rank's chunks clipped per sample, summed per rank, averaged over the ranks (no
+            # collective: every rank has the whole batch)
+            want = [torch.zeros_like(p) for p in ref.parameters()]
+            coefs = []
+            for i in micro:
+                for r in range(world):
+                    sums, c = clipped_sums(ref, X[i].chunk(world)[r], Y[i].chunk(world)[r], 0.05, 1.0 / local)
+                    for w, s_ in zip(want, sums):
+                        w.add_(s_ / world)
+                    if r == rank:
+                        coefs.append(c)
+            got["want"].append(want)
+            got["want_coef"].append(torch.cat(coefs))
+        got["names"] = [n for n, _ in model.named_parameters()]
+        psn.remove()
+        res[how] = got
+
+    torch.manual_seed(21)
+    model = Block().double()
+    psn = hookstats.PerSampleGradNorms(model, max_norm=0.05)
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, allreduce_hook)
+    try:
+        ddp(X[0].chunk(world)[rank])
+        res["comm_hook"] = "no error"
+    except RuntimeError as e:
+        res["comm_hook"] = str(e)
+    psn.remove()
+    return res
+
+
 SCENARIOS = {
     "monitor": [("model", sec_model), ("special", sec_special), ("flush_every", sec_flush_every),
                 ("uneven", sec_uneven), ("mismatch", sec_mismatch), ("nonfinite", sec_nonfinite),
                 ("collectives", sec_collectives)],
     "parallel": [("ddp", sec_ddp), ("ddp_grads", sec_ddp_grads), ("fsdp", sec_fsdp), ("placements", sec_placements),
                  ("models", sec_models)],
+    "per_sample": [("ddp_clip", sec_ddp_clip)],
 }
 
 

@@ -4,6 +4,7 @@ real-model tests compare the Monitor against (issue #23).
 Each builder returns a RealModel: the model (train mode, every dropout probability 0, so that twins see the same
 values), a batch maker and the loss of an output. Sizes are tiny (2 layers, hidden 32, vocab 100, 8 tokens, batch 2;
 images 2 x 3 x 32 x 32) so that one step takes milliseconds. Transformers models use attn_implementation="eager".
+The peft builders (LoRA on GPT-2, embedding LoRA on GPT-2, DoRA on Llama) wrap those models with a peft adapter.
 
 Twins (tests compare hookstats with PyTorch on a copy with the same weights, never with both hooks on one model:
 a PyTorch hook changes the tensors the Monitor sees):
@@ -137,9 +138,31 @@ def convnext_atto(layers: int = 2) -> RealModel:
     return _timm("convnext_atto")
 
 
+def _peft(rm: RealModel, kind: str, targets: list[str], **kw) -> RealModel:
+    """`rm`'s model with a peft adapter (the base frozen, the adapter trainable, init_lora_weights=False so that
+    lora_B is not zero and every adapter parameter gets a gradient)."""
+    import peft
+
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, **kw)
+    return dataclasses.replace(rm, name=f"{rm.name}_{kind}", model=peft.get_peft_model(rm.model, cfg))
+
+
+def gpt2_lora(layers: int = 2) -> RealModel:  # LoRA on GPT-2's Conv1D attention and MLP projections
+    return _peft(gpt2(layers), "lora", ["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
+
+
+def gpt2_lora_embedding(layers: int = 2) -> RealModel:  # LoRA on the token and position embeddings too
+    return _peft(gpt2(layers), "lora_embedding", ["c_attn", "c_fc", "wte", "wpe"], fan_in_fan_out=True)
+
+
+def llama_dora(layers: int = 2) -> RealModel:  # DoRA (a magnitude vector besides lora_A / lora_B) on Llama
+    return _peft(llama(layers), "dora", ["q_proj", "v_proj", "up_proj", "down_proj"], use_dora=True)
+
+
 BUILDERS: dict[str, Callable[..., RealModel]] = {
     "gpt2": gpt2, "llama": llama, "bert": bert, "t5": t5, "mixtral": mixtral, "resnet18": resnet18,
-    "convnext_atto": convnext_atto,
+    "convnext_atto": convnext_atto, "gpt2_lora": gpt2_lora, "gpt2_lora_embedding": gpt2_lora_embedding,
+    "llama_dora": llama_dora,
 }
 
 

@@ -82,6 +82,11 @@ def parallel_run(tmp_path_factory) -> Run:
     return _run("parallel", tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def per_sample_run(tmp_path_factory) -> Run:
+    return _run("per_sample", tmp_path_factory)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Comparisons
 
@@ -643,3 +648,34 @@ def test_one_collective_per_flush(monitor_run):
         assert r["counts"] == [8, 16, 24]
         assert r["big"] == [[ag] * 2, [ag], [ag]]
         assert r["big_records"] == 17
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-sample clipping under DDP
+
+
+@pytest.mark.parametrize("how", dist_helpers.CLIP_DDP)
+def test_ddp_per_sample_clipping_matches_per_sample_loop(per_sample_run, how):
+    """PerSampleGradNorms(max_norm=) inside DDP (Note [clipping under DDP]): the Linear weights' clipped gradients
+    delivered through AccumulateGrad (DDP's reducer averages them), the biases' and LayerNorm's autograd gradients
+    corrected after DDP's reduction by the all-reduced corrections: every .grad is the average over the ranks of
+    each rank's sum of its samples' clipped gradients (a float64 loop, one backward per sample), on both ranks,
+    for a plain step and for a step with a no_sync() micro-batch first; the coefficients are each rank's own."""
+    ranks = per_sample_run.section("ddp_clip")
+    for rank, r in enumerate(ranks):
+        got = r[how]
+        for step in range(2):
+            torch.testing.assert_close(got["coef"][step], got["want_coef"][step], rtol=1e-12, atol=0)
+            assert float(got["coef"][step].max()) < 0.1  # every sample clipped: the clip matters
+            for name, g, w in zip(got["names"], got["grads"][step], got["want"][step]):
+                # the corrected ones: the average of unclipped sums (~30x larger) plus the correction
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-12 * float(w.abs().max()),
+                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+    for a, b in zip(ranks[0][how]["grads"], ranks[1][how]["grads"]):
+        for g0, g1 in zip(a, b):
+            assert torch.equal(g0, g1)
+
+
+def test_ddp_per_sample_clipping_refuses_a_comm_hook(per_sample_run):
+    for r in per_sample_run.section("ddp_clip"):
+        assert "communication hook" in r["comm_hook"], r["comm_hook"]

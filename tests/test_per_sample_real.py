@@ -708,24 +708,147 @@ def test_peft_adapters(kind):
     assert psn.coverage().fraction == 1.0
 
 
-def test_swin_refusals_state_their_reasons():
-    """HF Swin: the relative-position table (one bias broadcast over every window and sample) and the attention
-    output projection (fed window rows out of the attention product, which the row proof does not follow) are
-    refused with those reasons; every other parameter is covered and exact."""
+def swin(impl: str, depths=(2, 2)):
+    """A tiny HF Swin: stage 0 has 4 windows of 2 x 2 per sample, its second block shifted (the cyclic roll and the
+    window mask); stage 1 one window per sample."""
     import transformers as T
 
     torch.manual_seed(0)
-    model = T.SwinForImageClassification(T.SwinConfig(embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=2,
-                                                      image_size=16, patch_size=4, num_labels=3))
+    return T.SwinForImageClassification(T.SwinConfig(embed_dim=8, depths=list(depths), num_heads=[1, 2],
+                                                     window_size=2, image_size=16, patch_size=4, num_labels=3,
+                                                     attn_implementation=impl))
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_swin_window_attention_covered(impl):
+    """HF Swin: the attention's q/k/v and output projections on [B * windows, N, C] rows, proved batch-major through
+    the window partition, the cyclic shift, the attention product and the head merge (Note [batch layouts]), and the
+    relative-position table, from the scores' gradient per window (Note [relative-position table]): every parameter
+    covered, exact (the table to float32 rounding: the model's softmax runs in float32 and autograd differentiates
+    it there, the rule in float64)."""
+    model = swin(impl)
     table = [n for n, _ in model.named_parameters() if n.endswith("relative_position_bias_table")]
-    # stage 0 has 4 windows per sample; stage 1 one (its rows are the samples: covered)
-    proj = [n for n, _ in model.named_parameters() if ".attention.o_proj." in n and ".layers.0." in n]
-    assert table and proj
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        psn = check(model, lambda m, x: m(pixel_values=x).logits, _vision(),
-                    covered=[n for n, _ in model.named_parameters() if n not in table + proj],
-                    not_covered=table + proj)
+    assert len(table) == 4 and model.swin.encoder.layers[0].blocks[1].shift_size > 0
+    psn = check(model, lambda m, x: m(pixel_values=x).logits, _vision(),
+                covered=[n for n, _ in model.named_parameters()], rtol=1e-5)
+    assert psn._rule["swin.encoder.layers.0.blocks.1.attention"].name == "SwinRelativePositionTableRule"
+    assert "swin.encoder.layers.0.blocks.1.attention.o_proj" in psn.layers
+    assert psn.coverage().fraction == 1.0
+
+
+def _f64_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' eager_attention_forward with its softmax in the model's dtype (no float32 round trip)."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1)
+    return torch.matmul(attn_weights, value).transpose(1, 2).contiguous(), attn_weights
+
+
+def test_swin_relative_position_table_exact():
+    """The table's per-sample norms to float64 rounding where the model's attention is differentiated in float64
+    (an attention function registered with transformers: the eager one without the float32 softmax)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("hookstats_f64_eager", _f64_attention)
+    model = swin("hookstats_f64_eager")
+    psn = check(model, lambda m, x: m(pixel_values=x).logits, _vision(),
+                covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule["swin.encoder.layers.0.blocks.0.attention"].name == "SwinRelativePositionTableRule"
+
+
+def test_swin_clipping():
+    """max_norm on HF Swin (every parameter covered: the window projections, the table by its Index term):
+    .grad is the clipped sum of the loop's per-sample gradients."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("hookstats_f64_eager", _f64_attention)
+    clip_check(swin("hookstats_f64_eager"), lambda m, x: m(pixel_values=x).logits, _vision())
+
+
+def test_swin_table_refused_with_attention_dropout():
+    model = swin("eager")
+    model.config.attention_probs_dropout_prob = 0.1
+    for m in model.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.1
+    model.train()
+    with pytest.warns(UserWarning, match="attention's dropout is active"):
+        psn = hookstats.PerSampleGradNorms(model)
+        model(pixel_values=_vision().float()).logits.sum().backward()
     why = psn.coverage().not_covered
-    assert "added to the attention scores of every window of every sample" in why[table[0]]
-    assert "not provably the batch's samples flattened batch-major" in why[proj[0]]
+    table = [n for n in why if n.endswith("relative_position_bias_table")]
+    assert len(table) == 4 and "random mask" in why[table[0]]
+    psn.remove()
+
+
+def test_timm_swin_window_attention_covered():
+    """timm Swin: qkv split by a permute that moves the heads' q/k/v axis in front of the windows, then unbind; the
+    window mask added through a [B, windows, ...] view; the output projection and the relative-position table
+    (WindowAttention's rule, by its code) covered: every parameter, exact (timm's softmax runs in the model's
+    dtype)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=3, img_size=32,
+                              window_size=2, embed_dim=8, depths=(2, 2), num_heads=(1, 2))
+    assert sum(n.endswith("relative_position_bias_table") for n, _ in model.named_parameters()) == 4
+    psn = check(model, call, f64(B, 3, 32, 32), covered=[n for n, _ in model.named_parameters()])
+    assert "layers.0.blocks.1.attn.proj" in psn.layers
+    assert psn._rule["layers.0.blocks.1.attn"].name == "TimmWindowAttentionTableRule"
+
+
+class Windows(nn.Module):
+    """[B, T, d] tokens cut into windows of 2, attention within each window, an output projection on the windows'
+    rows, then a head on [B, T, d]. `mode` says how the windows are formed: "batch_major" (rows of sample b
+    together: covered), "sdpa" (the same through scaled_dot_product_attention's fused node: covered), "interleaved"
+    (a transpose puts the batch inside each window's index: rows of all samples alternate), "across" (the attention
+    runs over one token position of every sample), "softmax_across" (scores normalised over the whole flattened
+    batch)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.qkv = nn.Linear(4, 12)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # x [B, T, 4]
+        b, t, d = x.shape
+        if self.mode == "interleaved":
+            w = x.transpose(0, 1).reshape(-1, 2, d)  # a copy: not a view of the batch, rows of all samples alternate
+        else:
+            w = x.reshape(-1, 2, d)  # [B * T/2, 2, d], a view: batch-major windows
+        q, k, v = self.qkv(w).reshape(w.shape[0], 2, 3, d).permute(2, 0, 1, 3).unbind(0)
+        if self.mode == "across":  # windows regrouped by position: [T/2, B, 2, d] -> attention over samples
+            q, k, v = (z.reshape(b, t // 2, 2, d).transpose(0, 1).reshape(t // 2, b * 2, d) for z in (q, k, v))
+        if self.mode == "sdpa":  # the fused node (ScaledDotProductFlashAttentionForCpuBackward0 here)
+            o = F.scaled_dot_product_attention(q, k, v)
+        else:
+            s = q @ k.transpose(-2, -1)
+            s = torch.softmax(s.reshape(-1), 0).reshape(s.shape) if self.mode == "softmax_across" else s.softmax(-1)
+            o = s @ v
+        if self.mode == "across":
+            o = o.reshape(t // 2, b, 2, d).transpose(0, 1)
+        return self.head(self.proj(o.reshape(-1, 2, d)).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("mode", ["batch_major", "sdpa", "interleaved", "across", "softmax_across"])
+def test_window_rows_proved_or_refused(mode):
+    """Note [batch layouts]: the output projection of windowed attention is split per sample only when the graph
+    proves each window's rows stay with their sample; rows that alternate between samples, an attention that runs
+    across samples, or a softmax over the whole batch leave it refused, by name, with the reason."""
+    torch.manual_seed(0)
+    model = Windows(mode)
+    if mode in ("batch_major", "sdpa"):
+        check(model, call, f64(B, 4, 4), covered=[n for n, _ in model.named_parameters()])
+        return
+    with pytest.warns(UserWarning, match="layer proj is refused"):
+        if mode == "interleaved":  # the samples stay independent: what is covered is exact
+            psn = check(model, call, f64(B, 4, 4))
+        else:  # the model mixes the samples: no per-sample gradient to compare with, only the refusal
+            psn = hookstats.PerSampleGradNorms(model.double())
+            model(f64(B, 4, 4)).sum().backward()
+    why = psn.coverage().not_covered
+    assert "not provably the batch's samples flattened batch-major" in why["proj.weight"]
+    assert ("qkv.weight" in why) == (mode == "interleaved")  # a copy in the batch's transposed order: not a view

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._owned_hooks import in_backward
+from .ddp import graph_ddp
 from .rules.refused import Refused
 
 # Note [book-keeping]: with max_norm, autograd's weight gradient of a covered layer (x^T g over the batch) is
@@ -36,7 +37,7 @@ def defer_hook(self, name: str, defer: list):
         # Note [book-keeping]: decided before the call, from what the forward hook will check after it: a
         # deferred call must be kept (its gradient exists nowhere else)
         self._swapped.setdefault(name, []).append([])
-        if not torch.is_grad_enabled() or not args or name in self._refused:
+        if not torch.is_grad_enabled() or not args or name in self._refused or graph_ddp(self._ddp):
             return None
         x0 = rule.input(mod, args, kwargs)
         if not isinstance(x0, torch.Tensor) or _is_functorch(x0):

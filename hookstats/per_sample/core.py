@@ -13,8 +13,9 @@ from .._owned_hooks import in_backward, register
 from .._select import Selection
 from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows
 from .bookkeeping import _is_functorch, defer_hook, param_at, restore_hook, untracked
-from .clip import OPT_OUT, apply_clip, deliver
+from .clip import OPT_OUT, deliver
 from .coverage import Coverage, build_coverage
+from .ddp import active_ddp, clip_with
 from .rules.refused import Refused
 from .terms import sum_same_length, sum_sq
 from .workspace import Workspace
@@ -100,8 +101,8 @@ class PerSampleGradNorms:
         self._termed: set = set()  # pids that got a per-sample term in this backward
         self._rows: dict = {}  # autograd node -> (batch, rows per sample): outputs proved batch-major flattened
         # Note [book-keeping]: layer -> a stack of [(attr, Parameter)] detached for its running calls; layer -> the
-        # attributes its call that just returned deferred; whether the clip is delivering its own gradient
-        self._swapped, self._deferred, self._delivering = {}, {}, False
+        # attributes its call just deferred; whether the clip is delivering its own gradient; the DDP reducing (ddp.py)
+        self._swapped, self._deferred, self._delivering, self._ddp = {}, {}, False, None
         self._ws = Workspace()  # Note [workspace]: the materialised per-sample products of the deferred weights
         if self.max_norm is not None and cov.in_scope_uncovered and not self.allow_unclipped:
             items = [f"{self._pname[pid]} ({cov.why[pid]})" for pid in cov.in_scope_uncovered]
@@ -136,6 +137,7 @@ class PerSampleGradNorms:
     # -- the model's batch size, while its forward runs and in the backward -------------------------------------
     def _root_pre(self, mod, args, kwargs):
         self._batch = first_batch(args, kwargs, self.batch_dim)
+        self._ddp = active_ddp(mod, self.max_norm)
 
     def _root_post(self, mod, args, output):
         b, self._batch = self._batch, None
@@ -231,7 +233,7 @@ class PerSampleGradNorms:
                     return out.expand(shape)
                 return None
             try:
-                kept = rule.keep(mod, x, args, kwargs)
+                kept = rule.keep_call(mod, x, args, kwargs, output)
             except Refused as e:
                 self._refuse(name, str(e))
                 return untracked(name, deferred)
@@ -359,7 +361,7 @@ class PerSampleGradNorms:
                 if not self.allow_unclipped:
                     raise RuntimeError(f"{msg}. {OPT_OUT}")
                 warnings.warn(msg, stacklevel=2)
-            if self._clip:
+            if self._clip or self._ddp is not None:  # under DDP the ranks' collectives must line up
                 self._apply_clip()
         finally:  # no term outlives the backward: their workspace buffers are free again (Note [workspace])
             self._terms.clear()
@@ -368,7 +370,7 @@ class PerSampleGradNorms:
 
     def _apply_clip(self) -> None:  # Note [per-sample clipping]
         entries, self._clip = [e for e in self._clip if e[0] not in self._dead], []
-        coef, grads = apply_clip(entries, self.max_norm, self.eps, self._param)
+        coef, grads = clip_with(self._ddp, self._pname)(entries, self.max_norm, self.eps, self._param)
         if coef is not None:
             self._coef.append(coef)
         deliver(grads, self._param, self)

@@ -76,9 +76,9 @@ class StaticCoverage:
 
 
 def _may_claim(mod: nn.Module) -> bool:
-    """A module without parameters of its own may still apply a child's (a ParameterDict's): ask the registry only
-    for modules with parameter-holding children that are not modules with rules of their own."""
-    return any(isinstance(c, (nn.ParameterDict, nn.ParameterList)) for c in mod.children())
+    """A module without parameters of its own may still apply a child's (a ParameterDict's, the table of HF Swin's
+    SwinRelativePositionBias): ask the registry for modules with a child that holds parameters itself."""
+    return any(isinstance(c, (nn.ParameterDict, nn.ParameterList)) or c._parameters for c in mod.children())
 
 
 def _is_ancestor(a: str, b: str) -> bool:

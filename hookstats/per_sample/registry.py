@@ -45,7 +45,8 @@ class Rule:
       refused; Note [broadcast layers]).
     - `keep(mod, x, args, kwargs)`: what the forward keeps for the backward, from the first input with its batch
       dim first (default: the detached input itself, a tensor autograd keeps anyway); may raise
-      hookstats.per_sample.Refused(reason) for a call it cannot split per sample.
+      hookstats.per_sample.Refused(reason) for a call it cannot split per sample; `keep_call(mod, x, args, kwargs,
+      output)` is what the forward hook calls (default: keep()), for a rule that reads the call's output graph.
     - `output(mod, out)`: the output tensor whose gradient the rule needs (default: the output, when a tensor).
     - `terms(mod, kept, grad, attrs)`: {attribute: Term} (hookstats.per_sample.terms: Outer, Index, Dense) for the
       attributes in `attrs`, from the kept value and the output's gradient (batch dim first), in float64 for float64
@@ -78,6 +79,11 @@ class Rule:
 
     def keep(self, mod: nn.Module, x: torch.Tensor, args: tuple = (), kwargs: Optional[dict] = None):
         return x
+
+    def keep_call(self, mod: nn.Module, x: torch.Tensor, args: tuple, kwargs: Optional[dict], output):
+        """What the forward keeps, from the call's output too (the autograd graph the call built: what its backward
+        keeps); by default keep()."""
+        return self.keep(mod, x, args, kwargs)
 
     def output(self, mod: nn.Module, out):
         return out if isinstance(out, torch.Tensor) else None

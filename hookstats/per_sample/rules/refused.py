@@ -1,8 +1,6 @@
 """Layers refused by default, with the reason (hookstats.per_sample.register_refusal adds others)."""
 from __future__ import annotations
 
-import torch
-
 from ..registry import register_refusal
 
 
@@ -27,5 +25,5 @@ _REL_POS = ("a relative-position bias table: gathered into one [heads, N, N] bia
             "before any module output carries it: no per-sample split is left; left out of the total")
 register_refusal(lambda name, mod: type(mod).__name__.endswith("RelativePositionBias")
                  and "relative_position_bias_table" in mod._parameters, _REL_POS)
-register_refusal(lambda name, mod: type(mod).__module__.startswith("timm.")
-                 and isinstance(mod._parameters.get("relative_position_bias_table"), torch.nn.Parameter), _REL_POS)
+# timm's tables held by an attention module: refused in rules/timm_swin_attention.py, but Swin's WindowAttention
+
