@@ -36,37 +36,6 @@ template <> HS_INLINE int32_t exp_slot_of<double>(const double& v) {
 template <> HS_INLINE int32_t exp_slot_of<c10::Half>(const c10::Half& v) { return exp_slot<5, 10>(v.x); }
 template <> HS_INLINE int32_t exp_slot_of<c10::BFloat16>(const c10::BFloat16& v) { return exp_slot<8, 7>(v.x); }
 
-// Note [cpu histogram counters]
-// A chunk is binned in two passes: its counter indices go into a 16 KB buffer (SIMD, or table loads),
-// then a counting pass (count_keys) increments, for value j of each run of 64, copy j % copies of
-// the `copies` uint32 copies of the histogram that the thread holds. So runs of values in one bin do
-// not serialize on one counter's store-to-load latency, and data that alternates at random between a
-// few bins (ReLU outputs, values around an edge) does not defeat the CPU's memory-dependence
-// prediction: a bare `c[idx[i]] += 1` loop (torch.bincount) is 2-2.5x slower on such data than on
-// spread data, this pass is not. A run of 64 equal indices is one addition. The copies are added
-// into the thread's int64 totals before any counter can wrap (every 2^31 increments) and at the end;
-// threads' totals are summed last. Counts are integers: the result does not depend on threads or
-// order.
-struct HistCounters {
-  uint32_t* c;     // copies x len
-  int64_t* total;  // len
-  int64_t len;
-  int copies;      // power of two
-  int64_t pending;
-};
-
-inline void flush_counters(HistCounters& h) {
-  const int64_t len = h.len;
-  int64_t* __restrict__ total = h.total;
-  for (int r = 0; r < h.copies; ++r) {
-    uint32_t* __restrict__ c = h.c + r * len;
-    for (int64_t i = 0; i < len; ++i) total[i] += c[i];
-    std::memset(c, 0, static_cast<size_t>(len) * sizeof(uint32_t));
-  }
-  h.pending = 0;
-}
-
-
 // Constants of the SIMD range binning, see slot_lanes. Built once per call (bin_plan).
 struct RangeConsts {
   float scale, shift, lo_clamp, hi_clamp, band;
@@ -340,114 +309,18 @@ HS_INLINE int64_t range_ordinals_avx512(const scalar_t* p, int64_t n, const Rang
 }
 #endif
 
-// Note [one-hot chunk counts] for the exponent histogram of float-accumulated inputs: keys 0..NW-1 are the positive
-// normals of exponents lo .. lo + NW - 1 (the NW exponents at and below the chunk's largest |x|, amax), 32.. the
-// negative ones, 31 zero (+0 and -0), 63 NaN; any other value (a smaller exponent, a subnormal, an infinity) is
-// counted by exp_slot_of.
-template <int B, typename scalar_t>
-HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, double amax) {
-  using I = typename OneHotTypes<B>::I;
-  using U = typename OneHotTypes<B>::U;
-  constexpr int W = B / 4;
-  constexpr int E = ExpBits<scalar_t>::E;
-  constexpr int MS = sizeof(scalar_t) == 4 || E == 8 ? 23 : ExpBits<scalar_t>::M;  // mantissa bits in a u32 lane
-  constexpr int32_t emask = (1 << E) - 1, nE = (1 << E) - 2, NW = E == 5 ? 30 : 31;
-  int ex = 0;
-  std::frexp(amax, &ex);  // amax = m 2^ex, 1/2 <= m < 1
-  const int top = amax > 0.0 && amax - amax == 0.0 ? ex - 1 + (emask >> 1) : emask - 1;
-  const int32_t lo = std::min(std::max(top - (NW - 1), 1), emask - NW);
-  auto keys = [&](int64_t i) -> I {
-    U u;
-    if constexpr (sizeof(scalar_t) == 4) {
-      std::memcpy(&u, p + i * W, sizeof u);
-    } else {
-      typename simd::VT<B>::u16 r;
-      std::memcpy(&r, p + i * W, sizeof r);
-      u = __builtin_convertvector(r, U);
-      if constexpr (E == 8) u <<= 16;  // bf16: the float32 layout
-    }
-    const U d = ((u >> MS) & static_cast<uint32_t>(emask)) - static_cast<uint32_t>(lo);
-    const U a = u & ((1u << (E + MS)) - 1u);
-    const I win_key = (I)(d + ((u >> (E + MS - 5)) & 32u));
-#if HS_X86_BUILTINS
-    if constexpr (B == 64) {
-      namespace k = simd::k16;
-      const k::mask win = k::cmpu<1 /*LT*/>((I)d, I{} + NW);
-      const k::mask nonzero = k::test((I)a, (I)a);
-      const k::mask nan = k::cmpu<6 /*NLE*/>((I)a, I{} + (emask << MS));
-      const I other = k::blend(static_cast<k::mask>(~nonzero), k::blend(nan, I{} + 64, I{} + 63), I{} + 31);
-      return k::blend(win, other, win_key);
-    }
-#endif
-    const I other = simd::select((I)(a == 0u), I{} + 31,
-                                 simd::select((I)(a > static_cast<uint32_t>(emask << MS)), I{} + 63, I{} + 64));
-    return simd::select((I)(d < static_cast<uint32_t>(NW)), win_key, other);
-  };
-  auto fallback = [&](int64_t i, const I& k) {
-    for (int j = 0; j < W; ++j) {
-      if (static_cast<uint32_t>(k[j]) >= 64u) h.c[exp_slot_of<scalar_t>(p[i * W + j])] += 1;
-    }
-  };
-  uint32_t cnt[kOneHotKeys] = {};
-  const int64_t nvec = n / W;
-  count_onehot<B>(nvec, keys, fallback, cnt);
-  for (int k = 0; k < NW; ++k) {
-    h.c[nE + lo + k - 1] += cnt[k];
-    h.c[lo + k - 1] += cnt[32 + k];
-  }
-  h.c[2 * nE + 2] += cnt[31];
-  h.c[2 * nE + 5] += cnt[63];
-  for (int64_t i = nvec * W; i < n; ++i) h.c[exp_slot_of<scalar_t>(p[i])] += 1;
-}
-
-// Note [one-hot chunk counts] over n counter indices (range ordinals or slots): keys 0..nwin-1 are indices
-// kb .. kb + nwin - 1, key 63 (when nwin is 63) index nan_idx; other indices are counted one by one.
-template <int B>
-HS_INLINE void count_indices_onehot(const int32_t* idx, int64_t n, HistCounters& h, int32_t kb, int32_t nwin,
-                                    int32_t nan_idx) {
-  using I = typename OneHotTypes<B>::I;
-  using U = typename OneHotTypes<B>::U;
-  constexpr int W = B / 4;
-  const int32_t nan_key = nwin == 63 ? 63 : 64;
-  auto keys = [&](int64_t i) -> I {
-    I o;
-    std::memcpy(&o, idx + i * W, sizeof o);
-    const I d = o - kb;
-#if HS_X86_BUILTINS
-    if constexpr (B == 64) {
-      namespace k = simd::k16;
-      const I other = k::blend(k::cmpu<0 /*EQ*/>(o, I{} + nan_idx), I{} + 64, I{} + nan_key);
-      return k::blend(k::cmpu<1 /*LT*/>(d, I{} + nwin), other, d);
-    }
-#endif
-    const I other = simd::select((I)(o == nan_idx), I{} + nan_key, I{} + 64);
-    return simd::select((I)((U)d < static_cast<uint32_t>(nwin)), d, other);
-  };
-  auto fallback = [&](int64_t i, const I& k) {
-    for (int j = 0; j < W; ++j) {
-      if (static_cast<uint32_t>(k[j]) >= 64u) h.c[idx[i * W + j]] += 1;
-    }
-  };
-  uint32_t cnt[kOneHotKeys] = {};
-  const int64_t nvec = n / W;
-  count_onehot<B>(nvec, keys, fallback, cnt);
-  for (int k = 0; k < nwin; ++k) h.c[kb + k] += cnt[k];
-  if (nwin == 63) h.c[nan_idx] += cnt[63];
-  for (int64_t i = nvec * W; i < n; ++i) h.c[idx[i]] += 1;
-}
-
 // The histogram of one chunk: counter indices into a buffer (SIMD, or one table load per value for
 // Note [16-bit ordinal tables]), then the counting pass: in registers (Note [one-hot chunk counts]) in the wide
 // entry points for the exponent histogram and up to kOneHotMaxBins bins, else value by value. mn: the chunk's
-// least non-NaN value, amax its largest |x|, has_nan whether it holds a NaN (from its statistics).
+// least non-NaN value, amax its largest |x|, zero and nan its counts of zeros and NaNs (from its statistics).
 template <int B, typename scalar_t, int HM>
 HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const BinPlan& bp, double mn, double amax,
-                         bool has_nan) {
+                         int64_t zero, int64_t nan) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   constexpr int W = L::W;
   constexpr bool kWide = B >= 32;
-  if constexpr (kWide && HM == kHistExp && std::is_same_v<typename L::acc_t, float>) {
-    exp_chunk_onehot<B>(p, n, h, amax);
+  if constexpr (kWide && HM == kHistExp && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)) {
+    exp_chunk_onehot<B>(p, n, h, amax, zero, nan);
     return;
   }
   const bool onehot = kWide && HM == kHistRange && bp.spec.bins <= kOneHotMaxBins;
@@ -456,10 +329,14 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
   if constexpr (std::is_same_v<typename L::acc_t, float>) {
     if (HM == kHistRange && bp.rc.exact_only) {
       for (; i < n; ++i) idx[i] = fixed_slot_exact(static_cast<double>(static_cast<float>(p[i])), bp.spec);
-    } else if (sizeof(scalar_t) == 2 && bp.lut != nullptr && !onehot) {
+    } else if (sizeof(scalar_t) == 2 && bp.lut != nullptr) {
       typedef uint16_t __attribute__((may_alias)) bits16;  // c10::Half / c10::BFloat16 hold their 16 bits
-      count_lut(reinterpret_cast<const bits16*>(p), n, bp.lut, h);
-      return;
+      const bits16* b = reinterpret_cast<const bits16*>(p);
+      if (!onehot) {
+        count_lut(b, n, bp.lut, h);
+        return;
+      }
+      for (; i < n; ++i) idx[i] = bp.lut[b[i]];
     } else {
 #if HS_X86_BUILTINS
       if constexpr (B == 64 && HM == kHistRange) {
@@ -486,9 +363,7 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
   for (; i < n; ++i) idx[i] = slot_scalar<HM>(p[i], bp);
   if constexpr (kWide) {
     if (onehot) {
-      const int32_t nwin = has_nan ? 63 : 64, top = bp.spec.bins + 2 - nwin;
-      const int32_t kb = std::min(slot_scalar<HM>(static_cast<scalar_t>(mn), bp), top > 0 ? top : 0);
-      count_indices_onehot<B>(idx, n, h, kb, nwin, bp.spec.bins + 2);
+      count_indices_onehot<B>(idx, n, h, slot_scalar<HM>(static_cast<scalar_t>(mn), bp), bp.spec.bins + 2, nan);
       return;
     }
   }
