@@ -22,9 +22,6 @@
 namespace hookstats {
 namespace cpu {
 
-// The CPU kernels' chunk: the unit of reading, of the statistics' partials and of binning.
-constexpr int64_t kChunk = 4096;
-
 // Raw bits of a value, for the exponent histogram (Note [histogram layouts]).
 template <typename scalar_t> HS_INLINE int32_t exp_slot_of(const scalar_t& v);
 template <> HS_INLINE int32_t exp_slot_of<float>(const float& v) {
@@ -312,15 +309,15 @@ HS_INLINE int64_t range_ordinals_avx512(const scalar_t* p, int64_t n, const Rang
 // The histogram of one chunk: counter indices into a buffer (SIMD, or one table load per value for
 // Note [16-bit ordinal tables]), then the counting pass: in registers (Note [one-hot chunk counts]) in the wide
 // entry points for the exponent histogram and up to kOneHotMaxBins bins, else value by value. mn: the chunk's
-// least non-NaN value, amax its largest |x|, zero and nan its counts of zeros and NaNs (from its statistics).
+// least and greatest non-NaN values, zero and nan its counts of zeros and NaNs (from its statistics).
 template <int B, typename scalar_t, int HM>
-HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const BinPlan& bp, double mn, double amax,
+HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const BinPlan& bp, double mn, double mx,
                          int64_t zero, int64_t nan) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   constexpr int W = L::W;
   constexpr bool kWide = B >= 32;
   if constexpr (kWide && HM == kHistExp && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)) {
-    exp_chunk_onehot<B>(p, n, h, amax, zero, nan);
+    exp_chunk_onehot<B>(p, n, h, std::fmax(-mn, mx), zero, nan);
     return;
   }
   const bool onehot = kWide && HM == kHistRange && bp.spec.bins <= kOneHotMaxBins;
@@ -363,7 +360,11 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
   for (; i < n; ++i) idx[i] = slot_scalar<HM>(p[i], bp);
   if constexpr (kWide) {
     if (onehot) {
-      count_indices_onehot<B>(idx, n, h, slot_scalar<HM>(static_cast<scalar_t>(mn), bp), bp.spec.bins + 2, nan);
+      // the window: the last chunk's while it holds this chunk's least and greatest index, else the lowest one
+      // that holds the greatest (or from the least, when no window holds both)
+      const int32_t lo = slot_scalar<HM>(static_cast<scalar_t>(mn), bp), hi = slot_scalar<HM>(static_cast<scalar_t>(mx), bp);
+      const int32_t kb = h.base[0] >= 0 && lo >= h.base[0] && hi < h.base[0] + 64 ? h.base[0] : std::min(lo, std::max(hi - 63, 0));
+      count_indices_onehot<B>(idx, n, h, kb, bp.spec.bins + 2, nan);
       return;
     }
   }

@@ -14,6 +14,9 @@
 namespace hookstats {
 namespace cpu {
 
+// The CPU kernels' chunk: the unit of reading, of the statistics' partials and of binning.
+constexpr int64_t kChunk = 4096;
+
 // Note [cpu histogram counters]
 // A chunk is binned in two passes: its counter indices go into a 16 KB buffer (SIMD, or table loads),
 // then a counting pass (count_keys) increments, for value j of each run of 64, copy j % copies of
@@ -31,9 +34,52 @@ struct HistCounters {
   int64_t len;
   int copies;      // power of two
   int64_t pending;
+  // Note [one-hot chunk counts]: the bit-sliced counts carried from chunk to chunk (kSlicedWords, zero while
+  // base[0] is -1), the counter index of each plane's key 0, and the chunks added since they were last folded.
+  uint32_t* sliced;
+  int32_t base[2];
+  int32_t sliced_chunks;
 };
 
+constexpr int kOneHotDeep = 8;  // levels above the 4 of a Harley-Seal group: a (lane, key) count < 16 * 2^8
+constexpr int kSlicedLevels = 4 + kOneHotDeep;
+constexpr int kSlicedWords = 2 * kSlicedLevels * 16;  // 2 planes x levels x 16 lanes
+
+// Adds the carried bit-sliced counts to copy 0 of the counters and empties them: each plane's 16 lanes are added
+// as bit-sliced numbers (a ripple-carry add per level, halving the lanes each time), then expanded per key.
+inline void fold_sliced(HistCounters& h) {
+  if (h.base[0] < 0) return;
+  constexpr int LT = kSlicedLevels + 4;  // + log2(16) bits for the sum over the lanes
+  for (int plane = 0; plane < 2; ++plane) {
+    uint32_t lv[LT][16] = {};
+    std::memcpy(lv, h.sliced + plane * kSlicedLevels * 16, sizeof(uint32_t) * kSlicedLevels * 16);
+    for (int w = 8; w >= 1; w /= 2) {
+      uint32_t c[16] = {};
+      for (int l = 0; l < LT; ++l) {
+        for (int j = 0; j < w; ++j) {
+          const uint32_t a = lv[l][j], b = lv[l][j + w], u = a ^ b;
+          lv[l][j] = u ^ c[j];
+          c[j] = (a & b) | (u & c[j]);
+        }
+      }
+    }
+    uint32_t out[32] = {};
+    for (int l = 0; l < LT; ++l) {
+      const uint32_t word = lv[l][0];
+      if (word == 0) continue;
+      for (uint32_t b = 0; b < 32; ++b) out[b] += ((word >> b) & 1u) << l;
+    }
+    for (int k = 0; k < 32; ++k) {
+      if (out[k]) h.c[h.base[plane] + k] += out[k];
+    }
+  }
+  std::memset(h.sliced, 0, sizeof(uint32_t) * kSlicedWords);
+  h.base[0] = h.base[1] = -1;
+  h.sliced_chunks = 0;
+}
+
 inline void flush_counters(HistCounters& h) {
+  fold_sliced(h);
   const int64_t len = h.len;
   int64_t* __restrict__ total = h.total;
   for (int r = 0; r < h.copies; ++r) {
@@ -43,7 +89,6 @@ inline void flush_counters(HistCounters& h) {
   }
   h.pending = 0;
 }
-
 
 // Note [one-hot chunk counts]
 // A chunk's values fall in few slots: its exponents lie within 31 of the largest (randn's 2^20 values span about
@@ -57,7 +102,6 @@ inline void flush_counters(HistCounters& h) {
 // most data) has key 64, whose one-hot word is 0 (vpsllv gives 0 for counts >= 64), and is counted by the exact
 // per-value path instead. Counts are integers: the result is the same as value-by-value counting's, bit for bit.
 constexpr int kOneHotKeys = 64;
-constexpr int kOneHotDeep = 6;  // levels above the 4 of a Harley-Seal group: 15 + 16 * 63 >= 1023 per lane and key
 constexpr int64_t kOneHotMaxBins = 64;
 
 template <int B>
@@ -103,9 +147,19 @@ struct SlicedCounts {
   using U = typename OneHotTypes<B>::U;
   U ones, twos, fours, eights;
   U deep[kOneHotDeep];
-  HS_INLINE void zero() {
-    ones = twos = fours = eights = U{};
-    for (auto& d : deep) d = U{};
+  HS_INLINE void load(const uint32_t* m) {
+    std::memcpy(&ones, m, sizeof(U));
+    std::memcpy(&twos, m + 16, sizeof(U));
+    std::memcpy(&fours, m + 32, sizeof(U));
+    std::memcpy(&eights, m + 48, sizeof(U));
+    for (int l = 0; l < kOneHotDeep; ++l) std::memcpy(&deep[l], m + 16 * (4 + l), sizeof(U));
+  }
+  HS_INLINE void store(uint32_t* m) const {
+    std::memcpy(m, &ones, sizeof(U));
+    std::memcpy(m + 16, &twos, sizeof(U));
+    std::memcpy(m + 32, &fours, sizeof(U));
+    std::memcpy(m + 48, &eights, sizeof(U));
+    for (int l = 0; l < kOneHotDeep; ++l) std::memcpy(m + 16 * (4 + l), &deep[l], sizeof(U));
   }
   // Adds the one-hot words d[0, 16).
   HS_INLINE void add16(const U* d) {
@@ -132,46 +186,26 @@ struct SlicedCounts {
       c = t;
     }
   }
-  // Adds the count of each of the 32 keys, summed over the lanes, to out[0, 32): the lanes' bit-sliced numbers
-  // are added pairwise (a ripple-carry add per level, halving the lanes each time), then expanded per key.
-  HS_INLINE void add_to(uint32_t* out) const {
-    constexpr int W = B / 4, L = 4 + kOneHotDeep, LT = L + 5;  // + log2(W) bits for the sum over the lanes
-    uint32_t lv[LT][W] = {};
-    std::memcpy(lv[0], &ones, sizeof ones);
-    std::memcpy(lv[1], &twos, sizeof twos);
-    std::memcpy(lv[2], &fours, sizeof fours);
-    std::memcpy(lv[3], &eights, sizeof eights);
-    for (int l = 0; l < kOneHotDeep; ++l) std::memcpy(lv[4 + l], &deep[l], sizeof deep[l]);
-    for (int w = W / 2; w >= 1; w /= 2) {
-      uint32_t c[W] = {};
-      for (int l = 0; l < LT; ++l) {
-        for (int j = 0; j < w; ++j) {
-          const uint32_t a = lv[l][j], b = lv[l][j + w], u = a ^ b;
-          lv[l][j] = u ^ c[j];
-          c[j] = (a & b) | (u & c[j]);
-        }
-      }
-    }
-    for (int l = 0; l < LT; ++l) {
-      const uint32_t word = lv[l][0];
-      if (word == 0) continue;
-      for (uint32_t b = 0; b < 32; ++b) out[b] += ((word >> b) & 1u) << l;
-    }
-  }
 };
 
-// Counts nvec vectors into out[0, 64) (added) and returns how many of their lanes it did not count. offsets(i, kp,
+// Counts nvec vectors into the bit-sliced counts that h carries (their key 0 at counter index base_p, key 32 at
+// base_n) and returns how many of their lanes it did not count. offsets(i, kp,
 // kn) gives vector i's W int32 lanes twice: a lane counts for key kp where kp < 32 (unsigned), for key 32 + kn
 // where kn < 32, and not at all where neither is (1 << kp and 1 << kn by vpsllvd, which gives 0 for counts >= 32:
 // no compare, no blend). A (lane, key) count grows by at most 1 a vector: nvec <= 1023 keeps it within the levels
 // (kChunk / W is 256 or 512).
 template <int B, typename OffsetFn>
-HS_INLINE int64_t count_onehot(int64_t nvec, OffsetFn&& offsets, uint32_t* out) {
+HS_INLINE int64_t count_onehot(int64_t nvec, OffsetFn&& offsets, HistCounters& h, int32_t base_p, int32_t base_n) {
   using I = typename OneHotTypes<B>::I;
   using U = typename OneHotTypes<B>::U;
+  if (h.base[0] != base_p || h.base[1] != base_n) {  // another window: the carried counts go to their counters
+    fold_sliced(h);
+    h.base[0] = base_p;
+    h.base[1] = base_n;
+  }
   SlicedCounts<B> lo, hi;
-  lo.zero();
-  hi.zero();
+  lo.load(h.sliced);
+  hi.load(h.sliced + kSlicedLevels * 16);
   I missed{};
   auto group = [&](int64_t i, int gv) __attribute__((always_inline)) {
     U dlo[16], dhi[16];
@@ -199,8 +233,10 @@ HS_INLINE int64_t count_onehot(int64_t nvec, OffsetFn&& offsets, uint32_t* out) 
   int64_t i = 0;
   for (; i + 16 <= nvec; i += 16) group(i, 16);
   if (i < nvec) group(i, static_cast<int>(nvec - i));
-  lo.add_to(out);
-  hi.add_to(out + 32);
+  lo.store(h.sliced);
+  hi.store(h.sliced + kSlicedLevels * 16);
+  // A chunk adds at most kChunk / W to a (lane, key) count; the levels hold 16 * 2^kOneHotDeep - 1.
+  if (++h.sliced_chunks >= ((16 << kOneHotDeep) - 1) / (kChunk / (B / 4))) fold_sliced(h);
   int64_t m = 0;
   for (int j = 0; j < B / 4; ++j) m += missed[j];
   return m;
@@ -221,7 +257,9 @@ HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, d
   int ex = 0;
   std::frexp(amax, &ex);  // amax = m 2^ex, 1/2 <= m < 1
   const int top = amax > 0.0 && amax - amax == 0.0 ? ex - 1 + 127 : 254;
-  const int32_t lo = std::min(std::max(top - 31, 1), 223);  // [lo, lo + 31] within the normals 1..254
+  // [lo, lo + 31] within the normals 1..254; the last chunk's window while it has at most 3 exponents above top
+  const int32_t last = h.base[1] + 1;
+  const int32_t lo = h.base[1] >= 0 && top >= last + 28 && top <= last + 31 ? last : std::min(std::max(top - 31, 1), 223);
   auto bits = [&](int64_t i) __attribute__((always_inline)) -> U {
     U u;
     if constexpr (sizeof(scalar_t) == 4) {
@@ -238,9 +276,8 @@ HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, d
     kp = t - lo;
     kn = t - (lo + 256);
   };
-  uint32_t cnt[kOneHotKeys] = {};
   const int64_t nvec = n / W;
-  const int64_t missed = count_onehot<B>(nvec, offsets, cnt);
+  const int64_t missed = count_onehot<B>(nvec, offsets, h, nE + lo - 1, lo - 1);
   int64_t tail_special = 0;
   auto count_one = [&](uint32_t u) {
     const uint32_t a = u & 0x7fffffffu;
@@ -266,10 +303,6 @@ HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, d
       }
     }
   }
-  for (int k = 0; k < 32; ++k) {
-    if (cnt[k]) h.c[nE + lo + k - 1] += cnt[k];
-    if (cnt[32 + k]) h.c[lo + k - 1] += cnt[32 + k];
-  }
   h.c[2 * nE + 2] += static_cast<uint32_t>(zero);
   h.c[2 * nE + 5] += static_cast<uint32_t>(nan);
 }
@@ -288,9 +321,8 @@ HS_INLINE void count_indices_onehot(const int32_t* idx, int64_t n, HistCounters&
     kp = o - kb;
     kn = o - (kb + 32);
   };
-  uint32_t cnt[kOneHotKeys] = {};
   const int64_t nvec = n / W;
-  const int64_t missed = count_onehot<B>(nvec, offsets, cnt);
+  const int64_t missed = count_onehot<B>(nvec, offsets, h, kb, kb + 32);
   const bool nan_apart = static_cast<uint32_t>(nan_idx - kb) >= 64u;
   int64_t tail_nan = 0;
   for (int64_t i = nvec * W; i < n; ++i) {
@@ -302,9 +334,6 @@ HS_INLINE void count_indices_onehot(const int32_t* idx, int64_t n, HistCounters&
       const int32_t o = idx[i];
       if (static_cast<uint32_t>(o - kb) >= 64u && o != nan_idx) h.c[o] += 1;
     }
-  }
-  for (int k = 0; k < 64; ++k) {
-    if (cnt[k]) h.c[kb + k] += cnt[k];
   }
   if (nan_apart) h.c[nan_idx] += static_cast<uint32_t>(nan);
 }
