@@ -91,16 +91,22 @@ inline void flush_counters(HistCounters& h) {
 }
 
 // Note [one-hot chunk counts]
-// A chunk's values fall in few slots: its exponents lie within 31 of the largest (randn's 2^20 values span about
-// 25), a 64-bin range histogram has 67 counters. So a chunk's counter indices are first mapped to 64 keys (per
-// chunk, from the chunk's min or largest |x|, which its statistics give: a window of indices, plus fixed keys for
-// zero and NaN), and each value adds the one-hot word 1 << key (a 64-bit lane) to a bit-sliced counter: levels of
-// 64-bit lanes, level l holding bit l of each (lane, key) count, added by carry-save adders (Harley-Seal: 15
-// adders of two logic instructions each per 16 words, vpternlogq on AVX-512), so no value costs a store. At the
-// chunk's end the levels are summed over the lanes and written to the 64 keys' counters. A value whose index has
-// no key (an exponent more than 31 below the largest, a subnormal, an infinity, a bin outside the window: rare in
-// most data) has key 64, whose one-hot word is 0 (vpsllv gives 0 for counts >= 64), and is counted by the exact
-// per-value path instead. Counts are integers: the result is the same as value-by-value counting's, bit for bit.
+// The AVX2 and AVX-512 entry points count the exponent histogram (float32, bfloat16) and range histograms of up to
+// kOneHotMaxBins bins without a store per value. A chunk's values fall in few counters: its exponents lie within 31
+// of its largest |x| (randn's span about 25), a 64-bin histogram has 67 counters. So each value's counter index is
+// turned into two offsets from a window of 64 indices: exponents lo .. lo + 31 of either sign (from the 9 sign and
+// exponent bits t: t - lo and t - lo - 256), or range indices kb .. kb + 63 (o - kb and o - kb - 32). 1 << offset
+// (vpsllvd: 0 for offsets >= 32) is a one-hot word per 32-bit lane for each of two planes of 32 keys, added to a
+// bit-sliced counter: level l of a plane holds bit l of every (lane, key) count, added by carry-save adders
+// (Harley-Seal: 15 full adders of two logic instructions per 16 words, one vpternlogd each on AVX-512). The levels
+// are carried from chunk to chunk (HistCounters::sliced) while the window holds the chunk (the window is chosen from
+// the chunk's statistics: its largest |x|, or its least and greatest index) and folded into the counters
+// (fold_sliced: the lanes added as bit-sliced numbers, then expanded per key) when it moves, before a count could
+// outgrow the levels, and at the end. Zeros and NaNs of the exponent histogram come from the chunk's statistics, as
+// do NaNs outside a range window. A lane that no key counts is counted by the vector loop too; when more lanes are
+// uncounted than the chunk's zeros and NaNs explain (a value far below the largest, a subnormal, an infinity, a bin
+// outside the window: rare in most data), the chunk's values outside the window are counted again one by one. Counts
+// are integers: the result is bit for bit the per-value counting's, on every level.
 constexpr int kOneHotKeys = 64;
 constexpr int64_t kOneHotMaxBins = 64;
 
