@@ -320,7 +320,9 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
     exp_chunk_onehot<B>(p, n, h, std::fmax(-mn, mx), zero, nan);
     return;
   }
-  const bool onehot = kWide && HM == kHistRange && bp.spec.bins <= kOneHotMaxBins;
+  // (not for Note [16-bit ordinal tables]: a table load and an increment per value beat a table load, a store and
+  // the one-hot pass)
+  const bool onehot = kWide && HM == kHistRange && bp.spec.bins <= kOneHotMaxBins && bp.lut == nullptr;
   alignas(64) int32_t idx[kChunk];
   int64_t i = 0;
   if constexpr (std::is_same_v<typename L::acc_t, float>) {
@@ -328,12 +330,8 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
       for (; i < n; ++i) idx[i] = fixed_slot_exact(static_cast<double>(static_cast<float>(p[i])), bp.spec);
     } else if (sizeof(scalar_t) == 2 && bp.lut != nullptr) {
       typedef uint16_t __attribute__((may_alias)) bits16;  // c10::Half / c10::BFloat16 hold their 16 bits
-      const bits16* b = reinterpret_cast<const bits16*>(p);
-      if (!onehot) {
-        count_lut(b, n, bp.lut, h);
-        return;
-      }
-      for (; i < n; ++i) idx[i] = bp.lut[b[i]];
+      count_lut(reinterpret_cast<const bits16*>(p), n, bp.lut, h);
+      return;
     } else {
 #if HS_X86_BUILTINS
       if constexpr (B == 64 && HM == kHistRange) {
