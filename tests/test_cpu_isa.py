@@ -122,6 +122,45 @@ def test_deterministic_across_threads(isa, restore_threads):
         assert torch.equal(v, runs[0][0]) and torch.equal(h, runs[0][1])
 
 
+def onehot_inputs(dtype: torch.dtype):
+    """(name, tensor) pairs for Note [one-hot chunk counts]: chunks whose exponents or bins reach outside the 32-
+    exponent / 64-index window (tiny values beside large ones, subnormals, infinities, values in under- and overflow
+    and in every bin), windows that move from chunk to chunk and back, and counts that outgrow 8 and 16 bits per
+    (lane, key) before the carried counts are folded (2^20 values in four slots)."""
+    g = torch.Generator().manual_seed(361)
+    n = 4096 * 24 + 77
+    r = torch.randn(n, generator=g)
+    scale = torch.exp2(torch.randint(-60, 40, (n,), generator=g).float())
+    yield "many_exponents", (r * scale).to(dtype)
+    yield "two_clusters", torch.where(torch.rand(n, generator=g) < 0.5, r * 1e30, r * 1e-30).to(dtype)
+    moving = r.clone().view(24 * 4096 + 77)
+    for c in range(24):  # the largest |x| jumps between chunks: the exponent window moves, then moves back
+        moving[c * 4096:(c + 1) * 4096] *= 2.0 ** (40 * (c % 3) - 40)
+    yield "moving_window", moving.to(dtype)
+    u = torch.rand(n, generator=g) * 9 - 4.5  # every bin, under- and overflow in most chunks
+    u[::997] = float("nan")
+    yield "all_bins", u.to(dtype)
+    sub = r.clone()
+    sub[::50] = 1e-40 if dtype != torch.bfloat16 else 1e-39  # subnormal float32 / bfloat16
+    sub[7::501] = float("inf")
+    sub[9::503] = -float("inf")
+    sub[11::509] = -0.0
+    yield "subnormal_inf", sub.to(dtype)
+    m = 2**20 + 3
+    few = torch.tensor([0.75, -0.75, 3.5, -1.5])[torch.randint(0, 4, (m,), generator=g)]
+    yield "few_slots_2^20", few.to(dtype)
+    yield "strided_many", (r * scale).to(dtype)[::3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onehot_counts_on_every_level(dtype, isa):
+    """The register-counted histograms (Note [one-hot chunk counts]) against the reference on each level."""
+    for name, x in onehot_inputs(dtype):
+        for spec in (EXP, RANGE, hookstats.Histogram.range(61, -4.0, 4.0), hookstats.Histogram.range(5, -1.0, 1.0)):
+            got = hookstats.stats(x, histogram=spec)[1]
+            assert torch.equal(got, reference.histogram_of(x, spec)), (isa, dtype, name, spec)
+
+
 SCRIPT = textwrap.dedent("""
     import sys, torch, hookstats
     from hookstats import reference

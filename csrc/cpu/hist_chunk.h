@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -15,13 +16,11 @@
 
 #include "../core/hist_ops.h"
 #include "cpu_common.h"
+#include "onehot_count.h"
 #include "simd.h"
 
 namespace hookstats {
 namespace cpu {
-
-// The CPU kernels' chunk: the unit of reading, of the statistics' partials and of binning.
-constexpr int64_t kChunk = 4096;
 
 // Raw bits of a value, for the exponent histogram (Note [histogram layouts]).
 template <typename scalar_t> HS_INLINE int32_t exp_slot_of(const scalar_t& v);
@@ -33,37 +32,6 @@ template <> HS_INLINE int32_t exp_slot_of<double>(const double& v) {
 }
 template <> HS_INLINE int32_t exp_slot_of<c10::Half>(const c10::Half& v) { return exp_slot<5, 10>(v.x); }
 template <> HS_INLINE int32_t exp_slot_of<c10::BFloat16>(const c10::BFloat16& v) { return exp_slot<8, 7>(v.x); }
-
-// Note [cpu histogram counters]
-// A chunk is binned in two passes: its counter indices go into a 16 KB buffer (SIMD, or table loads),
-// then a counting pass (count_keys) increments, for value j of each run of 64, copy j % copies of
-// the `copies` uint32 copies of the histogram that the thread holds. So runs of values in one bin do
-// not serialize on one counter's store-to-load latency, and data that alternates at random between a
-// few bins (ReLU outputs, values around an edge) does not defeat the CPU's memory-dependence
-// prediction: a bare `c[idx[i]] += 1` loop (torch.bincount) is 2-2.5x slower on such data than on
-// spread data, this pass is not. A run of 64 equal indices is one addition. The copies are added
-// into the thread's int64 totals before any counter can wrap (every 2^31 increments) and at the end;
-// threads' totals are summed last. Counts are integers: the result does not depend on threads or
-// order.
-struct HistCounters {
-  uint32_t* c;     // copies x len
-  int64_t* total;  // len
-  int64_t len;
-  int copies;      // power of two
-  int64_t pending;
-};
-
-inline void flush_counters(HistCounters& h) {
-  const int64_t len = h.len;
-  int64_t* __restrict__ total = h.total;
-  for (int r = 0; r < h.copies; ++r) {
-    uint32_t* __restrict__ c = h.c + r * len;
-    for (int64_t i = 0; i < len; ++i) total[i] += c[i];
-    std::memset(c, 0, static_cast<size_t>(len) * sizeof(uint32_t));
-  }
-  h.pending = 0;
-}
-
 
 // Constants of the SIMD range binning, see slot_lanes. Built once per call (bin_plan).
 struct RangeConsts {
@@ -339,11 +307,22 @@ HS_INLINE int64_t range_ordinals_avx512(const scalar_t* p, int64_t n, const Rang
 #endif
 
 // The histogram of one chunk: counter indices into a buffer (SIMD, or one table load per value for
-// Note [16-bit ordinal tables]), then the counting pass.
+// Note [16-bit ordinal tables]), then the counting pass: in registers (Note [one-hot chunk counts]) in the wide
+// entry points for the exponent histogram and up to kOneHotMaxBins bins, else value by value. mn: the chunk's
+// least and greatest non-NaN values, zero and nan its counts of zeros and NaNs (from its statistics).
 template <int B, typename scalar_t, int HM>
-HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const BinPlan& bp) {
+HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const BinPlan& bp, double mn, double mx,
+                         int64_t zero, int64_t nan) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   constexpr int W = L::W;
+  constexpr bool kWide = B >= 32;
+  if constexpr (kWide && HM == kHistExp && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)) {
+    exp_chunk_onehot<B>(p, n, h, std::fmax(-mn, mx), zero, nan);
+    return;
+  }
+  // (not for Note [16-bit ordinal tables]: a table load and an increment per value beat a table load, a store and
+  // the one-hot pass)
+  const bool onehot = kWide && HM == kHistRange && bp.spec.bins <= kOneHotMaxBins && bp.lut == nullptr;
   alignas(64) int32_t idx[kChunk];
   int64_t i = 0;
   if constexpr (std::is_same_v<typename L::acc_t, float>) {
@@ -377,6 +356,16 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
     }
   }
   for (; i < n; ++i) idx[i] = slot_scalar<HM>(p[i], bp);
+  if constexpr (kWide) {
+    if (onehot) {
+      // the window: the last chunk's while it holds this chunk's least and greatest index, else the lowest one
+      // that holds the greatest (or from the least, when no window holds both)
+      const int32_t lo = slot_scalar<HM>(static_cast<scalar_t>(mn), bp), hi = slot_scalar<HM>(static_cast<scalar_t>(mx), bp);
+      const int32_t kb = h.base[0] >= 0 && lo >= h.base[0] && hi < h.base[0] + 64 ? h.base[0] : std::min(lo, std::max(hi - 63, 0));
+      count_indices_onehot<B>(idx, n, h, kb, bp.spec.bins + 2, nan);
+      return;
+    }
+  }
   count_indices(idx, n, h);
 }
 

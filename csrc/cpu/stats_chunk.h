@@ -251,7 +251,7 @@ HS_INLINE StatsPartial fast_chunk_body(const scalar_t* p, int64_t n, TaskState& 
             static_cast<uint32_t>(part.nan);
       }
     } else {
-      bin_chunk<B, scalar_t, HM>(p, n, *hist, *hs);
+      bin_chunk<B, scalar_t, HM>(p, n, *hist, *hs, part.mn, part.mx, part.zero, part.nan);
     }
     hist->pending += n;
     if (hist->pending >= (int64_t(1) << 31)) flush_counters(*hist);

@@ -263,22 +263,28 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
   static thread_local std::vector<uint32_t> counter_cache;
   static thread_local std::vector<int64_t> total_cache;
   static thread_local std::vector<HistCounters> counter_refs;
+  static thread_local std::vector<uint32_t> sliced_cache;  // Note [one-hot chunk counts]
   static thread_local bool caches_zero = true;  // false only after a call that did not finish
   HistCounters* counters = nullptr;
   if (mode != kHistNone) {
     if (!caches_zero) {
       std::fill(counter_cache.begin(), counter_cache.end(), 0u);
       std::fill(total_cache.begin(), total_cache.end(), 0);
+      std::fill(sliced_cache.begin(), sliced_cache.end(), 0u);
     }
     caches_zero = false;
     if (counter_cache.size() < static_cast<size_t>(nthreads * copies * len)) {
       counter_cache.resize(static_cast<size_t>(nthreads * copies * len), 0u);
     }
     if (total_cache.size() < static_cast<size_t>(nthreads * len)) total_cache.resize(static_cast<size_t>(nthreads * len), 0);
+    if (sliced_cache.size() < static_cast<size_t>(nthreads * kSlicedWords)) {
+      sliced_cache.resize(static_cast<size_t>(nthreads * kSlicedWords), 0u);
+    }
     counter_refs.resize(static_cast<size_t>(nthreads));
     counters = counter_refs.data();
     for (int64_t t = 0; t < nthreads; ++t) {
-      counters[t] = HistCounters{counter_cache.data() + t * copies * len, total_cache.data() + t * len, len, copies, 0};
+      counters[t] = HistCounters{counter_cache.data() + t * copies * len, total_cache.data() + t * len, len, copies, 0,
+                                 sliced_cache.data() + t * kSlicedWords, {-1, -1}, 0};
     }
   }
   // The lambda below runs on worker threads: it reaches the caches only through `counters`,
