@@ -25,6 +25,7 @@ from typing import Optional
 
 import pytest
 import torch
+from torch import nn
 
 import hookstats
 from hookstats import reference
@@ -185,3 +186,16 @@ def flat(obj) -> list:
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in flat(o)]
     return []
+
+
+class TableOverBatch(nn.Module):
+    """x [B, T, 4] -> fc(x) + table(ones(T, 4)): `table` is fed T rows that are not the batch's samples (as T5's
+    relative bias or routed experts), which per-sample norms must refuse at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.table = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + self.table(torch.ones(x.shape[1], 4, dtype=x.dtype))

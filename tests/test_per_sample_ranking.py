@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import hookstats
+from _testing import TableOverBatch
 from hookstats.per_sample.ranking import first_nonfinite_sample, top_samples
 
 NAN, INF = float("nan"), float("inf")
@@ -91,17 +92,8 @@ def test_psn_and_monitor_rank_alike():
 
 
 def test_reset_forgets_run_time_refusals_step_keeps_them():
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-            self.table = nn.Linear(4, 4)
-
-        def forward(self, x):  # x [B, T, 4]: the table's rows are T, not the batch's samples
-            return self.fc(x) + self.table(torch.ones(x.shape[1], 4, dtype=x.dtype))
-
     torch.manual_seed(0)
-    m = Model()
+    m = TableOverBatch()
     psn = hookstats.PerSampleGradNorms(m)
     with pytest.warns(UserWarning, match="layer table is refused"):
         m(torch.randn(3, 5, 4)).sum().backward()

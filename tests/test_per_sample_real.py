@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookstats
+from _testing import TableOverBatch
 from hookstats.per_sample import Dense, Rule, register_rule
 
 B = 3
@@ -366,23 +367,14 @@ def test_dim0_not_the_batch_is_refused():
     """A layer fed rows that are not samples (here a [T, d] table, as T5's bias or routed experts) is refused at
     run time, when a gradient reaches that call: one warning, its parameters out of the total; with max_norm it
     raises."""
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-            self.table = nn.Linear(4, 4)
-
-        def forward(self, x):  # x [B, T, 4]
-            return self.fc(x) + self.table(torch.ones(x.shape[1], 4, dtype=x.dtype))
-
     torch.manual_seed(0)
-    m = Model()
+    m = TableOverBatch()
     psn = hookstats.PerSampleGradNorms(m)
     with pytest.warns(UserWarning, match="layer table is refused"):
         m(torch.randn(3, 5, 4)).sum().backward()
     assert sorted(psn.per_param()) == ["fc.bias", "fc.weight"]
     assert "5 rows" in psn.coverage().not_covered["table.weight"]
-    mm = Model()
+    mm = TableOverBatch()
     hookstats.PerSampleGradNorms(mm, max_norm=1.0)
     with pytest.raises(RuntimeError, match="cannot be split per sample"):  # when its gradient arrives
         mm(torch.randn(3, 5, 4)).sum().backward()

@@ -28,13 +28,15 @@ OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...)
 # is done (Note [checkpointed layers]).
 
 
-def apply_clip(entries: List[tuple], max_norm: float, eps: float,
-               params: Dict[int, torch.nn.Parameter]) -> Tuple[Optional[torch.Tensor], Dict[int, torch.Tensor]]:
+def apply_clip(entries: List[tuple], max_norm: float, eps: float, params: Dict[int, torch.nn.Parameter], *,
+               keep_corrections: Optional[Dict[int, torch.Tensor]] = None
+               ) -> Tuple[Optional[torch.Tensor], Dict[int, torch.Tensor]]:
     """Clips the gradients of each entry's parameter (entries: (pid, samples, squared norm, [(term, deferred)]) of
-    this backward). A term autograd has already summed into .grad gets sum_b (coef_b - 1) grad_b added there; a
-    deferred one (Note [book-keeping] in bookkeeping.py: autograd did not compute it) contributes sum_b coef_b grad_b to the
-    returned {pid: gradient}, which the caller delivers through autograd. Returns ([samples] float64 coefficients
-    min(1, max_norm / (norm + eps)) or None without entries, that dict)."""
+    this backward). A term autograd has already summed into .grad gets sum_b (coef_b - 1) grad_b added there (or,
+    given keep_corrections, put there by pid, in the term's dtype, for the caller to add later: Note [clipping under
+    DDP] in ddp.py); a deferred one (Note [book-keeping] in bookkeeping.py: autograd did not compute it) contributes
+    sum_b coef_b grad_b to the returned {pid: gradient}, which the caller delivers through autograd. Returns
+    ([samples] float64 coefficients min(1, max_norm / (norm + eps)) or None without entries, that dict)."""
     if not entries:
         return None, {}
     batches = {n for _, n, _, _ in entries}
@@ -66,6 +68,9 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float,
                     d = t.delta(weight(False, dt), p.shape)
                     d = d if d.dtype == p.dtype else d.to(p.dtype)
                     deliver[pid] = d if pid not in deliver else deliver[pid].add_(d)
+                elif keep_corrections is not None:
+                    d = t.delta(weight(True, dt), p.shape)
+                    keep_corrections[pid] = d if pid not in keep_corrections else keep_corrections[pid].add_(d)
                 elif p.grad is not None:
                     d = t.delta(weight(True, dt), p.shape)
                     d = d if d.dtype == p.grad.dtype else d.to(p.grad.dtype)

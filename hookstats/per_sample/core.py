@@ -217,9 +217,10 @@ class PerSampleGradNorms:
                            f"the layer sees it (Note [broadcast layers]: only rules that know the broadcast, such as "
                            f"position embeddings, expand)" if rows < b else
                            f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples, and they "
-                           f"are not provably the batch's samples flattened batch-major (Note [flattened batches]: a "
-                           f"view of a contiguous [B, ...] tensor, or such rows through row-wise layers and "
-                           f"elementwise ops): routed tokens, attention windows, or a table shared by every sample")
+                           f"are not provably the batch's samples flattened batch-major (Note [batch layouts]: the "
+                           f"batch's dims followed back through views, permutes, row-wise layers, elementwise ops and "
+                           f"batched matmuls): routed tokens, windows that mix samples, or a table shared by every "
+                           f"sample")
                     # refused when a gradient reaches this output: a side computation whose result is detached
                     # (DoRA's lora_B(lora_A(eye)) for its weight norm) leaves the layer's other calls covered
                     out.register_hook(lambda g, name=name, why=why: self._refuse(name, why))

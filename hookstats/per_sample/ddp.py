@@ -99,15 +99,8 @@ def clip_with(ddp, names: Dict[int, str]):
         return apply_clip
 
     def clip(entries: list, max_norm: float, eps: float, params: Dict[int, torch.nn.Parameter]):
-        coef, grads = apply_clip([(pid, n, sq, [(t, d) for t, d in ts if d]) for pid, n, sq, ts in entries],
-                                 max_norm, eps, params)
         deltas: Dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for pid, _, _, ts in entries:
-                for t, deferred in ts:
-                    if not deferred:
-                        x = t.delta(coef - 1.0, params[pid].shape)
-                        deltas[pid] = x if pid not in deltas else deltas[pid].add_(x)
+        coef, grads = apply_clip(entries, max_norm, eps, params, keep_corrections=deltas)
         add_after_ddp(ddp, deltas, list(names), params, names)
         return coef, grads
     return clip
