@@ -116,8 +116,9 @@ uint64_t start_of(int32_t outputs, py::handle args, const Tensors& ts) {
 }
 
 // forward hook (module, args, output): records output (fwd >= 0) and hooks grad_output (grad >= 0, Note
-// [grad_output per output slot]). Returns None, the (index, alias) pairs to put in place of outputs (None where
-// no alias could be made), or Ellipsis: compiled autograd is on, and the Python hook puts traceable hooks instead.
+// [grad_output per output slot]). Returns None; the alias itself where the output is one tensor (the hook's new
+// output, no Python rebuild); the (index, alias) pairs to put in place of outputs (None where no alias could be
+// made); or Ellipsis: compiled autograd is on, and the Python hook puts traceable hooks instead.
 struct ForwardHook {
   std::shared_ptr<Recorder> rec;
   int32_t fwd, grad;
@@ -134,7 +135,9 @@ struct ForwardHook {
       out = py::ellipsis();
     } else if (grad >= 0) {
       auto aliases = hook_outputs(rec, grad, ts, start);
-      if (!aliases.empty()) {
+      if (aliases.size() == 1 && aliases[0].second.defined() && THPVariable_Check(output.ptr())) {
+        out = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(aliases[0].second)));
+      } else if (!aliases.empty()) {
         py::list l;
         for (auto& [index, a] : aliases) {
           py::object o = a.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(a))) : py::none();
@@ -303,7 +306,8 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("rec"), py::arg("fwd"), py::arg("grad"), py::arg("outputs") = 0,
      "(forward hook, forward pre-hook or None): the forward hook (module, args, output) records output (hook id "
      "fwd >= 0) and hooks grad_output (grad >= 0, Note [grad_output per output slot] in csrc/monitor/slots.cpp), "
-     "returning None, the (index, alias) pairs to put in place of outputs, or Ellipsis (compiled autograd is on: "
+     "returning None, the alias to return in place of an output that is one tensor, the (index, alias) pairs to put "
+     "in place of outputs, or Ellipsis (compiled autograd is on: "
      "put traceable hooks instead); the pre-hook (module, args) takes the call's start, which a module whose outputs "
      "are known needs not: outputs 1, every tensor it returns is computed by its call; 2, those or its positional "
      "input");

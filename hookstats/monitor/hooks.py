@@ -112,8 +112,8 @@ def forward_hook(rec, mid: int, fwd: int, grad: int, unplaced: list | None = Non
                 return _traced_grad_hooks(mid, grad, output, unplaced)
             return None
         aliases = call(module, args, output)
-        if aliases is None:
-            return None
+        if aliases is None or isinstance(aliases, torch.Tensor):  # nothing to replace, or the one output's alias
+            return aliases
         if aliases is ...:
             # An eager forward whose backward compiled autograd will trace: it cannot run C++ hooks or nodes, so the
             # grad_output hooks are Python ones it can trace (they record through the ordered op).
