@@ -844,3 +844,70 @@ def test_window_rows_proved_or_refused(mode):
     why = psn.coverage().not_covered
     assert "not provably the batch's samples flattened batch-major" in why["proj.weight"]
     assert ("qkv.weight" in why) == (mode == "interleaved")  # a copy in the batch's transposed order: not a view
+
+
+def swinv2(lib: str, **over):
+    """A tiny Swin V2 (timm or HF): stage 0 has 4 windows of 2 x 2 per sample, its second block shifted; the q / v
+    biases, the logit scales and the post-norms away from their initial 0, log(10) and 0 (timm starts the residual
+    post-norms at 0: the attention would get no gradient), one head's logit scale above the clamp at log(100) (its
+    gradient is 0)."""
+    import timm
+    import transformers as T
+
+    torch.manual_seed(0)
+    if lib == "timm":
+        model = timm.create_model("swinv2_tiny_window8_256", pretrained=False, num_classes=3, img_size=32,
+                                  window_size=2, embed_dim=8, depths=(2, 2), num_heads=(1, 2), **over)
+        fwd = call
+    else:
+        model = T.Swinv2ForImageClassification(T.Swinv2Config(
+            embed_dim=8, depths=[2, 2], num_heads=[1, 2], window_size=2, image_size=16, patch_size=4, num_labels=3,
+            attn_implementation="eager", **over))
+        fwd = lambda m, x: m(pixel_values=x).logits  # noqa: E731
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("q_bias", "v_bias")) or ("query" in n or "value" in n) and n.endswith("bias") or "norm" in n:
+                p.normal_()
+            if n.endswith("logit_scale"):
+                p.uniform_(0.5, 3.0)
+                if p.numel() > 1:
+                    p[1] = 5.0  # above log(100): clamped
+    return model, fwd
+
+
+@pytest.mark.parametrize("lib,over", [("timm", {}), ("timm", {"qkv_bias": False}), ("hf", {})])
+def test_swinv2_cosine_attention_covered(lib, over):
+    """Swin V2 (Note [cosine window attention]): logit_scale, the continuous position-bias MLP, timm's fused qkv weight
+    with its q / v biases and the output projection, HF's output projection proved batch-major through F.normalize's
+    norms: every parameter covered, exact against the per-sample loop (both libraries' softmax runs in the model's
+    dtype)."""
+    model, fwd = swinv2(lib, **over)
+    x = f64(B, 3, 32, 32) if lib == "timm" else _vision()
+    psn = check(model, fwd, x, covered=[n for n, _ in model.named_parameters()])
+    attn = "layers.0.blocks.1.attn" if lib == "timm" else "swinv2.encoder.layers.0.blocks.1.attention.self"
+    assert psn._rule[attn].name == ("TimmSwinV2WindowAttentionRule" if lib == "timm" else "Swinv2SelfAttentionRule")
+    assert psn.coverage().fraction == 1.0
+
+
+@pytest.mark.parametrize("lib", ["timm", "hf"])
+def test_swinv2_clipping(lib):
+    model, fwd = swinv2(lib)
+    clip_check(model, fwd, f64(B, 3, 32, 32) if lib == "timm" else _vision())
+
+
+@pytest.mark.parametrize("lib", ["timm", "hf"])
+def test_swinv2_refused_with_attention_dropout(lib):
+    model, fwd = swinv2(lib)
+    for m in model.modules():
+        if lib == "timm" and hasattr(m, "attn_drop"):
+            m.attn_drop.p = 0.1
+        if lib == "hf" and hasattr(m, "logit_scale"):
+            m.dropout.p = 0.1
+    model.train()
+    with pytest.warns(UserWarning, match="attention's dropout is active"):
+        psn = hookstats.PerSampleGradNorms(model)
+        fwd(model, f64(B, 3, 32, 32).float() if lib == "timm" else _vision().float()).sum().backward()
+    why = psn.coverage().not_covered
+    scales = [n for n in why if n.endswith("logit_scale")]
+    assert len(scales) == 4 and "random mask" in why[scales[0]]
+    psn.remove()
