@@ -328,17 +328,21 @@ def test_mixtral_experts_refused():
 
 @pytest.mark.parametrize("name", ["resnet18", "convnext_atto"])
 def test_timm_models(name):
+    """ResNet (eval-mode BatchNorm), ConvNeXt (its layer scale gamma, applied by ConvNeXtBlock itself: the block's
+    rule reads the product's kept operand): every parameter covered."""
     import timm
 
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=5)
-    uncovered = [n for n, p in model.named_parameters() if n.endswith("gamma")]  # applied by ConvNeXtBlock itself
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gamma"):
+                p.normal_()
     side = 16 if name == "resnet18" else 32  # convnext_atto downsamples by 32
-    psn = check(model, call, f64(2, 3, side, side), not_covered=uncovered,  # eval mode: BatchNorm covered
-                covered=[n for n, _ in model.named_parameters() if n not in uncovered])
-    assert bool(uncovered) == (name == "convnext_atto")
-    if uncovered:
-        assert "no per-sample rule for ConvNeXtBlock" in psn.coverage().not_covered[uncovered[0]]
+    psn = check(model, call, f64(2, 3, side, side),
+                covered=[n for n, _ in model.named_parameters()])
+    if name == "convnext_atto":
+        assert psn._rule["stages.0.blocks.0"].name == "ConvNeXtGammaRule"
 
 
 def test_coverage_warning_and_monitor():
@@ -910,4 +914,55 @@ def test_swinv2_refused_with_attention_dropout(lib):
     why = psn.coverage().not_covered
     scales = [n for n in why if n.endswith("logit_scale")]
     assert len(scales) == 4 and "random mask" in why[scales[0]]
+    psn.remove()
+
+
+def _timm(name: str, **kw):
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=3, **kw)
+    with torch.no_grad():  # layer scales and GRN away from their initial 1e-5 / 0
+        for n, p in model.named_parameters():
+            if n.endswith(("gamma", "grn.weight", "grn.bias")):
+                p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("name", ["deit3_small_patch16_224", "convnextv2_atto"])
+def test_timm_layer_scale_and_grn(name):
+    """timm LayerScale (DeiT III: out = x * gamma over the channels) and GlobalResponseNorm (ConvNeXt V2: weight and
+    bias of x + bias + weight * x * n(x), n from the sample's own spatial norms): covered, exact; the ViT's own
+    class token and position table are refused with their reason (test_timm_vit_tokens_refused)."""
+    vit = name.startswith("deit3")
+    model = _timm(name, **(dict(img_size=32, patch_size=8, depth=2, embed_dim=16, num_heads=2) if vit else {}))
+    tokens = ["cls_token", "pos_embed"] if vit else []
+    psn = check(model, call, f64(2, 3, 32, 32), covered=[n for n, _ in model.named_parameters() if n not in tokens],
+                not_covered=tokens)
+    layer = "blocks.0.ls1" if vit else "stages.0.blocks.0.mlp.grn"
+    assert psn._rule[layer].name == ("ChannelScaleRule" if vit else "GlobalResponseNormRule")
+
+
+def test_layer_scale_clipping():
+    clip_check(_timm("convnextv2_atto"), call, f64(B, 3, 32, 32))
+
+
+def test_layer_scale_refusals():
+    """An in-place layer scale overwrites the input its gradient needs; ConvNeXt's drop path in training is a random
+    per-sample mask: both refused by name, with the reason."""
+    from timm.layers import LayerScale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), LayerScale(4, init_values=0.5, inplace=True), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="in place"):
+        psn = hookstats.PerSampleGradNorms(model)
+        model(torch.randn(B, 4)).sum().backward()
+    assert "inplace=True" in psn.coverage().not_covered["1.gamma"]
+    psn.remove()
+    model = _timm("convnext_atto", drop_path_rate=0.5).train()
+    with pytest.warns(UserWarning, match="drop path is active"):
+        psn = hookstats.PerSampleGradNorms(model)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+    why = psn.coverage().not_covered
+    assert "random per-sample mask" in why["stages.1.blocks.0.gamma"] and "stages.0.blocks.0.gamma" not in why
     psn.remove()
