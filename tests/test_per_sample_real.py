@@ -932,13 +932,10 @@ def _timm(name: str, **kw):
 @pytest.mark.parametrize("name", ["deit3_small_patch16_224", "convnextv2_atto"])
 def test_timm_layer_scale_and_grn(name):
     """timm LayerScale (DeiT III: out = x * gamma over the channels) and GlobalResponseNorm (ConvNeXt V2: weight and
-    bias of x + bias + weight * x * n(x), n from the sample's own spatial norms): covered, exact; the ViT's own
-    class token and position table are refused with their reason (test_timm_vit_tokens_refused)."""
+    bias of x + bias + weight * x * n(x), n from the sample's own spatial norms): covered, exact."""
     vit = name.startswith("deit3")
     model = _timm(name, **(dict(img_size=32, patch_size=8, depth=2, embed_dim=16, num_heads=2) if vit else {}))
-    tokens = ["cls_token", "pos_embed"] if vit else []
-    psn = check(model, call, f64(2, 3, 32, 32), covered=[n for n, _ in model.named_parameters() if n not in tokens],
-                not_covered=tokens)
+    psn = check(model, call, f64(2, 3, 32, 32), covered=[n for n, _ in model.named_parameters()])
     layer = "blocks.0.ls1" if vit else "stages.0.blocks.0.mlp.grn"
     assert psn._rule[layer].name == ("ChannelScaleRule" if vit else "GlobalResponseNormRule")
 
@@ -966,3 +963,49 @@ def test_layer_scale_refusals():
     why = psn.coverage().not_covered
     assert "random per-sample mask" in why["stages.1.blocks.0.gamma"] and "stages.0.blocks.0.gamma" not in why
     psn.remove()
+
+
+_TINY_VIT = dict(img_size=32, patch_size=8, depth=2, embed_dim=16, num_heads=2)
+
+
+@pytest.mark.parametrize("name,kw", [("vit_tiny_patch16_224", {}),
+                                     ("vit_small_patch16_224", dict(reg_tokens=2)),
+                                     ("vit_small_patch16_224", dict(reg_tokens=2, class_token=False,
+                                                                    global_pool="avg", no_embed_class=True)),
+                                     ("deit_tiny_distilled_patch16_224", {}),
+                                     ("deit3_small_patch16_224", {})])
+def test_timm_vit_tokens_covered(name, kw):
+    """timm ViT / DeiT / DeiT III / registers: the class, register and distillation tokens and the position table
+    (with and without no_embed_class), parameters of the model applied by its _pos_embed, read at its pos_drop
+    (Rule.hook_site): every parameter covered, exact."""
+    model = _timm(name, **_TINY_VIT, **kw)
+    own = [n for n, _ in model.named_parameters() if "." not in n]
+    assert "pos_embed" in own and len(own) >= 2
+    psn = check(model, call, f64(B, 3, 32, 32), covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule[""].name == "TimmViTTokensRule"
+
+
+def test_timm_vit_tokens_clipping():
+    clip_check(_timm("vit_small_patch16_224", **_TINY_VIT, reg_tokens=2), call, f64(B, 3, 32, 32))
+
+
+def test_timm_vit_tokens_refusals_and_copies():
+    """dynamic_img_size (a table resampled per input) is refused from the start, an active position dropout at run
+    time; a deepcopy of the hooked model (its pos_drop carries the hook) feeds nothing."""
+    model = _timm("vit_tiny_patch16_224", **_TINY_VIT, dynamic_img_size=True)
+    with pytest.warns(UserWarning, match="resampled"):
+        psn = hookstats.PerSampleGradNorms(model)
+    assert "dynamic_img_size=True" in psn.coverage().not_covered["pos_embed"]
+    psn.remove()
+    model = _timm("vit_tiny_patch16_224", **_TINY_VIT, pos_drop_rate=0.1).train()
+    with pytest.warns(UserWarning, match="position dropout is active"):
+        psn = hookstats.PerSampleGradNorms(model)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert "random mask" in psn.coverage().not_covered["cls_token"]
+    psn.remove()
+    model = _timm("vit_tiny_patch16_224", **_TINY_VIT).double().eval()
+    psn = hookstats.PerSampleGradNorms(model)
+    copy.deepcopy(model)(f64(5, 3, 32, 32)).sum().backward()
+    assert psn.samples == 0 and not psn.per_param_sq()
+    model(f64(B, 3, 32, 32)).sum().backward()
+    assert psn.samples == B and psn.per_param_sq()["cls_token"].shape == (B,)
