@@ -316,13 +316,14 @@ def test_t5_relative_bias_refused():
           covered=[n for n, _ in model.named_parameters() if n not in rel], not_covered=rel)
 
 
-def test_mixtral_experts_refused():
+def test_mixtral_experts_covered():
+    """Mixtral's experts (the eager loop of Qwen2MoeExperts' code, Note [routed experts]) and its router on the
+    [B * T, d] token rows: every parameter covered, exact."""
     model = hf("mixtral")
     experts = [n for n, _ in model.named_parameters() if ".experts." in n]
     assert len(experts) == 4
-    psn = check(model, lm, ids(), covered=[n for n, _ in model.named_parameters() if n not in experts],
-                not_covered=experts)
-    assert "router sends that expert" in psn.coverage().not_covered[experts[0]]
+    psn = check(model, lm, ids(), covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule["model.layers.0.mlp.experts"].name == "RoutedExpertsRule"
     assert psn._rule["model.layers.0.mlp.gate"].name == "TopKRouterRule"  # [B * T, d] rows split per sample
 
 
@@ -594,6 +595,9 @@ def family(name: str):
                 if "norm" in n:
                     p.normal_()
         return model, lm
+    if name == "olmoe":
+        return T.OlmoeForCausalLM(T.OlmoeConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                                experts_implementation="eager")), lm
     if name == "qwen2_moe":
         return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**small, moe_intermediate_size=8, num_experts=4,
                                                       shared_expert_intermediate_size=16, num_experts_per_tok=2,
@@ -644,14 +648,62 @@ def test_fine_tuned_families_fully_covered(name, rtol):
     check(model, fwd, x, covered=[n for n, p in model.named_parameters() if p.requires_grad], rtol=rtol)
 
 
-def test_qwen2_moe_routers_and_shared_expert_covered_experts_refused():
-    model, fwd = family("qwen2_moe")
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe"])
+def test_moe_experts_routers_and_shared_expert_covered(name):
+    """Qwen2-MoE (routers, shared expert and its gate, the experts) and OLMoE: every parameter covered, exact against
+    the per-sample loop: the experts' [E, m, n] weights per sample from the routing the experts module is called with
+    (Note [routed experts])."""
+    model, fwd = family(name)
     experts = [n for n, _ in model.named_parameters() if ".experts." in n]
-    psn = check(model, fwd, ids(), covered=[n for n, _ in model.named_parameters() if n not in experts],
-                not_covered=experts)
-    assert "router sends that expert" in psn.coverage().not_covered[experts[0]]
+    assert len(experts) == 4
+    psn = check(model, fwd, ids(), covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule["model.layers.0.mlp.experts"].name == "RoutedExpertsRule"
     assert psn._rule["model.layers.0.mlp.gate"].name == "TopKRouterRule"
-    assert "model.layers.0.mlp.shared_expert.down_proj" in psn.layers
+    if name == "qwen2_moe":
+        assert "model.layers.0.mlp.shared_expert.down_proj" in psn.layers
+
+
+def test_moe_experts_clipping():
+    model, fwd = family("qwen2_moe")
+    clip_check(model, fwd, ids())
+
+
+def test_moe_experts_refused_with_another_implementation():
+    """A fused experts kernel (grouped_mm) is not the eager loop the rule replays: refused from the start, with the
+    reason and what to do; max_norm= then raises, naming them."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.Qwen2MoeConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, vocab_size=V, moe_intermediate_size=8, num_experts=4,
+                           shared_expert_intermediate_size=16, num_experts_per_tok=2, experts_implementation="grouped_mm")
+    model = T.Qwen2MoeForCausalLM(cfg)
+    with pytest.warns(UserWarning, match="grouped_mm"):
+        psn = hookstats.PerSampleGradNorms(model)
+    why = psn.coverage().not_covered
+    assert set(why) == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert "experts_implementation='eager'" in why["model.layers.0.mlp.experts.down_proj"]
+    psn.remove()
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        hookstats.PerSampleGradNorms(model, max_norm=1.0)
+
+
+def test_moe_experts_of_another_layout_refused():
+    """Experts whose forward is not that code (a subclass with its own loop) keep the refusal, with its reason."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+
+    class MyExperts(Qwen2MoeExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states * top_k_weights.sum(-1, keepdim=True)
+
+    import transformers as T
+
+    cfg = T.Qwen2MoeConfig(hidden_size=16, num_experts=4, moe_intermediate_size=8, experts_implementation="eager")
+    model = nn.ModuleDict({"experts": MyExperts(cfg), "head": nn.Linear(2, 2)})
+    with pytest.warns(UserWarning, match="routed-experts rule does not match"):
+        psn = hookstats.PerSampleGradNorms(model)
+    assert "Note [routed experts]" in psn.coverage().not_covered["experts.down_proj"]
+    psn.remove()
 
 
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_b0", "regnetx_002"])
