@@ -627,6 +627,20 @@ def family(name: str):
         mask = torch.tensor([[True, False, False, True], [False] * 4, [True] * 4])
         return T.ViTForMaskedImageModeling(T.ViTConfig(**vit, encoder_stride=8)), \
             lambda m, x: m(pixel_values=x, bool_masked_pos=mask).reconstruction
+    if name == "clip_vision":  # the class embedding; the position table an Embedding on [1, N] ids, expanded
+        return T.CLIPVisionModelWithProjection(T.CLIPVisionConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+            patch_size=8, projection_dim=8)), lambda m, x: m(pixel_values=x).image_embeds
+    if name.startswith("dinov2"):  # class and mask tokens, the table as is, the layer scales
+        model = T.Dinov2Model(T.Dinov2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                             mlp_ratio=2, image_size=16, patch_size=8))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lambda1" in n or "mask_token" in n:
+                    p.normal_()
+        mask = torch.tensor([[True, False, False, True], [False] * 4, [True] * 4])
+        kw = {"bool_masked_pos": mask} if name == "dinov2_masked" else {}
+        return model, lambda m, x: m(pixel_values=x, **kw).last_hidden_state
     raise KeyError(name)
 
 
@@ -636,15 +650,17 @@ def _vision(seed=3):
 
 @pytest.mark.parametrize("name,rtol", [("opt", 1e-9), ("falcon", 1e-9), ("gemma", 1e-5), ("gemma2", 1e-5),
                                        ("gemma3", 1e-5), ("bart", 1e-9), ("distilbert", 1e-9), ("vit", 1e-9),
-                                       ("deit", 1e-9), ("vit_masked", 1e-9), ("whisper", 1e-9)])
+                                       ("deit", 1e-9), ("vit_masked", 1e-9), ("whisper", 1e-9),
+                                       ("clip_vision", 1e-9), ("dinov2", 1e-9), ("dinov2_masked", 1e-9)])
 def test_fine_tuned_families_fully_covered(name, rtol):
     """OPT (fc1 / fc2 on [B*T, d] rows proved batch-major; the positional embedding with its offset), Falcon
     (FalconLinear by its code), Gemma 1/2/3 (the (1 + w) RMSNorm: float32 products as the module's backward, so to
     float32 rounding; the scaled word embedding tied to the head), BART (scaled embedding, positions of batch 1
-    expanded), ViT / DeiT (class, distillation and mask tokens, position table: parameters their embeddings module
-    applies itself): every trainable parameter covered, against the per-sample loop."""
+    expanded), ViT / DeiT / DINOv2 (class, distillation and mask tokens, position table: parameters their embeddings
+    module applies itself; DINOv2's layer scales), CLIP vision (its class embedding): every trainable parameter
+    covered, against the per-sample loop."""
     model, fwd = family(name)
-    x = _vision() if name.startswith(("vit", "deit")) else ids()
+    x = _vision() if name.startswith(("vit", "deit", "clip", "dinov2")) else ids()
     check(model, fwd, x, covered=[n for n, p in model.named_parameters() if p.requires_grad], rtol=rtol)
 
 
@@ -1061,3 +1077,16 @@ def test_timm_vit_tokens_refusals_and_copies():
     assert psn.samples == 0 and not psn.per_param_sq()
     model(f64(B, 3, 32, 32)).sum().backward()
     assert psn.samples == B and psn.per_param_sq()["cls_token"].shape == (B,)
+
+
+def test_dinov2_resampled_table_refused():
+    """DINOv2 resamples its position table (bicubic) for another number of patches: refused at run time, with the
+    reason; the table as is (the image size of the config) is covered (test_fine_tuned_families_fully_covered)."""
+    model, fwd = family("dinov2")
+    with pytest.warns(UserWarning, match="resampled"):
+        psn = hookstats.PerSampleGradNorms(model)
+        fwd(model, torch.randn(2, 3, 24, 24)).sum().backward()
+    why = psn.coverage().not_covered
+    assert set(why) == {"embeddings.cls_token", "embeddings.mask_token", "embeddings.position_embeddings"}
+    assert "interpolate_pos_encoding" in why["embeddings.position_embeddings"]
+    psn.remove()
