@@ -692,7 +692,8 @@ def test_moe_experts_refused_with_another_implementation():
     torch.manual_seed(0)
     cfg = T.Qwen2MoeConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                            num_key_value_heads=1, vocab_size=V, moe_intermediate_size=8, num_experts=4,
-                           shared_expert_intermediate_size=16, num_experts_per_tok=2, experts_implementation="grouped_mm")
+                           shared_expert_intermediate_size=16, num_experts_per_tok=2,
+                           experts_implementation="grouped_mm")
     model = T.Qwen2MoeForCausalLM(cfg)
     with pytest.warns(UserWarning, match="grouped_mm"):
         psn = hookstats.PerSampleGradNorms(model)

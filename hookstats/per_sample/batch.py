@@ -32,11 +32,11 @@ import torch
 #   (3) before), or of size 1 on D (the same for every sample);
 # - batched products: bmm of operands with D = (0,) or free, mm / addmm of (0,) rows by a free or constant matrix,
 #   and scaled_dot_product_attention's fused nodes with query, key and value of one D among the batch dims.
-# Not followed: a gather of activations or a reduction over a batch dim, any op not listed, a view of a tensor whose batch dims are not
-# a prefix, a product with a constant batched operand, a walk past 64 nodes deep or 4096 visits. Swin's attention
-# is the case in point: the q/k/v projections' outputs (recorded: their input windows are a view of the contiguous
-# [B, windows, ...] partition) lead through the head split, the scores (plus the relative-position bias and the
-# shifted-window mask, free), the softmax, the product with the values and the head merge to the output
+# Not followed: a gather of activations or a reduction over a batch dim, any op not listed, a view of a tensor whose
+# batch dims are not a prefix, a product with a constant batched operand, a walk past 64 nodes deep or 4096 visits.
+# Swin's attention is the case in point: the q/k/v projections' outputs (recorded: their input windows are a view of
+# the contiguous [B, windows, ...] partition) lead through the head split, the scores (plus the relative-position bias
+# and the shifted-window mask, free), the softmax, the product with the values and the head merge to the output
 # projection's input, whose window rows stay with their sample.
 
 
@@ -70,7 +70,8 @@ def flattened(x: torch.Tensor, b: int) -> bool:
 # Autograd nodes of elementwise ops: output element i depends on element i of each input, broadcast (Note [batch
 # layouts]).
 _ELEMENTWISE = frozenset("""
-    AbsBackward0 AddBackward0 AddBackward1 AliasBackward0 ClampBackward1 ClampMinBackward0 CloneBackward0 DivBackward0 DivBackward1
+    AbsBackward0 AddBackward0 AddBackward1 AliasBackward0 ClampBackward1 ClampMinBackward0 CloneBackward0 DivBackward0
+    DivBackward1
     EluBackward0 ExpBackward0 GeluBackward0 HardsigmoidBackward0 HardswishBackward0 HardtanhBackward0
     LeakyReluBackward0 LogSigmoidBackward0 MaskedFillBackward0 MishBackward0 MulBackward0 MulBackward1
     NativeDropoutBackward0 NegBackward0 PowBackward0 ReluBackward0 RsqrtBackward0 SigmoidBackward0 SiluBackward0

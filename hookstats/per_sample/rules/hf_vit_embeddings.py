@@ -124,7 +124,7 @@ class _CLIPVision(nn.Module):  # transformers' CLIPVisionEmbeddings
 
 
 
-class _Dinov2(nn.Module):  # transformers' Dinov2Embeddings
+class _Dinov2(nn.Module):  # transformers' Dinov2Embeddings, verbatim (its docstring is part of the code compared)
     def forward(
         self,
         pixel_values: torch.Tensor,

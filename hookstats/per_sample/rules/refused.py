@@ -14,11 +14,11 @@ class Refused(Exception):
 # Matchers of the experts modules a rule covers (hf_moe_experts.py appends its own): not refused here.
 MOE_COVERED: list = []
 _MOE = ("mixture-of-experts experts that the routed-experts rule does not match (Note [routed experts] in "
-        "rules/hf_moe_experts.py: the eager loop of Qwen2MoeExperts and its copies): each expert's weights are applied, "
-        "inside the experts module, to the token rows the router sends that expert, and a per-sample gradient needs "
-        "the routing and each expert's output gradient per token, which only a rule replaying that module's own "
-        "forward has; this module's forward is not that code (another weight layout, biases, or one module per "
-        "expert): left out of the total")
+        "rules/hf_moe_experts.py: the eager loop of Qwen2MoeExperts and its copies): each expert's weights are "
+        "applied, inside the experts module, to the token rows the router sends that expert, and a per-sample "
+        "gradient needs the routing and each expert's output gradient per token, which only a rule replaying that "
+        "module's own forward has; this module's forward is not that code (another weight layout, biases, or one "
+        "module per expert): left out of the total")
 
 
 def _moe(match):
