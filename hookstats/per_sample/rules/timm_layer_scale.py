@@ -19,6 +19,7 @@ from torch import nn
 
 from ..registry import Rule, register_pattern, same_code
 from ..terms import Dense, compute_dtype
+from .hf_swin_attention import graph_nodes
 from .refused import Refused
 
 
@@ -96,12 +97,7 @@ class ChannelScaleRule(Rule):
 
 def _kept_product(out: torch.Tensor, gamma: nn.Parameter):
     """The other operand of the product by `gamma` (viewed / reshaped) that the block's output graph reached first."""
-    todo, seen = [out.grad_fn], set()
-    while todo and len(seen) < 16:
-        node = todo.pop(0)
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in graph_nodes(out, 16):
         if type(node).__name__ == "MulBackward0":
             for nxt, _ in node.next_functions:
                 while nxt is not None and type(nxt).__name__ in ("ViewBackward0", "ReshapeAliasBackward0",
@@ -109,7 +105,6 @@ def _kept_product(out: torch.Tensor, gamma: nn.Parameter):
                     nxt = nxt.next_functions[0][0]
                 if nxt is not None and getattr(nxt, "variable", None) is gamma:
                     return node._saved_self
-        todo += [n for n, _ in node.next_functions]
     raise Refused("the product by gamma was not found in the block's output graph")
 
 
