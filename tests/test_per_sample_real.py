@@ -540,6 +540,8 @@ def test_not_seen_parameters_are_reported():
     cov = psn.coverage()
     assert sorted(cov.not_seen) == ["1.out_proj.bias", "1.out_proj.weight"]
     assert "not seen" in str(cov)
+    seen = sum(p.numel() for n, p in model.named_parameters() if n in cov.covered and "out_proj" not in n)
+    assert cov.fraction == seen / sum(p.numel() for p in model.parameters()) < 1  # in no per-sample number
 
 
 def test_against_opacus_convs_and_norms():
