@@ -85,11 +85,11 @@ class ChannelScaleRule(Rule):
     def is_batched(self, mod, x):
         return x.dim() == 4 if self.channels_first else x.dim() > 1
 
-    def keep(self, mod, x, args=(), kwargs=None):
+    def check(self, mod):
         if getattr(mod, "inplace", False):
-            raise Refused("the scale multiplies its input in place (inplace=True): the input its gradient needs is "
-                          "overwritten by the product")
-        return x
+            return ("the scale multiplies its input in place (inplace=True): the input its gradient needs is "
+                    "overwritten by the product")
+        return None
 
     def terms(self, mod, x, g, attrs):
         return {self.params[0]: _scale_sum(x, g, 1 if self.channels_first else -1)}
