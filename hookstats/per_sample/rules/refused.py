@@ -32,9 +32,11 @@ register_refusal("*relative_attention_bias",
                  "T5-style relative position bias: fed a [T, T] table shared by every sample and broadcast over the "
                  "batch after the layer, so its output gradient is already summed over the samples: left out of the "
                  "total")
-_REL_POS = ("a relative-position bias table: gathered into one [heads, N, N] bias that is added to the attention "
-            "scores of every window of every sample, so its gradient is summed over the samples by that broadcast "
-            "before any module output carries it: no per-sample split is left; left out of the total")
+_REL_POS = ("held by (or in) an attention with a relative-position bias table that no rule covers (HF and timm Swin's "
+            "are, Note [relative-position table]): the table's [heads, N, N] bias is added to the attention scores of "
+            "every sample, so its gradient is summed over the samples before any module output carries it, and only "
+            "a rule that replays the scores' gradient from that attention's output can split it per sample; the "
+            "module holding the table is refused, its parameters left out of the total")
 register_refusal(lambda name, mod: type(mod).__name__.endswith("RelativePositionBias")
                  and "relative_position_bias_table" in mod._parameters, _REL_POS)
 # timm's tables held by an attention module: refused in rules/timm_swin_attention.py, but Swin's WindowAttention
