@@ -1093,3 +1093,28 @@ def test_dinov2_resampled_table_refused():
     assert set(why) == {"embeddings.cls_token", "embeddings.mask_token", "embeddings.position_embeddings"}
     assert "interpolate_pos_encoding" in why["embeddings.position_embeddings"]
     psn.remove()
+
+
+@pytest.mark.parametrize("s,m,n", [(12, 2, 3), (4, 16, 16)])
+def test_routed_outer_term(s, m, n):
+    """RoutedOuter (Note [routed experts]) against the per-sample [E, m, n] gradients materialised: the squared norms
+    by (sample, expert) groups (many pairs, small blocks) and by the masked Grams (few pairs, large blocks), dropped
+    slots (expert index E) included; the clip's weighted sum, and rows_to_samples."""
+    from hookstats.per_sample.rules.hf_moe_experts import RoutedOuter
+
+    g = torch.Generator().manual_seed(0)
+    b, e_ = 6, 3
+    L, R = torch.randn(b, s, m, generator=g, dtype=torch.float64), torch.randn(b, s, n, generator=g, dtype=torch.float64)
+    e = torch.randint(0, e_ + 1, (b, s), generator=g)
+    L[e == e_] = 0  # a dropped slot carries no gradient
+    full = torch.zeros(b, e_, m, n, dtype=torch.float64)
+    for i in range(b):
+        for p in range(s):
+            if e[i, p] < e_:
+                full[i, e[i, p]] += torch.outer(L[i, p], R[i, p])
+    term = RoutedOuter(L, R, e, e_)
+    torch.testing.assert_close(term.sq(), full.square().sum((1, 2, 3)), rtol=1e-12, atol=0)
+    w = torch.rand(b, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(term.delta(w, (e_, m, n)), (full * w.reshape(-1, 1, 1, 1)).sum(0), rtol=1e-12, atol=0)
+    two = term.rows_to_samples(2)
+    torch.testing.assert_close(two.sq(), full.reshape(b // 2, 2, -1).sum(1).square().sum(1), rtol=1e-12, atol=0)

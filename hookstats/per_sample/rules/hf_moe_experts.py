@@ -11,9 +11,10 @@ activations (expert by expert, as the forward runs them; act's backward by autog
   down_proj[e]     sum over the pairs routed to e of o h^T,  h = act(gate) * up
   gate_up_proj[e]  sum of [d gate; d up] x^T, d h = Down_e^T o, d up = d h * act(gate), d gate = vjp of act at gate
 A sample's gradient of the [E, m, n] parameter is, per expert, the sum over its pairs routed there (RoutedOuter):
-squared norm sum_e ||sum_{p in e} L_p R_p^T||^2 = sum_{p, q same expert} <L_p, L_q> <R_p, R_q> (two Grams over the
-sample's T * K pairs, masked to equal experts), never the [E, m, n] product per sample; the clip's weighted sum runs
-expert by expert. Refused: another experts implementation (grouped_mm, batched_mm: a kernel the rule does not replay),
+squared norm sum_e ||sum_{p in e} L_p R_p^T||^2, per (sample, expert) group of pairs by the Linear rule's choice of two
+Grams or the product (the groups padded to the largest), or, where routing is so unbalanced that the padding would
+outgrow them, sum_{p, q same expert} <L_p, L_q> <R_p, R_q> from two Grams over the sample's T * K pairs masked to equal
+experts; the clip's weighted sum runs expert by expert. Refused: another experts implementation (grouped_mm, batched_mm: a kernel the rule does not replay),
 a class whose forward is not that code (gpt-oss, DBRX, Llama 4, ...: their layouts differ). The router is a Linear
 on the token rows (mixtral_router.py); the experts' weights never meet the other layers' parameters (no tying).
 """
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..registry import Rule, register_pattern, same_code
-from ..terms import Term, compute_dtype
+from ..terms import Term, compute_dtype, outer_sq_norms
 from .refused import MOE_COVERED, Refused
 
 
@@ -74,10 +75,29 @@ class RoutedOuter(Term):
         return RoutedOuter(f(self.L), f(self.R), f(self.e), self.E)
 
     def sq(self):
-        same = (self.e.unsqueeze(2) == self.e.unsqueeze(1)) & (self.e < self.E).unsqueeze(2)
-        gl = torch.bmm(self.L, self.L.transpose(1, 2))
-        gr = torch.bmm(self.R, self.R.transpose(1, 2))
-        return (gl * gr * same).sum((1, 2))
+        b, s, m = self.L.shape
+        n = self.R.shape[-1]
+        keep = self.e < self.E
+        key = (torch.arange(b, device=self.e.device).unsqueeze(1) * self.E + self.e)[keep]  # (sample, expert) groups
+        counts = torch.bincount(key, minlength=b * self.E)
+        c = int(counts.max()) if key.numel() else 0
+        if c == 0:
+            return self.L.new_zeros(b)
+        if b * self.E * c * (m + n) > b * s * s:  # unbalanced routing: the sample's Grams masked to equal experts
+            same = (self.e.unsqueeze(2) == self.e.unsqueeze(1)) & keep.unsqueeze(2)
+            gl = torch.bmm(self.L, self.L.transpose(1, 2))
+            gr = torch.bmm(self.R, self.R.transpose(1, 2))
+            return (gl * gr * same).sum((1, 2))
+        # each (sample, expert) group's pairs padded to c rows (zeros add nothing): sum_t L_t R_t^T per group
+        order = torch.argsort(key, stable=True)
+        skey = key[order]
+        start = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(skey.numel(), device=skey.device) - start[skey]
+        lp = self.L.new_zeros(b * self.E, c, m)
+        rp = self.R.new_zeros(b * self.E, c, n)
+        lp[skey, slot] = self.L[keep][order]
+        rp[skey, slot] = self.R[keep][order]
+        return outer_sq_norms(rp, lp).reshape(b, self.E).sum(1)
 
     def delta(self, w, shape):
         m, n = self.L.shape[-1], self.R.shape[-1]
