@@ -1104,7 +1104,8 @@ def test_routed_outer_term(s, m, n):
 
     g = torch.Generator().manual_seed(0)
     b, e_ = 6, 3
-    L, R = torch.randn(b, s, m, generator=g, dtype=torch.float64), torch.randn(b, s, n, generator=g, dtype=torch.float64)
+    L = torch.randn(b, s, m, generator=g, dtype=torch.float64)
+    R = torch.randn(b, s, n, generator=g, dtype=torch.float64)
     e = torch.randint(0, e_ + 1, (b, s), generator=g)
     L[e == e_] = 0  # a dropped slot carries no gradient
     full = torch.zeros(b, e_, m, n, dtype=torch.float64)

@@ -11,12 +11,13 @@ activations (expert by expert, as the forward runs them; act's backward by autog
   down_proj[e]     sum over the pairs routed to e of o h^T,  h = act(gate) * up
   gate_up_proj[e]  sum of [d gate; d up] x^T, d h = Down_e^T o, d up = d h * act(gate), d gate = vjp of act at gate
 A sample's gradient of the [E, m, n] parameter is, per expert, the sum over its pairs routed there (RoutedOuter):
-squared norm sum_e ||sum_{p in e} L_p R_p^T||^2, per (sample, expert) group of pairs by the Linear rule's choice of two
-Grams or the product (the groups padded to the largest), or, where routing is so unbalanced that the padding would
-outgrow them, sum_{p, q same expert} <L_p, L_q> <R_p, R_q> from two Grams over the sample's T * K pairs masked to equal
-experts; the clip's weighted sum runs expert by expert. Refused: another experts implementation (grouped_mm, batched_mm: a kernel the rule does not replay),
-a class whose forward is not that code (gpt-oss, DBRX, Llama 4, ...: their layouts differ). The router is a Linear
-on the token rows (mixtral_router.py); the experts' weights never meet the other layers' parameters (no tying).
+squared norm sum_e ||sum_{p in e} L_p R_p^T||^2, per (sample, expert) group of pairs by the Linear rule's choice of
+two Grams or the product (the groups padded to the largest), or, where routing is so unbalanced that the padding would
+outgrow them, sum_{p, q same expert} <L_p, L_q> <R_p, R_q> from two Grams over the sample's T * K pairs masked to
+equal experts; the clip's weighted sum runs expert by expert. Refused: another experts implementation (grouped_mm,
+batched_mm: a kernel the rule does not replay), a class whose forward is not that code (gpt-oss, DBRX, Llama 4, ...:
+their layouts differ). The router is a Linear on the token rows (mixtral_router.py); the experts' weights never meet
+the other layers' parameters (no tying).
 """
 from __future__ import annotations
 
