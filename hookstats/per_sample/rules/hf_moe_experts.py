@@ -17,7 +17,9 @@ outgrow them, sum_{p, q same expert} <L_p, L_q> <R_p, R_q> from two Grams over t
 equal experts; the clip's weighted sum runs expert by expert. Refused: another experts implementation (grouped_mm,
 batched_mm: a kernel the rule does not replay), a class whose forward is not that code (gpt-oss, DBRX, Llama 4, ...:
 their layouts differ). The router is a Linear on the token rows (mixtral_router.py); the experts' weights never meet
-the other layers' parameters (no tying).
+the other layers' parameters (no tying). One call per backward is assumed: RoutedOuter is not one of the forms
+terms.combine sums, so an experts module called twice in one backward fails in the norm's sum (an error, never a
+number).
 """
 from __future__ import annotations
 
