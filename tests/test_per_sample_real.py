@@ -316,29 +316,34 @@ def test_t5_relative_bias_refused():
           covered=[n for n, _ in model.named_parameters() if n not in rel], not_covered=rel)
 
 
-def test_mixtral_experts_refused():
+def test_mixtral_experts_covered():
+    """Mixtral's experts (the eager loop of Qwen2MoeExperts' code, Note [routed experts]) and its router on the
+    [B * T, d] token rows: every parameter covered, exact."""
     model = hf("mixtral")
     experts = [n for n, _ in model.named_parameters() if ".experts." in n]
     assert len(experts) == 4
-    psn = check(model, lm, ids(), covered=[n for n, _ in model.named_parameters() if n not in experts],
-                not_covered=experts)
-    assert "router sends that expert" in psn.coverage().not_covered[experts[0]]
+    psn = check(model, lm, ids(), covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule["model.layers.0.mlp.experts"].name == "RoutedExpertsRule"
     assert psn._rule["model.layers.0.mlp.gate"].name == "TopKRouterRule"  # [B * T, d] rows split per sample
 
 
 @pytest.mark.parametrize("name", ["resnet18", "convnext_atto"])
 def test_timm_models(name):
+    """ResNet (eval-mode BatchNorm), ConvNeXt (its layer scale gamma, applied by ConvNeXtBlock itself: the block's
+    rule reads the product's kept operand): every parameter covered."""
     import timm
 
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=5)
-    uncovered = [n for n, p in model.named_parameters() if n.endswith("gamma")]  # applied by ConvNeXtBlock itself
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gamma"):
+                p.normal_()
     side = 16 if name == "resnet18" else 32  # convnext_atto downsamples by 32
-    psn = check(model, call, f64(2, 3, side, side), not_covered=uncovered,  # eval mode: BatchNorm covered
-                covered=[n for n, _ in model.named_parameters() if n not in uncovered])
-    assert bool(uncovered) == (name == "convnext_atto")
-    if uncovered:
-        assert "no per-sample rule for ConvNeXtBlock" in psn.coverage().not_covered[uncovered[0]]
+    psn = check(model, call, f64(2, 3, side, side),
+                covered=[n for n, _ in model.named_parameters()])
+    if name == "convnext_atto":
+        assert psn._rule["stages.0.blocks.0"].name == "ConvNeXtGammaRule"
 
 
 def test_coverage_warning_and_monitor():
@@ -535,6 +540,8 @@ def test_not_seen_parameters_are_reported():
     cov = psn.coverage()
     assert sorted(cov.not_seen) == ["1.out_proj.bias", "1.out_proj.weight"]
     assert "not seen" in str(cov)
+    seen = sum(p.numel() for n, p in model.named_parameters() if n in cov.covered and "out_proj" not in n)
+    assert cov.fraction == seen / sum(p.numel() for p in model.parameters()) < 1  # in no per-sample number
 
 
 def test_against_opacus_convs_and_norms():
@@ -590,6 +597,9 @@ def family(name: str):
                 if "norm" in n:
                     p.normal_()
         return model, lm
+    if name == "olmoe":
+        return T.OlmoeForCausalLM(T.OlmoeConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                                experts_implementation="eager")), lm
     if name == "qwen2_moe":
         return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**small, moe_intermediate_size=8, num_experts=4,
                                                       shared_expert_intermediate_size=16, num_experts_per_tok=2,
@@ -619,6 +629,20 @@ def family(name: str):
         mask = torch.tensor([[True, False, False, True], [False] * 4, [True] * 4])
         return T.ViTForMaskedImageModeling(T.ViTConfig(**vit, encoder_stride=8)), \
             lambda m, x: m(pixel_values=x, bool_masked_pos=mask).reconstruction
+    if name == "clip_vision":  # the class embedding; the position table an Embedding on [1, N] ids, expanded
+        return T.CLIPVisionModelWithProjection(T.CLIPVisionConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+            patch_size=8, projection_dim=8)), lambda m, x: m(pixel_values=x).image_embeds
+    if name.startswith("dinov2"):  # class and mask tokens, the table as is, the layer scales
+        model = T.Dinov2Model(T.Dinov2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                             mlp_ratio=2, image_size=16, patch_size=8))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lambda1" in n or "mask_token" in n:
+                    p.normal_()
+        mask = torch.tensor([[True, False, False, True], [False] * 4, [True] * 4])
+        kw = {"bool_masked_pos": mask} if name == "dinov2_masked" else {}
+        return model, lambda m, x: m(pixel_values=x, **kw).last_hidden_state
     raise KeyError(name)
 
 
@@ -628,26 +652,77 @@ def _vision(seed=3):
 
 @pytest.mark.parametrize("name,rtol", [("opt", 1e-9), ("falcon", 1e-9), ("gemma", 1e-5), ("gemma2", 1e-5),
                                        ("gemma3", 1e-5), ("bart", 1e-9), ("distilbert", 1e-9), ("vit", 1e-9),
-                                       ("deit", 1e-9), ("vit_masked", 1e-9), ("whisper", 1e-9)])
+                                       ("deit", 1e-9), ("vit_masked", 1e-9), ("whisper", 1e-9),
+                                       ("clip_vision", 1e-9), ("dinov2", 1e-9), ("dinov2_masked", 1e-9)])
 def test_fine_tuned_families_fully_covered(name, rtol):
     """OPT (fc1 / fc2 on [B*T, d] rows proved batch-major; the positional embedding with its offset), Falcon
     (FalconLinear by its code), Gemma 1/2/3 (the (1 + w) RMSNorm: float32 products as the module's backward, so to
     float32 rounding; the scaled word embedding tied to the head), BART (scaled embedding, positions of batch 1
-    expanded), ViT / DeiT (class, distillation and mask tokens, position table: parameters their embeddings module
-    applies itself): every trainable parameter covered, against the per-sample loop."""
+    expanded), ViT / DeiT / DINOv2 (class, distillation and mask tokens, position table: parameters their embeddings
+    module applies itself; DINOv2's layer scales), CLIP vision (its class embedding): every trainable parameter
+    covered, against the per-sample loop."""
     model, fwd = family(name)
-    x = _vision() if name.startswith(("vit", "deit")) else ids()
+    x = _vision() if name.startswith(("vit", "deit", "clip", "dinov2")) else ids()
     check(model, fwd, x, covered=[n for n, p in model.named_parameters() if p.requires_grad], rtol=rtol)
 
 
-def test_qwen2_moe_routers_and_shared_expert_covered_experts_refused():
-    model, fwd = family("qwen2_moe")
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe"])
+def test_moe_experts_routers_and_shared_expert_covered(name):
+    """Qwen2-MoE (routers, shared expert and its gate, the experts) and OLMoE: every parameter covered, exact against
+    the per-sample loop: the experts' [E, m, n] weights per sample from the routing the experts module is called with
+    (Note [routed experts])."""
+    model, fwd = family(name)
     experts = [n for n, _ in model.named_parameters() if ".experts." in n]
-    psn = check(model, fwd, ids(), covered=[n for n, _ in model.named_parameters() if n not in experts],
-                not_covered=experts)
-    assert "router sends that expert" in psn.coverage().not_covered[experts[0]]
+    assert len(experts) == 4
+    psn = check(model, fwd, ids(), covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule["model.layers.0.mlp.experts"].name == "RoutedExpertsRule"
     assert psn._rule["model.layers.0.mlp.gate"].name == "TopKRouterRule"
-    assert "model.layers.0.mlp.shared_expert.down_proj" in psn.layers
+    if name == "qwen2_moe":
+        assert "model.layers.0.mlp.shared_expert.down_proj" in psn.layers
+
+
+def test_moe_experts_clipping():
+    model, fwd = family("qwen2_moe")
+    clip_check(model, fwd, ids())
+
+
+def test_moe_experts_refused_with_another_implementation():
+    """A fused experts kernel (grouped_mm) is not the eager loop the rule replays: refused from the start, with the
+    reason and what to do; max_norm= then raises, naming them."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.Qwen2MoeConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, vocab_size=V, moe_intermediate_size=8, num_experts=4,
+                           shared_expert_intermediate_size=16, num_experts_per_tok=2,
+                           experts_implementation="grouped_mm")
+    model = T.Qwen2MoeForCausalLM(cfg)
+    with pytest.warns(UserWarning, match="grouped_mm"):
+        psn = hookstats.PerSampleGradNorms(model)
+    why = psn.coverage().not_covered
+    assert set(why) == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert "experts_implementation='eager'" in why["model.layers.0.mlp.experts.down_proj"]
+    psn.remove()
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        hookstats.PerSampleGradNorms(model, max_norm=1.0)
+
+
+def test_moe_experts_of_another_layout_refused():
+    """Experts whose forward is not that code (a subclass with its own loop) keep the refusal, with its reason."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+
+    class MyExperts(Qwen2MoeExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states * top_k_weights.sum(-1, keepdim=True)
+
+    import transformers as T
+
+    cfg = T.Qwen2MoeConfig(hidden_size=16, num_experts=4, moe_intermediate_size=8, experts_implementation="eager")
+    model = nn.ModuleDict({"experts": MyExperts(cfg), "head": nn.Linear(2, 2)})
+    with pytest.warns(UserWarning, match="routed-experts rule does not match"):
+        psn = hookstats.PerSampleGradNorms(model)
+    assert "Note [routed experts]" in psn.coverage().not_covered["experts.down_proj"]
+    psn.remove()
 
 
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_b0", "regnetx_002"])
@@ -844,3 +919,203 @@ def test_window_rows_proved_or_refused(mode):
     why = psn.coverage().not_covered
     assert "not provably the batch's samples flattened batch-major" in why["proj.weight"]
     assert ("qkv.weight" in why) == (mode == "interleaved")  # a copy in the batch's transposed order: not a view
+
+
+def swinv2(lib: str, **over):
+    """A tiny Swin V2 (timm or HF): stage 0 has 4 windows of 2 x 2 per sample, its second block shifted; the q / v
+    biases, the logit scales and the post-norms away from their initial 0, log(10) and 0 (timm starts the residual
+    post-norms at 0: the attention would get no gradient), one head's logit scale above the clamp at log(100) (its
+    gradient is 0)."""
+    import timm
+    import transformers as T
+
+    torch.manual_seed(0)
+    if lib == "timm":
+        model = timm.create_model("swinv2_tiny_window8_256", pretrained=False, num_classes=3, img_size=32,
+                                  window_size=2, embed_dim=8, depths=(2, 2), num_heads=(1, 2), **over)
+        fwd = call
+    else:
+        model = T.Swinv2ForImageClassification(T.Swinv2Config(
+            embed_dim=8, depths=[2, 2], num_heads=[1, 2], window_size=2, image_size=16, patch_size=4, num_labels=3,
+            attn_implementation="eager", **over))
+        fwd = lambda m, x: m(pixel_values=x).logits  # noqa: E731
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("q_bias", "v_bias")) or ("query" in n or "value" in n) and n.endswith("bias") or "norm" in n:
+                p.normal_()
+            if n.endswith("logit_scale"):
+                p.uniform_(0.5, 3.0)
+                if p.numel() > 1:
+                    p[1] = 5.0  # above log(100): clamped
+    return model, fwd
+
+
+@pytest.mark.parametrize("lib,over", [("timm", {}), ("timm", {"qkv_bias": False}), ("hf", {})])
+def test_swinv2_cosine_attention_covered(lib, over):
+    """Swin V2 (Note [cosine window attention]): logit_scale, the continuous position-bias MLP, timm's fused qkv weight
+    with its q / v biases and the output projection, HF's output projection proved batch-major through F.normalize's
+    norms: every parameter covered, exact against the per-sample loop (both libraries' softmax runs in the model's
+    dtype)."""
+    model, fwd = swinv2(lib, **over)
+    x = f64(B, 3, 32, 32) if lib == "timm" else _vision()
+    psn = check(model, fwd, x, covered=[n for n, _ in model.named_parameters()])
+    attn = "layers.0.blocks.1.attn" if lib == "timm" else "swinv2.encoder.layers.0.blocks.1.attention.self"
+    assert psn._rule[attn].name == ("TimmSwinV2WindowAttentionRule" if lib == "timm" else "Swinv2SelfAttentionRule")
+    assert psn.coverage().fraction == 1.0
+
+
+@pytest.mark.parametrize("lib", ["timm", "hf"])
+def test_swinv2_clipping(lib):
+    model, fwd = swinv2(lib)
+    clip_check(model, fwd, f64(B, 3, 32, 32) if lib == "timm" else _vision())
+
+
+@pytest.mark.parametrize("lib", ["timm", "hf"])
+def test_swinv2_refused_with_attention_dropout(lib):
+    model, fwd = swinv2(lib)
+    for m in model.modules():
+        if lib == "timm" and hasattr(m, "attn_drop"):
+            m.attn_drop.p = 0.1
+        if lib == "hf" and hasattr(m, "logit_scale"):
+            m.dropout.p = 0.1
+    model.train()
+    with pytest.warns(UserWarning, match="attention's dropout is active"):
+        psn = hookstats.PerSampleGradNorms(model)
+        fwd(model, f64(B, 3, 32, 32).float() if lib == "timm" else _vision().float()).sum().backward()
+    why = psn.coverage().not_covered
+    scales = [n for n in why if n.endswith("logit_scale")]
+    assert len(scales) == 4 and "random mask" in why[scales[0]]
+    psn.remove()
+
+
+def _timm(name: str, **kw):
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=3, **kw)
+    with torch.no_grad():  # layer scales and GRN away from their initial 1e-5 / 0
+        for n, p in model.named_parameters():
+            if n.endswith(("gamma", "grn.weight", "grn.bias")):
+                p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("name", ["deit3_small_patch16_224", "convnextv2_atto"])
+def test_timm_layer_scale_and_grn(name):
+    """timm LayerScale (DeiT III: out = x * gamma over the channels) and GlobalResponseNorm (ConvNeXt V2: weight and
+    bias of x + bias + weight * x * n(x), n from the sample's own spatial norms): covered, exact."""
+    vit = name.startswith("deit3")
+    model = _timm(name, **(dict(img_size=32, patch_size=8, depth=2, embed_dim=16, num_heads=2) if vit else {}))
+    psn = check(model, call, f64(2, 3, 32, 32), covered=[n for n, _ in model.named_parameters()])
+    layer = "blocks.0.ls1" if vit else "stages.0.blocks.0.mlp.grn"
+    assert psn._rule[layer].name == ("ChannelScaleRule" if vit else "GlobalResponseNormRule")
+
+
+def test_layer_scale_clipping():
+    clip_check(_timm("convnextv2_atto"), call, f64(B, 3, 32, 32))
+
+
+def test_layer_scale_refusals():
+    """An in-place layer scale overwrites the input its gradient needs; ConvNeXt's drop path in training is a random
+    per-sample mask: both refused by name, with the reason."""
+    from timm.layers import LayerScale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), LayerScale(4, init_values=0.5, inplace=True), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="in place"):
+        psn = hookstats.PerSampleGradNorms(model)
+        model(torch.randn(B, 4)).sum().backward()
+    assert "inplace=True" in psn.coverage().not_covered["1.gamma"]
+    psn.remove()
+    model = _timm("convnext_atto", drop_path_rate=0.5).train()
+    with pytest.warns(UserWarning, match="drop path is active"):
+        psn = hookstats.PerSampleGradNorms(model)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+    why = psn.coverage().not_covered
+    assert "random per-sample mask" in why["stages.1.blocks.0.gamma"] and "stages.0.blocks.0.gamma" not in why
+    psn.remove()
+
+
+_TINY_VIT = dict(img_size=32, patch_size=8, depth=2, embed_dim=16, num_heads=2)
+
+
+@pytest.mark.parametrize("name,kw", [("vit_tiny_patch16_224", {}),
+                                     ("vit_small_patch16_224", dict(reg_tokens=2)),
+                                     ("vit_small_patch16_224", dict(reg_tokens=2, class_token=False,
+                                                                    global_pool="avg", no_embed_class=True)),
+                                     ("deit_tiny_distilled_patch16_224", {}),
+                                     ("deit3_small_patch16_224", {})])
+def test_timm_vit_tokens_covered(name, kw):
+    """timm ViT / DeiT / DeiT III / registers: the class, register and distillation tokens and the position table
+    (with and without no_embed_class), parameters of the model applied by its _pos_embed, read at its pos_drop
+    (Rule.hook_site): every parameter covered, exact."""
+    model = _timm(name, **_TINY_VIT, **kw)
+    own = [n for n, _ in model.named_parameters() if "." not in n]
+    assert "pos_embed" in own and len(own) >= 2
+    psn = check(model, call, f64(B, 3, 32, 32), covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule[""].name == "TimmViTTokensRule"
+
+
+def test_timm_vit_tokens_clipping():
+    clip_check(_timm("vit_small_patch16_224", **_TINY_VIT, reg_tokens=2), call, f64(B, 3, 32, 32))
+
+
+def test_timm_vit_tokens_refusals_and_copies():
+    """dynamic_img_size (a table resampled per input) is refused from the start, an active position dropout at run
+    time; a deepcopy of the hooked model (its pos_drop carries the hook) feeds nothing."""
+    model = _timm("vit_tiny_patch16_224", **_TINY_VIT, dynamic_img_size=True)
+    with pytest.warns(UserWarning, match="resampled"):
+        psn = hookstats.PerSampleGradNorms(model)
+    assert "dynamic_img_size=True" in psn.coverage().not_covered["pos_embed"]
+    psn.remove()
+    model = _timm("vit_tiny_patch16_224", **_TINY_VIT, pos_drop_rate=0.1).train()
+    with pytest.warns(UserWarning, match="position dropout is active"):
+        psn = hookstats.PerSampleGradNorms(model)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert "random mask" in psn.coverage().not_covered["cls_token"]
+    psn.remove()
+    model = _timm("vit_tiny_patch16_224", **_TINY_VIT).double().eval()
+    psn = hookstats.PerSampleGradNorms(model)
+    copy.deepcopy(model)(f64(5, 3, 32, 32)).sum().backward()
+    assert psn.samples == 0 and not psn.per_param_sq()
+    model(f64(B, 3, 32, 32)).sum().backward()
+    assert psn.samples == B and psn.per_param_sq()["cls_token"].shape == (B,)
+
+
+def test_dinov2_resampled_table_refused():
+    """DINOv2 resamples its position table (bicubic) for another number of patches: refused at run time, with the
+    reason; the table as is (the image size of the config) is covered (test_fine_tuned_families_fully_covered)."""
+    model, fwd = family("dinov2")
+    with pytest.warns(UserWarning, match="resampled"):
+        psn = hookstats.PerSampleGradNorms(model)
+        fwd(model, torch.randn(2, 3, 24, 24)).sum().backward()
+    why = psn.coverage().not_covered
+    assert set(why) == {"embeddings.cls_token", "embeddings.mask_token", "embeddings.position_embeddings"}
+    assert "interpolate_pos_encoding" in why["embeddings.position_embeddings"]
+    psn.remove()
+
+
+@pytest.mark.parametrize("s,m,n", [(12, 2, 3), (4, 16, 16)])
+def test_routed_outer_term(s, m, n):
+    """RoutedOuter (Note [routed experts]) against the per-sample [E, m, n] gradients materialised: the squared norms
+    by (sample, expert) groups (many pairs, small blocks) and by the masked Grams (few pairs, large blocks), dropped
+    slots (expert index E) included; the clip's weighted sum, and rows_to_samples."""
+    from hookstats.per_sample.rules.hf_moe_experts import RoutedOuter
+
+    g = torch.Generator().manual_seed(0)
+    b, e_ = 6, 3
+    L = torch.randn(b, s, m, generator=g, dtype=torch.float64)
+    R = torch.randn(b, s, n, generator=g, dtype=torch.float64)
+    e = torch.randint(0, e_ + 1, (b, s), generator=g)
+    L[e == e_] = 0  # a dropped slot carries no gradient
+    full = torch.zeros(b, e_, m, n, dtype=torch.float64)
+    for i in range(b):
+        for p in range(s):
+            if e[i, p] < e_:
+                full[i, e[i, p]] += torch.outer(L[i, p], R[i, p])
+    term = RoutedOuter(L, R, e, e_)
+    torch.testing.assert_close(term.sq(), full.square().sum((1, 2, 3)), rtol=1e-12, atol=0)
+    w = torch.rand(b, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(term.delta(w, (e_, m, n)), (full * w.reshape(-1, 1, 1, 1)).sum(0), rtol=1e-12, atol=0)
+    two = term.rows_to_samples(2)
+    torch.testing.assert_close(two.sq(), full.reshape(b // 2, 2, -1).sum(1).square().sum(1), rtol=1e-12, atol=0)

@@ -23,19 +23,20 @@ import torch
 # with the shapes read from the nodes' input metadata:
 # - views and reshapes (View, UnsafeView, ReshapeAlias) of a tensor whose D is a prefix: the flat order is kept;
 # - permute / transpose: D moves with its dims; unsqueeze / squeeze, select / unbind / slice on a dim outside D, roll
-#   and constant pad over dims outside D, softmax over a dim outside D: each element stays with its sample;
+#   and constant pad over dims outside D, softmax and vector norms (linalg.vector_norm, F.normalize's denominator)
+#   over dims outside D: each element stays with its sample;
 # - expand: D's dims keep their sizes (a dim broadcast outside D copies within a sample);
 # - elementwise ops (_ELEMENTWISE: activations, dropout, +, *, where, masked_fill, casts, clone) whose proved inputs
 #   all give the same D with D's sizes, the others computed from parameters and constants alone (_FREE: AccumulateGrad,
-#   then layout, elementwise and index ops on such tensors; an input without a gradient edge is a constant, as in
+#   then layout, elementwise, index and cat ops on such tensors; an input without a gradient edge is a constant, as in
 #   (3) before), or of size 1 on D (the same for every sample);
 # - batched products: bmm of operands with D = (0,) or free, mm / addmm of (0,) rows by a free or constant matrix,
 #   and scaled_dot_product_attention's fused nodes with query, key and value of one D among the batch dims.
-# Not followed: a gather or reduction of activations, any op not listed, a view of a tensor whose batch dims are not
-# a prefix, a product with a constant batched operand, a walk past 64 nodes deep or 4096 visits. Swin's attention
-# is the case in point: the q/k/v projections' outputs (recorded: their input windows are a view of the contiguous
-# [B, windows, ...] partition) lead through the head split, the scores (plus the relative-position bias and the
-# shifted-window mask, free), the softmax, the product with the values and the head merge to the output
+# Not followed: a gather of activations or a reduction over a batch dim, any op not listed, a view of a tensor whose
+# batch dims are not a prefix, a product with a constant batched operand, a walk past 64 nodes deep or 4096 visits.
+# Swin's attention is the case in point: the q/k/v projections' outputs (recorded: their input windows are a view of
+# the contiguous [B, windows, ...] partition) lead through the head split, the scores (plus the relative-position bias
+# and the shifted-window mask, free), the softmax, the product with the values and the head merge to the output
 # projection's input, whose window rows stay with their sample.
 
 
@@ -69,7 +70,8 @@ def flattened(x: torch.Tensor, b: int) -> bool:
 # Autograd nodes of elementwise ops: output element i depends on element i of each input, broadcast (Note [batch
 # layouts]).
 _ELEMENTWISE = frozenset("""
-    AbsBackward0 AddBackward0 AddBackward1 AliasBackward0 ClampBackward1 CloneBackward0 DivBackward0 DivBackward1
+    AbsBackward0 AddBackward0 AddBackward1 AliasBackward0 ClampBackward1 ClampMinBackward0 CloneBackward0 DivBackward0
+    DivBackward1
     EluBackward0 ExpBackward0 GeluBackward0 HardsigmoidBackward0 HardswishBackward0 HardtanhBackward0
     LeakyReluBackward0 LogSigmoidBackward0 MaskedFillBackward0 MishBackward0 MulBackward0 MulBackward1
     NativeDropoutBackward0 NegBackward0 PowBackward0 ReluBackward0 RsqrtBackward0 SigmoidBackward0 SiluBackward0
@@ -78,7 +80,7 @@ _ELEMENTWISE = frozenset("""
 """.split())
 _VIEWS = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 _ReshapeAliasBackward0".split())
 _SOFTMAX = frozenset("SoftmaxBackward0 LogSoftmaxBackward0 SafeSoftmaxBackward0".split())
-_FREE_ONLY = frozenset("IndexBackward0 TBackward0".split())  # followed for tensors of parameters alone
+_FREE_ONLY = frozenset("IndexBackward0 TBackward0 CatBackward0".split())  # followed for tensors of parameters alone
 _FREE = "free"  # a tensor computed from parameters and constants alone
 
 
@@ -263,6 +265,16 @@ def _within(lay, node, d, s, out):  # slice: sizes change outside D only
     return None if _dim(node._saved_dim, len(s)) in d else d
 
 
+def _norm(lay, node, d, s, out):  # a vector norm over dims outside D (F.normalize's denominator)
+    saved = node._saved_dim
+    if saved is None:
+        return None
+    dims = {_dim(x, len(s)) for x in (saved if isinstance(saved, (tuple, list)) else [saved])}
+    if dims & set(d):
+        return None
+    return d if node._saved_keepdim else tuple(x - sum(g < x for g in dims) for x in d)
+
+
 def _roll(lay, node, d, s, out):
     dims = [_dim(x, len(s)) for x in node._saved_dims]
     return d if dims and not set(dims) & set(d) else None
@@ -278,7 +290,7 @@ _ONE_INPUT = {"PermuteBackward0": _permute, "TransposeBackward0": _transpose, "T
               "ExpandBackward0": _expand, "UnsqueezeBackward0": _unsqueeze, "SqueezeBackward0": _squeeze,
               "SqueezeBackward1": _squeeze, "SqueezeBackward2": _squeeze, "SelectBackward0": _drop_dim,
               "UnbindBackward0": _drop_dim, "SliceBackward0": _within, "RollBackward0": _roll,
-              "ConstantPadNdBackward0": _pad}
+              "ConstantPadNdBackward0": _pad, "LinalgVectorNormBackward0": _norm}
 
 
 def proved_rows(rows: dict, x: torch.Tensor, b: int, k: int) -> bool:

@@ -122,7 +122,8 @@ class PerSampleGradNorms:
                                            with_kwargs=True),
                                   register(mods[name], "register_forward_hook", restore_hook(self, name),
                                            always_call=True)]
-            self._handles.append(register(mods[name], "register_forward_hook", self._forward_hook(name, mods[name]),
+            site = self._rule[name].hook_site(mods[name])  # the layer itself, or the child whose call it reads
+            self._handles.append(register(site, "register_forward_hook", self._forward_hook(name, mods[name], site),
                                           with_kwargs=True))
         if self.max_norm is not None:  # Note [clipping refuses what it cannot bound]
             for pid, p in self._param.items():
@@ -166,10 +167,11 @@ class PerSampleGradNorms:
                       "use_reentrant=False")
 
     # -- forward: keep what the backward needs -------------------------------------------------------------------
-    def _forward_hook(self, name: str, mod: nn.Module):
+    def _forward_hook(self, name: str, owner: nn.Module, site: nn.Module):
         rule = self._rule[name]
 
         def hook(mod, args, kwargs, output):
+            mod = owner if mod is site else mod  # Rule.hook_site; a deepcopy's module holds none of our parameters
             deferred = self._deferred.pop(name, ())
             if not torch.is_grad_enabled() or not args or name in self._refused:
                 return untracked(name, deferred)

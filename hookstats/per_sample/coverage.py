@@ -16,7 +16,7 @@ class Coverage:
     {parameter name: reason}; not_seen: covered parameters that got no per-sample value in this step's backwards
     while others did (their layer's forward did not run, or the parameter was used outside it). Names are those of
     model.named_parameters(); only trainable parameters are listed. `fraction`: the covered share of the trainable
-    values (numel)."""
+    values (numel), without the covered parameters not seen (they are in no per-sample number)."""
 
     covered: Dict[str, str] = field(default_factory=dict)
     not_covered: Dict[str, str] = field(default_factory=dict)
@@ -70,7 +70,8 @@ class StaticCoverage:
                 if seen and name not in seen:
                     cov.not_seen.append(name)
         total = sum(self.numel[pid] for pid, p in self.param.items() if p.requires_grad)
-        got = sum(self.numel[pid] for pid, name in self.pname.items() if name in cov.covered)
+        unseen = set(cov.not_seen)
+        got = sum(self.numel[pid] for pid, name in self.pname.items() if name in cov.covered and name not in unseen)
         cov.fraction = got / total if total else 1.0
         return cov
 

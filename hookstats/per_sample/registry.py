@@ -37,6 +37,9 @@ class Rule:
     - `defer`: the parameter attributes whose gradient the clip may compute instead of autograd (Note
       [book-keeping] in core.py): attributes the module's forward applies as an ordinary tensor argument (read from
       mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights).
+    - `hook_site(mod)`: the module whose call the rule reads (default: `mod` itself): a child, for parameters the
+      module applies in its own forward before calling that child (timm ViT's class token and position table, read at
+      its pos_drop); input(), output() and keep() then see that child's arguments and output, with `mod` the holder.
     - `input(mod, args, kwargs)`: the tensor whose batch dim is checked and that keep() receives (default: the
       first argument).
     - `check(mod)`: a reason to refuse this module (an option the rule does not cover), or None.
@@ -65,6 +68,9 @@ class Rule:
 
     def param_paths(self, mod: nn.Module) -> Sequence[str]:
         return self.params
+
+    def hook_site(self, mod: nn.Module) -> nn.Module:
+        return mod
 
     def check(self, mod: nn.Module) -> Optional[str]:
         return None

@@ -92,23 +92,27 @@ class _SwinRelativePositionBias(nn.Module):
         return relative_position_bias.permute(2, 0, 1).contiguous().unsqueeze(0)  # 1, num_heads, Wh*Ww, Wh*Ww
 
 
-def _kept_product(out: torch.Tensor):
-    """The probabilities and values the attention product P V keeps for its backward: the first bmm met walking the
-    graph back from the output projection's output, before any fused attention node."""
+def graph_nodes(out: torch.Tensor, limit: int):
+    """The autograd nodes behind `out`, breadth first from its grad_fn (the nearest first), at most `limit`."""
     todo, seen = [out.grad_fn], set()
-    while todo and len(seen) < 64:
+    while todo and len(seen) < limit:
         node = todo.pop(0)
         if node is None or node in seen:
             continue
         seen.add(node)
+        yield node
+        todo += [n for n, _ in node.next_functions]
+
+
+def _kept_product(out: torch.Tensor):
+    """The probabilities and values the attention product P V keeps for its backward: the first bmm met walking the
+    graph back from the output projection's output, before any fused attention node."""
+    for node in graph_nodes(out, 64):
         name = type(node).__name__
         if name == "BmmBackward0":
             return node._saved_self, node._saved_mat2
-        if name.startswith("ScaledDotProduct") or name == "AccumulateGrad":
-            if name != "AccumulateGrad":
-                break
-            continue
-        todo += [n for n, _ in node.next_functions]
+        if name.startswith("ScaledDotProduct"):
+            break
     raise Refused("the attention is computed by a fused kernel that keeps no probabilities (flash / memory-efficient "
                   "scaled_dot_product_attention): the scores' gradient the relative-position table needs is not "
                   "available; use attn_implementation='eager'")
