@@ -55,9 +55,12 @@ def defer_hook(self, name: str, defer: list):
             return None
         attrs = [a for a, pid in defer if mod._parameters.get(a) is self._param[pid]
                  and self._param[pid].requires_grad and pid not in self._dead]
-        # the output must still require grad without them, or no gradient reaches the layer
-        if not attrs or not (x0.requires_grad or any(
+        # the output must still require grad without them, or no gradient reaches the layer: when nothing else
+        # makes it (a first conv on data), the last of them (the bias) stays with autograd
+        if attrs and not (x0.requires_grad or any(
                 p is not None and p.requires_grad for a, p in mod._parameters.items() if a not in attrs)):
+            attrs = attrs[:-1]
+        if not attrs:
             return None
         swapped = self._swapped[name][-1]
         for a in attrs:
