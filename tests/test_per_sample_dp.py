@@ -386,6 +386,23 @@ def test_book_keeping_keeps_autograd_where_it_must():
     psn.remove()
 
 
+def test_book_keeping_defers_conv_biases():
+    """A conv's bias is deferred with its weight (mkldnn computes the weight gradient whenever the bias's is asked
+    for); a first conv on data keeps its bias in autograd (nothing else would make its output need a gradient), its
+    weight deferred; grouped and 1-d convs alike: the clip is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 6, 3, stride=2, groups=2),
+                          nn.Flatten(2), nn.Conv1d(6, 5, 2), nn.Flatten(1), nn.Linear(5 * 5, 2)).double()
+    x = torch.randn(B + 2, 3, 7, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    clip_check(model, lambda m, x: m(x), x)
+    psn = hookstats.PerSampleGradNorms(model, max_norm=1.0)
+    out = model(x)
+    reached = {k: _graph_reaches(out, p) for k, p in model.named_parameters()}
+    assert reached == {"0.weight": False, "0.bias": True, "2.weight": False, "2.bias": False, "4.weight": False,
+                       "4.bias": False, "6.weight": False, "6.bias": True}
+    psn.remove()
+
+
 def test_book_keeping_restores_parameters_and_refuses_a_second_backward():
     """The detached alias a deferred call runs with is put back when its forward raises; a second backward through
     the same forward would have no clipped gradient to give (it is computed once per forward): refused."""

@@ -122,9 +122,14 @@ class Index(Term):
         return Index(self.idx.reshape(b, -1), self.R.reshape(b, -1, self.R.shape[-1]), self.V, self.transposed)
 
     def sq(self):
+        b, t, d = self.R.shape
+        if t <= min(64, d):
+            # Short rows: ||sum_t e_{idx_t} R_t^T||^2 = sum_{t,s} [idx_t == idx_s] <R_t, R_s>, one [B, T, T] Gram (no
+            # larger than R, at most 64 T d flops per sample) and a mask: 5 ops where the sort below takes ~20
+            gram = torch.bmm(self.R, self.R.transpose(1, 2))
+            return (gram * (self.idx.unsqueeze(2) == self.idx.unsqueeze(1))).sum((1, 2))
         # A row's gradient is the sum over the sample's positions holding that index: a sort of (sample, index) keys
         # and a segment sum, then squares summed per sample.
-        b, t, d = self.R.shape
         n = b * t
         dev = self.idx.device
         key = (torch.arange(b, device=dev).unsqueeze(1) * self.V + self.idx).reshape(n)
