@@ -451,3 +451,35 @@ def test_workspace_buffers_are_reused_across_steps_and_never_shared_within_one()
     assert held[0] == held[1] == 4 * B * 6 * 6 * 8  # the four calls' [B, 6, 6] products, allocated once
     psn.remove()
     assert psn._ws.nbytes() == 0
+
+
+class TiedLM(nn.Module):
+    """Token embedding tied to the LM head, with repeated tokens: the head's per-sample products materialised (the
+    clip computes its gradient), crossed with the embedding's rows (terms.cross of Dense and Index)."""
+
+    def __init__(self, v: int = 11, d: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(v, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, v, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.fc(self.ln(self.emb(idx)))))
+
+
+@pytest.mark.parametrize("t", [6, 1], ids=["seq", "one_token"])  # Index.sq by the Gram of equal indices
+def test_clipping_tied_embedding_and_materialised_head(t, monkeypatch):
+    from hookstats.per_sample import terms
+
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    idx = torch.randint(0, 11, (B + 2, t), generator=torch.Generator().manual_seed(3))
+    idx[0, :] = 4  # a sample repeating one token
+    crossed = []
+    cross = terms.cross
+    monkeypatch.setattr(terms, "cross", lambda a, b: crossed.append({type(a), type(b)}) or cross(a, b))
+    clip_check(model, lambda m, x: m(x), idx)
+    head = terms.Dense if t > 1 else terms.Outer  # one token: Outer.materialize declines, the Gather of the Outer
+    assert crossed and all(c == {head, terms.Index} for c in crossed)
