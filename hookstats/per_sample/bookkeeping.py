@@ -93,9 +93,11 @@ def param_at(mod, path: str):
         return None
 
 
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
 def _is_functorch(t: torch.Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(check is not None and check(t))
+    return bool(_functorch_wrapped is not None and _functorch_wrapped(t))
 
 
 def untracked(name: str, deferred: tuple, again: bool = False) -> None:
