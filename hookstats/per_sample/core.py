@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -294,41 +295,32 @@ class PerSampleGradNorms:
             self._pending.get(name, []).remove(call)
         except ValueError:  # cleared by step() or refused since the forward
             return untracked(name, call.deferred, again=True)
-        if torch.is_grad_enabled():  # a backward with create_graph=True: the terms stay out of its graph
-            with torch.no_grad():
-                self._grad_terms(name, mod, call, grad)
-        else:
-            self._grad_terms(name, mod, call, grad)
+        # grad mode is on only in a backward with create_graph=True: the terms stay out of its graph
+        with torch.no_grad() if torch.is_grad_enabled() else nullcontext():
+            g = grad.detach() if grad.shape == call.shape else grad.detach().reshape(call.shape)
+            if not call.batched:
+                g = g.unsqueeze(0)
+            elif call.bd:
+                g = g.movedim(call.bd, 0)
+            terms = self._rule[name].terms(mod, call.kept, g, tuple(a for a, _ in call.active))
+            call.kept = None
+            for a, pid in call.active:
+                if pid in self._dead:
+                    continue
+                self._termed.add(pid)
+                term = terms[a] if call.k == 1 else terms[a].rows_to_samples(call.k)
+                deferred = a in call.deferred
+                if deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
+                    mat = getattr(term, "materialize", None)
+                    term = (mat(self._ws) if mat is not None else None) or term
+                self._terms.setdefault(pid, []).append((term, deferred))
+                if all(not self._pending.get(layer) for layer in self._holders[pid]):
+                    self._finalize(pid)
+                else:
+                    self._queue_flush()
         if self.max_norm is not None:
             self._queue_flush()
         return None
-
-    def _grad_terms(self, name: str, mod: nn.Module, call: _Call, grad: torch.Tensor) -> None:
-        g = grad.detach()
-        if g.shape != call.shape:
-            g = g.reshape(call.shape)
-        if not call.batched:
-            g = g.unsqueeze(0)
-        elif call.bd:
-            g = g.movedim(call.bd, 0)
-        terms = self._rule[name].terms(mod, call.kept, g, tuple(a for a, _ in call.active))
-        call.kept = None
-        for a, pid in call.active:
-            if pid in self._dead:
-                continue
-            self._termed.add(pid)
-            term = terms[a]
-            if call.k != 1:
-                term = term.rows_to_samples(call.k)
-            deferred = a in call.deferred
-            if deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
-                mat = getattr(term, "materialize", None)
-                term = (mat(self._ws) if mat is not None else None) or term
-            self._terms.setdefault(pid, []).append((term, deferred))
-            if all(not self._pending.get(layer) for layer in self._holders[pid]):
-                self._finalize(pid)
-            else:
-                self._queue_flush()
 
     def _queue_flush(self) -> None:
         if not self._flush_queued:  # runs when this backward is done
@@ -338,13 +330,9 @@ class PerSampleGradNorms:
     def _finalize(self, pid: int) -> None:
         """The squared norm of the parameter's per-sample gradient: the sum of its uses' terms, per group of calls
         with the same number of samples."""
-        ts = self._terms.pop(pid, [])
-        if len(ts) == 1:  # one use: one group
-            groups = {ts[0][0].samples: ts}
-        else:
-            groups: Dict[int, list] = {}
-            for t, deferred in ts:
-                groups.setdefault(t.samples, []).append((t, deferred))
+        groups: Dict[int, list] = {}
+        for t, deferred in self._terms.pop(pid, []):
+            groups.setdefault(t.samples, []).append((t, deferred))
         with torch.no_grad():
             for n, ts in groups.items():
                 sq = sum_sq([t for t, _ in ts])
