@@ -199,7 +199,9 @@ def test_per_sample_interleaved(benchmark, hookstats, device):
 # Opacus's GradSampleModule are checked equal first (Opacus sums a tied parameter's uses too). On the CPU it also
 # records each case's minor page faults a step (faults_<case>): the C allocator hands large freed blocks back to the
 # system and faults them in again, which can take a third of the plain CNN step, and how often it does depends on what
-# the other cases allocated; ratios taken with very different fault counts are not comparable.
+# the other cases allocated; ratios taken with very different fault counts are not comparable. It records too each
+# case's ratio of the thread's CPU time a step (cpu_overhead_<case>, time.thread_time): on a machine shared with other
+# processes, the wall-clock ratio counts the time the step waited for a core, the CPU-time one does not.
 
 class SmallCNN(nn.Module):
     def __init__(self, c: int = 16, classes: int = 10):
@@ -329,12 +331,16 @@ def test_per_sample_vs_opacus(benchmark, hookstats, device, name):
         if ghost is not None:
             fns["opacus_ghost"] = op_ghost
         faults = {case: 0 for case in fns}
-        if resource is not None and device == "cpu":
+        cpu = {case: [] for case in fns}  # the thread's CPU seconds a step: what another process's load leaves out
+        if device == "cpu":
             def counted(case, fn):
                 def run():
-                    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+                    c0 = time.thread_time()
                     fn()
-                    faults[case] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+                    cpu[case].append(time.thread_time() - c0)
+                    if resource is not None:
+                        faults[case] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                 return run
             fns = {case: counted(case, fn) for case, fn in fns.items()}
         times, timed = interleaved_timer(fns, device)
@@ -342,6 +348,8 @@ def test_per_sample_vs_opacus(benchmark, hookstats, device, name):
         for case in fns:  # warm-up
             fns[case]()
         faults.update(dict.fromkeys(faults, 0))  # the timed steps only
+        for v in cpu.values():
+            v.clear()
         for _ in range(reps):
             for case in fns:
                 timed(case)
@@ -351,6 +359,8 @@ def test_per_sample_vs_opacus(benchmark, hookstats, device, name):
                                     opacus=opacus.__version__, opacus_ghost_refused=ghost_refused,
                                     **{f"{c}_ms": v * 1e3 for c, v in med.items()},
                                     **{f"overhead_{c}": v / med["plain"] for c, v in med.items() if c != "plain"},
+                                    **({f"cpu_overhead_{c}": statistics.median(v) / statistics.median(cpu["plain"])
+                                        for c, v in cpu.items() if c != "plain"} if device == "cpu" else {}),
                                     **({f"faults_{c}": n / reps for c, n in faults.items()}
                                        if resource is not None and device == "cpu" else {}))
         benchmark.pedantic(ours, rounds=1, iterations=1)

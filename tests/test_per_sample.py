@@ -104,9 +104,12 @@ def test_conv2d_large_gram(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding_idx", [None, 2])
 @pytest.mark.parametrize("shape", [(6,), (5, 9), (3, 4, 5)], ids=["no_seq", "seq", "two_token_dims"])
-def test_embedding(device, padding_idx, shape):
+@pytest.mark.parametrize("dim", [5, 16], ids=["narrow", "wide"])
+def test_embedding(device, padding_idx, shape, dim):
+    """Both ways of Index.sq: the sort (rows longer than min(64, dim)) and the Gram of equal indices (short rows:
+    "wide" with 9 tokens, and one token)."""
     torch.manual_seed(0)
-    emb = nn.Embedding(7, 5, padding_idx=padding_idx).to(device)
+    emb = nn.Embedding(7, dim, padding_idx=padding_idx).to(device)
     idx = torch.randint(0, 7, shape, generator=torch.Generator().manual_seed(1)).to(device)
     idx.view(-1)[:3] = 2  # repeated tokens (and the padding token) in sample 0
     psn, want = check_model(emb, idx)
@@ -126,6 +129,47 @@ def test_layernorm(device, ns, shape, bias):
     with torch.no_grad():  # affine parameters away from their initial 1 / 0
         ln.weight.add_(torch.randn(ln.weight.shape, dtype=ln.weight.dtype).to(device))
     check_model(ln, f64(*shape, device=device) * 3 + 1)
+
+
+class _Ckpt(nn.Module):
+    """Runs its module under non-reentrant activation checkpointing."""
+
+    def __init__(self, mod: nn.Module):
+        super().__init__()
+        self.mod = mod
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.mod, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["group_norm", "layer_norm"])
+def test_norm_terms_from_saved_statistics(device, kind):
+    """Note [saved norm statistics]: the GroupNorm / LayerNorm weight terms use the mean and rstd autograd saved
+    (the kept value carries them), exact against the per-sample gradients; under non-reentrant checkpointing (a
+    saved-tensor hook active) the input is normalised again, with the same norms, and no saved tensor is unpacked
+    twice."""
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(2, 4) if kind == "group_norm" else nn.LayerNorm(6)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(norm.weight.shape, dtype=norm.weight.dtype))
+    x = f64(5, 4, 3, 6, device=device) * 3 + 1  # a mean far from 0: the statistics matter
+    model = nn.Sequential(nn.Linear(6, 6), norm).double().to(device)
+    psn = hookstats.PerSampleGradNorms(model)
+    model(x)
+    assert isinstance(psn._pending["1"][0].kept, tuple)  # (input, mean, rstd)
+    psn.remove()
+    model.zero_grad()
+    _, want = check_model(model, x)
+    ckpt = nn.Sequential(model[0], _Ckpt(model[1]))
+    psn = hookstats.PerSampleGradNorms(ckpt)
+    out, r = run(ckpt, x)
+    assert isinstance(psn._pending["1.mod"][0].kept, torch.Tensor)
+    (out * r).sum().backward()
+    got = psn.per_param()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k.replace("1.", "1.mod.")], v, rtol=1e-9, atol=1e-12)
+    psn.remove()
 
 
 class Tiny(nn.Module):

@@ -322,11 +322,12 @@ def test_opt_checkpointed_flattened_rows(reentrant):
 # -- book-keeping: the clipped weight gradient computed once, instead of autograd's (Note [book-keeping]) -------------
 
 def _graph_reaches(t: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether autograd would compute a gradient for `param` in a backward from t (an edge to its AccumulateGrad)."""
+    """Whether autograd would compute a gradient for `param` in a backward from t (an edge to its AccumulateGrad; a
+    _Tap node's edge gives none: Note [tapped outputs])."""
     seen, todo = set(), [t.grad_fn]
     while todo:
         n = todo.pop()
-        if n is None or n in seen:
+        if n is None or n in seen or type(n).__name__ == "_TapBackward":
             continue
         seen.add(n)
         if getattr(n, "variable", None) is param:
@@ -372,17 +373,53 @@ def test_book_keeping_weights_leave_autograd_and_their_hooks_see_the_clipped_gra
     psn.remove()
 
 
-def test_book_keeping_keeps_autograd_where_it_must():
-    """A first layer on data without a bias (without the weight its output would need no gradient, and no gradient
-    would reach the layer) keeps autograd's weight gradient, corrected after; the next layer is deferred: the clip
-    is exact either way."""
+def test_book_keeping_taps_a_first_layer_on_data():
+    """Note [tapped outputs]: a first layer on data without a bias (without the weight its output would need no
+    gradient) has its weight deferred too, and its output made to need one by a tap: autograd computes no gradient
+    of its parameters, the output stays an ordinary tensor (an in-place ReLU after it, on 2-D and 3-D inputs), and
+    the clip is exact. A layer that is not deferred (allow_unclipped=True) keeps autograd's weight gradient."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.Tanh(), nn.Linear(6, 3)).double()
-    x = torch.randn(B, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+    for shape in ((B + 2, 5), (B, 4, 5)):
+        x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        clip_check(model, lambda m, x: m(x), x)
+        psn = hookstats.PerSampleGradNorms(model, max_norm=1.0)
+        out = model(x)
+        assert type(out.grad_fn).__name__ != "_TapBackward"
+        assert not _graph_reaches(out, model[0].weight) and not _graph_reaches(out, model[2].weight)
+        psn.remove()
+        # under non-reentrant checkpointing the recompute taps the same layer (the graphs match)
+        clip_check(model, lambda m, x: checkpoint(m, x, use_reentrant=False), x, twin_fwd=lambda m, x: m(x))
+    # the tap's edge goes to a leaf of hookstats' own: the weight's hooks see one gradient a backward, the clipped one
+    seen = []
+    model[0].weight.register_hook(lambda g: seen.append(("tensor", g is not None)))
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(("accumulated", p.grad is not None)))
+    model.zero_grad(set_to_none=True)
+    psn = hookstats.PerSampleGradNorms(model, max_norm=1.0)
+    model(x).sum().backward()
+    assert seen == [("tensor", True), ("accumulated", True)]
+    from hookstats.per_sample.bookkeeping import _ANCHOR
+    assert _ANCHOR.grad is None
+    psn.remove()
+    psn = hookstats.PerSampleGradNorms(model, max_norm=1.0, allow_unclipped=True)
+    assert _graph_reaches(model(x), model[0].weight)
+    psn.remove()
+
+
+def test_book_keeping_defers_conv_biases():
+    """A conv's bias is deferred with its weight (mkldnn computes the weight gradient whenever the bias's is asked
+    for), a first conv on data too (its output tapped, an in-place ReLU after it); grouped and 1-d convs alike: the
+    clip is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(4, 6, 3, stride=2, groups=2),
+                          nn.Flatten(2), nn.Conv1d(6, 5, 2), nn.Flatten(1), nn.Linear(5 * 5, 2)).double()
+    x = torch.randn(B + 2, 3, 7, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     clip_check(model, lambda m, x: m(x), x)
     psn = hookstats.PerSampleGradNorms(model, max_norm=1.0)
     out = model(x)
-    assert _graph_reaches(out, model[0].weight) and not _graph_reaches(out, model[2].weight)
+    reached = {k: _graph_reaches(out, p) for k, p in model.named_parameters()}
+    assert reached == {"0.weight": False, "0.bias": False, "2.weight": False, "2.bias": False, "4.weight": False,
+                       "4.bias": False, "6.weight": False, "6.bias": True}
     psn.remove()
 
 
@@ -434,3 +471,35 @@ def test_workspace_buffers_are_reused_across_steps_and_never_shared_within_one()
     assert held[0] == held[1] == 4 * B * 6 * 6 * 8  # the four calls' [B, 6, 6] products, allocated once
     psn.remove()
     assert psn._ws.nbytes() == 0
+
+
+class TiedLM(nn.Module):
+    """Token embedding tied to the LM head, with repeated tokens: the head's per-sample products materialised (the
+    clip computes its gradient), crossed with the embedding's rows (terms.cross of Dense and Index)."""
+
+    def __init__(self, v: int = 11, d: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(v, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, v, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.fc(self.ln(self.emb(idx)))))
+
+
+@pytest.mark.parametrize("t", [6, 1], ids=["seq", "one_token"])  # Index.sq by the Gram of equal indices
+def test_clipping_tied_embedding_and_materialised_head(t, monkeypatch):
+    from hookstats.per_sample import terms
+
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    idx = torch.randint(0, 11, (B + 2, t), generator=torch.Generator().manual_seed(3))
+    idx[0, :] = 4  # a sample repeating one token
+    crossed = []
+    cross = terms.cross
+    monkeypatch.setattr(terms, "cross", lambda a, b: crossed.append({type(a), type(b)}) or cross(a, b))
+    clip_check(model, lambda m, x: m(x), idx)
+    head = terms.Dense if t > 1 else terms.Outer  # one token: Outer.materialize declines, the Gather of the Outer
+    assert crossed and all(c == {head, terms.Index} for c in crossed)

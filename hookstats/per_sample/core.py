@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -292,28 +293,29 @@ class PerSampleGradNorms:
     def _grad_hook(self, name: str, mod: nn.Module, call: _Call, grad: Optional[torch.Tensor]):
         if grad is None:
             return None
-        pend = self._pending.get(name, [])
-        if not any(c is call for c in pend):  # cleared by step() or refused since the forward
+        try:  # (_Call has no __eq__: by identity)
+            self._pending.get(name, []).remove(call)
+        except ValueError:  # cleared by step() or refused since the forward
             return untracked(name, call.deferred, again=True)
-        pend[:] = [c for c in pend if c is not call]
-        with torch.no_grad():
-            g = grad.detach().reshape(call.shape)
+        # grad mode is on only in a backward with create_graph=True: the terms stay out of its graph
+        with torch.no_grad() if torch.is_grad_enabled() else nullcontext():
+            g = grad.detach() if grad.shape == call.shape else grad.detach().reshape(call.shape)
             if not call.batched:
                 g = g.unsqueeze(0)
             elif call.bd:
                 g = g.movedim(call.bd, 0)
-            attrs = tuple(a for a, _ in call.active)
-            terms = self._rule[name].terms(mod, call.kept, g, attrs)
+            terms = self._rule[name].terms(mod, call.kept, g, tuple(a for a, _ in call.active))
             call.kept = None
             for a, pid in call.active:
                 if pid in self._dead:
                     continue
                 self._termed.add(pid)
-                term = terms[a].rows_to_samples(call.k)
-                if a in call.deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
+                term = terms[a] if call.k == 1 else terms[a].rows_to_samples(call.k)
+                deferred = a in call.deferred
+                if deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
                     mat = getattr(term, "materialize", None)
                     term = (mat(self._ws) if mat is not None else None) or term
-                self._terms.setdefault(pid, []).append((term, a in call.deferred))
+                self._terms.setdefault(pid, []).append((term, deferred))
                 if all(not self._pending.get(layer) for layer in self._holders[pid]):
                     self._finalize(pid)
                 else:

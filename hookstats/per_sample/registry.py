@@ -36,7 +36,7 @@ class Rule:
       batches] in core.py).
     - `defer`: the parameter attributes whose gradient the clip may compute instead of autograd (Note
       [book-keeping] in core.py): attributes the module's forward applies as an ordinary tensor argument (read from
-      mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights).
+      mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights, conv biases).
     - `hook_site(mod)`: the module whose call the rule reads (default: `mod` itself): a child, for parameters the
       module applies in its own forward before calling that child (timm ViT's class token and position table, read at
       its pos_drop); input(), output() and keep() then see that child's arguments and output, with `mod` the holder.

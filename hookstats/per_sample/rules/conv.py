@@ -58,7 +58,9 @@ def conv_terms(mod, x, g, attrs, pad=None):
 
 class ConvRule(Rule):
     batch_dim_applies = False
-    defer = ("weight",)
+    # the bias too (Note [book-keeping]): a conv's backward on the CPU (mkldnn) computes the weight gradient whenever
+    # the bias's is asked for, so deferring the weight alone saves nothing there
+    defer = ("weight", "bias")
     nd = 2
 
     def is_batched(self, mod, x):
