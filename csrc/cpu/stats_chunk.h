@@ -32,6 +32,8 @@ namespace cpu {
 template <int W>
 constexpr int64_t kBlock = W <= 4 ? 512 : 64 * W;
 
+constexpr int kPrefetchBytes = 4096;
+
 template <typename scalar_t>
 using CpuAcc = FastAcc<acc_of<scalar_t>, double>;
 
@@ -89,6 +91,9 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
     for (int u = 0; u < S; ++u) restart(a[u]);
     const int64_t end = std::min(n_vec, i + kBlock<W>);
     for (; i + S * W <= end; i += S * W) {
+      for (int off = 0; off < S * W * (int)sizeof(scalar_t); off += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(p + i) + kPrefetchBytes + off);
+      }
       for (int u = 0; u < S; ++u) step(a[u], L::load(p + i + u * W));
     }
     for (; i + W <= end; i += W) step(a[0], L::load(p + i));  // a block's last (< S) vectors
