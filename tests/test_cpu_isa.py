@@ -150,6 +150,23 @@ def onehot_inputs(dtype: torch.dtype):
     few = torch.tensor([0.75, -0.75, 3.5, -1.5])[torch.randint(0, 4, (m,), generator=g)]
     yield "few_slots_2^20", few.to(dtype)
     yield "strided_many", (r * scale).to(dtype)[::3]
+    # One value outside the window in every chunk, beside zeros (and a NaN in every other chunk), with the window
+    # held from chunk to chunk: the chunk's uncounted values are read off the growth of the carried levels'
+    # population count, so a stale or misweighted total skips a chunk's recount.
+    one = torch.randn(n, generator=g)
+    one[torch.rand(n, generator=g) < 0.02] = 0.0
+    for c in range(24):
+        one[c * 4096 + int(torch.randint(0, 4096, (1,), generator=g))] = 3e-20 * (1 - 2 * (c % 2))
+        one[c * 4096 + 2 * c + 1] = 5.0 + 3.0 * (c % 3) if c % 4 else -4.25  # in the range's overflow / underflow
+        if c % 2:
+            one[c * 4096 + 4 * c + 2] = float("nan")
+    yield "one_outside_per_chunk", one.to(dtype)
+    # Chunk tails whose vector count leaves a group of 16 to 31 words (389 values: 24 vectors of 16, 48 of 8) and a
+    # group under 16 (77 values), with spread exponents
+    for tail in (389, 77):
+        t = torch.randn(3 * 4096 + tail, generator=g) * torch.exp2(torch.randint(-20, 8, (3 * 4096 + tail,), generator=g).float())
+        t[-tail + 5] = 2e-30
+        yield f"tail_{tail}", t.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

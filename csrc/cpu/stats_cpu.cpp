@@ -284,7 +284,7 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
     counters = counter_refs.data();
     for (int64_t t = 0; t < nthreads; ++t) {
       counters[t] = HistCounters{counter_cache.data() + t * copies * len, total_cache.data() + t * len, len, copies, 0,
-                                 sliced_cache.data() + t * kSlicedWords, {-1, -1}, 0};
+                                 sliced_cache.data() + t * kSlicedWords, {-1, -1}, 0, 0};
     }
   }
   // The lambda below runs on worker threads: it reaches the caches only through `counters`,
