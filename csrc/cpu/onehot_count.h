@@ -134,14 +134,17 @@ HS_INLINE typename OneHotTypes<B>::U onehot_of(const typename OneHotTypes<B>::I&
   return ((U)k < 32u) ? (U{} + 1u) << ((U)k & 31u) : U{};
 }
 
-// Full adder on every bit: sum a ^ b ^ c, carry maj(a, b, c) (one vpternlogd each on AVX-512).
+// Full adder on every bit: sum a ^ b ^ c, carry maj(a, b, c) (one vpternlogd each on AVX-512). vpternlogd overwrites
+// its first operand: the sum goes over c and the carry over b (the callers' fresh words, dead afterwards), the carry
+// taken from (b, a, sum) (maj(a, b, c) is a where a == b, else c = !sum), so that no operand needs a copy.
 template <int B, typename Q>
 HS_INLINE void csa(Q& carry, Q& sum, const Q& a, const Q& b, const Q& c) {
 #if HS_X86_BUILTINS
   if constexpr (B == 64) {
     typedef int v16si __attribute__((vector_size(64)));
-    const Q h = (Q)__builtin_ia32_pternlogd512_mask((v16si)a, (v16si)b, (v16si)c, 0xE8, (unsigned short)0xFFFF);
-    sum = (Q)__builtin_ia32_pternlogd512_mask((v16si)a, (v16si)b, (v16si)c, 0x96, (unsigned short)0xFFFF);
+    const Q s = (Q)__builtin_ia32_pternlogd512_mask((v16si)c, (v16si)a, (v16si)b, 0x96, (unsigned short)0xFFFF);
+    const Q h = (Q)__builtin_ia32_pternlogd512_mask((v16si)b, (v16si)a, (v16si)s, 0xD4, (unsigned short)0xFFFF);
+    sum = s;
     carry = h;
     return;
   }
@@ -304,12 +307,19 @@ HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, d
     } else {
       typename simd::VT<B>::u16 r;
       std::memcpy(&r, p + i * W, sizeof r);
-      u = __builtin_convertvector(r, U) << 16;  // bf16: the float32 layout
+      u = simd::widen_u16<B>(r) << 16;  // bf16: the float32 layout
     }
     return u;
   };
   auto offsets = [&](int64_t i, I& kp, I& kn) __attribute__((always_inline)) {
-    const I t = (I)(bits(i) >> 23);
+    I t;  // the 9 sign and exponent bits
+    if constexpr (sizeof(scalar_t) == 4) {
+      t = (I)(bits(i) >> 23);
+    } else {
+      typename simd::VT<B>::u16 r;
+      std::memcpy(&r, p + i * W, sizeof r);
+      t = (I)(simd::widen_u16<B>(r) >> 7);
+    }
     kp = t - lo;
     kn = t - (lo + 256);
   };
