@@ -54,6 +54,13 @@ def inputs(dtype: torch.dtype):
     yield "const_runs", y
     z = torch.full((5000,), 1.25).to(dtype)
     yield "constant", z
+    # Zeros of either sign beside the least subnormals and normals, in every position of the 64-value groups whose
+    # zeros the AVX-512 entry points count on the raw 16-bit bits, of the block-end vectors and of the scalar tail
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the least subnormal
+    pick = torch.randint(0, 6, (2 * 4096 + 1000 + 13,), generator=g)
+    zs = torch.tensor([0.0, -0.0, tiny, -tiny, 1.5, -0.25], dtype=torch.float64)[pick]
+    yield "signed_zeros_subnormals", zs.to(dtype)
+    yield "signed_zeros_strided", zs.to(dtype)[1::2]
     if dtype in (torch.float32, torch.float64):
         big = torch.randn(10000, generator=g, dtype=torch.float64) * (1e30 if dtype == torch.float32 else 1e200)
         yield "huge", big.to(dtype)
