@@ -29,8 +29,9 @@ namespace cpu {
 // double lanes, so no float lane adds more than about kBlock / (S W) values (32 with AVX2, 16 with
 // AVX-512, 64 with the baseline's 4 lanes): a constant tensor's l1 stays within ~1e-6 of the truth (a single
 // lane over the whole chunk drifted to ~5e-6). min, max and the zero count run over the whole chunk. The loop
-// prefetches kPrefetchBytes (8 KB; 4 KB measured alike) ahead, one prefetch per cache line, into the next chunk too: from DRAM (2^24 fp32, one
-// thread) the hardware prefetcher alone left the op at ~1.4x one `x.sum()`, with it ~1.3x; in cache it costs a few %.
+// prefetches kPrefetchBytes ahead (8 KB; 4 KB measured alike), one prefetch per cache line, into the next chunk
+// too: from DRAM (2^24 fp32, one thread) the hardware prefetcher alone left the op at ~1.4x one `x.sum()`, with it
+// ~1.1-1.3x (shared machine); in cache it costs a few %.
 template <int W>
 constexpr int64_t kBlock = W <= 4 ? 512 : 64 * W;
 
