@@ -28,21 +28,23 @@ namespace cpu {
 // fma latencies). The sum lanes restart every kBlock elements and their sums are added into
 // double lanes, so no float lane adds more than about kBlock / (S W) values (32 with AVX2, 16 with
 // AVX-512, 64 with the baseline's 4 lanes): a constant tensor's l1 stays within ~1e-6 of the truth (a single
-// lane over the whole chunk drifted to ~5e-6). min, max and the zero count run over the whole chunk. The loop
-// prefetches kPrefetchBytes ahead (8 KB; 4 KB measured alike), one prefetch per cache line, into the next chunk
-// too: from DRAM (2^24 fp32, one thread) the hardware prefetcher alone left the op at ~1.4x one `x.sum()`, with it
-// ~1.1-1.3x (shared machine); in cache it costs a few %.
+// lane over the whole chunk drifted to ~5e-6). min, max and the zero count run over the whole chunk. The first
+// pass over an unscaled chunk of a flat tensor larger than kPrefetchMinBytes (TaskState::prefetch) prefetches
+// kPrefetchBytes ahead (8 KB; 4 KB measured alike), one prefetch per cache line, into the next chunk too: from DRAM
+// (2^24 fp32, one thread) the hardware prefetcher alone left the op at ~1.4x one `x.sum()`, with it ~1.1-1.3x (shared machine); on
+// a tensor that the L3 holds (2^20 fp32) the prefetches cost ~5%, hence the size.
 template <int W>
 constexpr int64_t kBlock = W <= 4 ? 512 : 64 * W;
 
 constexpr int kPrefetchBytes = 8192;
+constexpr int64_t kPrefetchMinBytes = int64_t(16) << 20;
 
 template <typename scalar_t>
 using CpuAcc = FastAcc<acc_of<scalar_t>, double>;
 
 // SCALED: e != 0 (Note [stats scaling]); SHIFTED: k != 0 (without a shift, d is the value itself:
 // one vector operation fewer per element group, for the data whose mean is small beside its spread).
-template <int B, typename scalar_t, bool SCALED, bool SHIFTED>
+template <int B, typename scalar_t, bool SCALED, bool SHIFTED, bool PREFETCH>
 HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
   using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
   using acc_t = typename L::acc_t;
@@ -105,8 +107,10 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
     for (int u = 0; u < S; ++u) restart(a[u]);
     const int64_t end = std::min(n_vec, i + kBlock<W>);
     for (; i + S * W <= end; i += S * W) {
-      for (int off = 0; off < S * W * (int)sizeof(scalar_t); off += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(p + i) + kPrefetchBytes + off);
+      if constexpr (PREFETCH) {  // (a run-time test here leaves the lanes on the stack: GCC 12)
+        for (int off = 0; off < S * W * static_cast<int>(sizeof(scalar_t)); off += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(p + i) + kPrefetchBytes + off);
+        }
       }
 #if HS_X86_BUILTINS
       if constexpr (kZero16) {
@@ -160,13 +164,17 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
 }
 
 template <int B, typename scalar_t>
-HS_INLINE CpuAcc<scalar_t> fast_chunk(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
+HS_INLINE CpuAcc<scalar_t> fast_chunk(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e,
+                                      bool prefetch = false) {
+  // (scaled chunks, of magnitudes beyond ~2^+-60, go without the prefetch: two fewer instantiations)
   if (k == 0) {
-    return e == 0 ? fast_chunk_simd<B, scalar_t, false, false>(p, n, k, 0)
-                  : fast_chunk_simd<B, scalar_t, true, false>(p, n, k, e);
+    if (e != 0) return fast_chunk_simd<B, scalar_t, true, false, false>(p, n, k, e);
+    return prefetch ? fast_chunk_simd<B, scalar_t, false, false, true>(p, n, k, 0)
+                    : fast_chunk_simd<B, scalar_t, false, false, false>(p, n, k, 0);
   }
-  return e == 0 ? fast_chunk_simd<B, scalar_t, false, true>(p, n, k, 0)
-                : fast_chunk_simd<B, scalar_t, true, true>(p, n, k, e);
+  if (e != 0) return fast_chunk_simd<B, scalar_t, true, true, false>(p, n, k, e);
+  return prefetch ? fast_chunk_simd<B, scalar_t, false, true, true>(p, n, k, 0)
+                  : fast_chunk_simd<B, scalar_t, false, true, false>(p, n, k, 0);
 }
 
 // The counting pass of a piece with NaN/Inf (Note [stats nonfinite]), in SIMD: NaN, Inf and zero
@@ -226,6 +234,7 @@ struct TaskState {
   double mean;
   int32_t e;
   bool nonfinite;
+  bool prefetch;  // set by the driver: a flat tensor of more than kPrefetchMinBytes (the note on fast_chunk_simd)
 };
 
 // The statistics of a whole chunk, always in SIMD: counted only, once its task has seen NaN/Inf;
@@ -237,7 +246,7 @@ HS_INLINE StatsPartial chunk_stats(const scalar_t* p, int64_t n, TaskState& st) 
   using acc_t = acc_of<scalar_t>;
   if (st.nonfinite) return nonfinite_to_partial<acc_t>(nonfinite_chunk_simd<B, scalar_t>(p, n));
   int32_t e = st.e;
-  CpuAcc<scalar_t> f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(hs_ldexp(st.mean, -e)), e);
+  CpuAcc<scalar_t> f = fast_chunk<B, scalar_t>(p, n, input_shift<scalar_t>(hs_ldexp(st.mean, -e)), e, st.prefetch);
   if (fast_nonfinite<acc_t>(f)) {
     const NonfiniteAcc<acc_t> c = nonfinite_chunk_simd<B, scalar_t>(p, n);
     if (c.nan > 0 || c.inf > 0) {
