@@ -15,7 +15,7 @@ import torch
 import hookstats
 from hookstats import reference
 
-from _testing import DTYPES, assert_stats_close
+from _testing import DTYPES, assert_stats_close, check_stats_against_reference
 
 LEVELS = ("avx512", "avx2", "default")
 RANGE = hookstats.Histogram.range(64, -4.0, 4.0)
@@ -92,6 +92,23 @@ def check_all_ops(x: torch.Tensor, what: str) -> None:
 def test_every_op_on_every_level(dtype, isa):
     for name, x in inputs(dtype):
         check_all_ops(x, f"{isa} {dtype} {name}")
+
+
+def test_prefetched_tensors_on_every_level(isa):
+    """Flat tensors over 16 MiB take the fast path's prefetching loops (csrc/cpu/stats_chunk.h, kPrefetchMinBytes):
+    unshifted, shifted (a large mean) and, beside them, the scaled loops that do not prefetch; a strided view of the
+    same data does not prefetch (gathered chunks) and must agree."""
+    g = torch.Generator().manual_seed(3616)
+    for dtype, n in ((torch.float32, (1 << 22) + 1001), (torch.bfloat16, (1 << 23) + 1001)):
+        base = torch.randn(n, generator=g)
+        base[torch.rand(n, generator=g) < 0.01] = 0.0
+        for name, x in (("randn", base), ("mean_1000", base + 1000.0), ("scaled_1e30", base * 1e30)):
+            x = x.to(dtype)
+            assert x.numel() * x.element_size() > 16 << 20
+            check_stats_against_reference(x)
+            assert torch.equal(hookstats.exp_histogram(x), reference.histogram_of(x, EXP)), (isa, dtype, name)
+        s = base.to(dtype).view(-1)[: (n // 2) * 2].view(-1, 2)[:, 0]
+        check_stats_against_reference(s)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
