@@ -138,13 +138,20 @@ def histogram(x: torch.Tensor, bins: int = 64, *, range) -> torch.Tensor:
     check_tensor(x, "histogram")
     if not (isinstance(range, (tuple, list)) and len(range) == 2):
         raise TypeError(f"hookstats.histogram needs range=(lo, hi), got {range!r}")
-    return stats(x, Histogram.range(bins, range[0], range[1]))[1]
+    return _counts_only(x, Histogram.range(bins, range[0], range[1]))
 
 
 def exp_histogram(x: torch.Tensor) -> torch.Tensor:
     """Exponent histogram of `x` (no range, no min/max pass): see `Histogram.exponent` and `exp_layout`."""
     check_tensor(x, "exp_histogram")
-    return stats(x, Histogram.exponent())[1]
+    return _counts_only(x, Histogram.exponent())
+
+
+def _counts_only(x: torch.Tensor, h: Histogram) -> torch.Tensor:
+    """`stats(x, histogram=h)[1]` without building the `Stats` it drops (13 views: ~10 µs a call); x is checked."""
+    if not use_kernels(x, "stats"):
+        return reference_checked((x,), "stats").histogram_of(x, h)
+    return torch.ops.hookstats.stats_hist.default(x.detach(), h.mode, h.bins, h.lo, h.hi)[2]
 
 
 def histogram_buffer(slots: int, histogram, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:

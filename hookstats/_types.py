@@ -287,6 +287,15 @@ class ChannelStats(NamedTuple):
 
 def from_parts(cls, values: torch.Tensor, counts: torch.Tensor):
     """A `Stats` or `ChannelStats` from its op's (values, counts) outputs (views, no copy): each field where the
-    type's _PARTS puts it (Note [record fields]; Note [channel stats])."""
-    parts = {"values": values.unbind(0), "counts": counts.unbind(0)}
-    return cls(*(parts[p][j] for p, j in cls._PARTS))
+    type's _PARTS puts it (Note [record fields]; Note [channel stats]).
+
+    On every `hookstats.stats` call: one `unbind` per output (a view costs ~0.3-0.5 µs, the views are the floor) and
+    the tuple built from a precomputed order (cls._make, no per-call generator or dict)."""
+    order = _PART_ORDER.get(cls)
+    if order is None:
+        order = _PART_ORDER[cls] = tuple((0 if p == "values" else 1, j) for p, j in cls._PARTS)
+    parts = (values.unbind(0), counts.unbind(0))
+    return cls._make([parts[p][j] for p, j in order])
+
+
+_PART_ORDER: dict = {}  # cls -> its _PARTS as (0: values / 1: counts, index)

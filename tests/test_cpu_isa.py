@@ -15,7 +15,7 @@ import torch
 import hookstats
 from hookstats import reference
 
-from _testing import DTYPES, assert_stats_close
+from _testing import DTYPES, assert_stats_close, check_stats_against_reference
 
 LEVELS = ("avx512", "avx2", "default")
 RANGE = hookstats.Histogram.range(64, -4.0, 4.0)
@@ -54,6 +54,13 @@ def inputs(dtype: torch.dtype):
     yield "const_runs", y
     z = torch.full((5000,), 1.25).to(dtype)
     yield "constant", z
+    # Zeros of either sign beside the least subnormals and normals, in every position of the 64-value groups whose
+    # zeros the AVX-512 entry points count on the raw 16-bit bits, of the block-end vectors and of the scalar tail
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the least subnormal
+    pick = torch.randint(0, 6, (2 * 4096 + 1000 + 13,), generator=g)
+    zs = torch.tensor([0.0, -0.0, tiny, -tiny, 1.5, -0.25], dtype=torch.float64)[pick]
+    yield "signed_zeros_subnormals", zs.to(dtype)
+    yield "signed_zeros_strided", zs.to(dtype)[1::2]
     if dtype in (torch.float32, torch.float64):
         big = torch.randn(10000, generator=g, dtype=torch.float64) * (1e30 if dtype == torch.float32 else 1e200)
         yield "huge", big.to(dtype)
@@ -85,6 +92,23 @@ def check_all_ops(x: torch.Tensor, what: str) -> None:
 def test_every_op_on_every_level(dtype, isa):
     for name, x in inputs(dtype):
         check_all_ops(x, f"{isa} {dtype} {name}")
+
+
+def test_prefetched_tensors_on_every_level(isa):
+    """Flat tensors over 16 MiB take the fast path's prefetching loops (csrc/cpu/stats_chunk.h, kPrefetchMinBytes):
+    unshifted, shifted (a large mean) and, beside them, the scaled loops that do not prefetch; a strided view of the
+    same data does not prefetch (gathered chunks) and must agree."""
+    g = torch.Generator().manual_seed(3616)
+    for dtype, n in ((torch.float32, (1 << 22) + 1001), (torch.bfloat16, (1 << 23) + 1001)):
+        base = torch.randn(n, generator=g)
+        base[torch.rand(n, generator=g) < 0.01] = 0.0
+        for name, x in (("randn", base), ("mean_1000", base + 1000.0), ("scaled_1e30", base * 1e30)):
+            x = x.to(dtype)
+            assert x.numel() * x.element_size() > 16 << 20
+            check_stats_against_reference(x)
+            assert torch.equal(hookstats.exp_histogram(x), reference.histogram_of(x, EXP)), (isa, dtype, name)
+        s = base.to(dtype).view(-1)[: (n // 2) * 2].view(-1, 2)[:, 0]
+        check_stats_against_reference(s)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -150,6 +174,23 @@ def onehot_inputs(dtype: torch.dtype):
     few = torch.tensor([0.75, -0.75, 3.5, -1.5])[torch.randint(0, 4, (m,), generator=g)]
     yield "few_slots_2^20", few.to(dtype)
     yield "strided_many", (r * scale).to(dtype)[::3]
+    # One value outside the window in every chunk, beside zeros (and a NaN in every other chunk), with the window
+    # held from chunk to chunk: the chunk's uncounted values are read off the growth of the carried levels'
+    # population count, so a stale or misweighted total skips a chunk's recount.
+    one = torch.randn(n, generator=g)
+    one[torch.rand(n, generator=g) < 0.02] = 0.0
+    for c in range(24):
+        one[c * 4096 + int(torch.randint(0, 4096, (1,), generator=g))] = 3e-20 * (1 - 2 * (c % 2))
+        one[c * 4096 + 2 * c + 1] = 5.0 + 3.0 * (c % 3) if c % 4 else -4.25  # in the range's overflow / underflow
+        if c % 2:
+            one[c * 4096 + 4 * c + 2] = float("nan")
+    yield "one_outside_per_chunk", one.to(dtype)
+    # Chunk tails whose vector count leaves a group of 16 to 31 words (389 values: 24 vectors of 16, 48 of 8) and a
+    # group under 16 (77 values), with spread exponents
+    for tail in (389, 77):
+        t = torch.randn(3 * 4096 + tail, generator=g) * torch.exp2(torch.randint(-20, 8, (3 * 4096 + tail,), generator=g).float())
+        t[-tail + 5] = 2e-30
+        yield f"tail_{tail}", t.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -187,7 +187,7 @@ HS_INLINE typename simd::VT<B>::i32 slot_lanes(const scalar_t* raw, const typena
     } else {
       typename simd::VT<B>::u16 r16;
       std::memcpy(&r16, raw, sizeof r16);
-      bits = __builtin_convertvector(r16, U);
+      bits = simd::widen_u16<B>(r16);
     }
     return exp_slots<ExpBits<scalar_t>::E, ExpBits<scalar_t>::M, U, I>(bits);
   }

@@ -39,10 +39,12 @@ struct HistCounters {
   uint32_t* sliced;
   int32_t base[2];
   int32_t sliced_chunks;
+  int64_t sliced_total;  // how many values the bit-sliced counts hold (their population count, weighted)
 };
 
-constexpr int kOneHotDeep = 8;  // levels above the 4 of a Harley-Seal group: a (lane, key) count < 16 * 2^8
-constexpr int kSlicedLevels = 4 + kOneHotDeep;
+constexpr int kOneHotGroupLevels = 5;  // ones .. sixteens: a Harley-Seal group of 32 words
+constexpr int kOneHotDeep = 7;  // levels above the group's: a (lane, key) count < 32 * 2^7
+constexpr int kSlicedLevels = kOneHotGroupLevels + kOneHotDeep;
 constexpr int kSlicedWords = 2 * kSlicedLevels * 16;  // 2 planes x levels x 16 lanes
 
 // Adds the carried bit-sliced counts to copy 0 of the counters and empties them: each plane's 16 lanes are added
@@ -76,6 +78,7 @@ inline void fold_sliced(HistCounters& h) {
   std::memset(h.sliced, 0, sizeof(uint32_t) * kSlicedWords);
   h.base[0] = h.base[1] = -1;
   h.sliced_chunks = 0;
+  h.sliced_total = 0;
 }
 
 inline void flush_counters(HistCounters& h) {
@@ -98,15 +101,23 @@ inline void flush_counters(HistCounters& h) {
 // exponent bits t: t - lo and t - lo - 256), or range indices kb .. kb + 63 (o - kb and o - kb - 32). 1 << offset
 // (vpsllvd: 0 for offsets >= 32) is a one-hot word per 32-bit lane for each of two planes of 32 keys, added to a
 // bit-sliced counter: level l of a plane holds bit l of every (lane, key) count, added by carry-save adders
-// (Harley-Seal: 15 full adders of two logic instructions per 16 words, one vpternlogd each on AVX-512). The levels
+// (Harley-Seal: 31 full adders of two logic instructions per 32 words, one vpternlogd each on AVX-512; the group's
+// carries of weight 32 ripple into the deep levels, two instructions a level, once per 32 words). The levels
 // are carried from chunk to chunk (HistCounters::sliced) while the window holds the chunk (the window is chosen from
 // the chunk's statistics: its largest |x|, or its least and greatest index) and folded into the counters
 // (fold_sliced: the lanes added as bit-sliced numbers, then expanded per key) when it moves, before a count could
 // outgrow the levels, and at the end. Zeros and NaNs of the exponent histogram come from the chunk's statistics, as
-// do NaNs outside a range window. A lane that no key counts is counted by the vector loop too; when more lanes are
+// do NaNs outside a range window. How many of the chunk's values the keys counted is read off the levels, not
+// counted per vector: the growth of their population count (a bit of level l weighs 2^l; SWAR popcounts of the 24
+// level words, once a chunk, against the total carried in HistCounters::sliced_total). When more values are
 // uncounted than the chunk's zeros and NaNs explain (a value far below the largest, a subnormal, an infinity, a bin
 // outside the window: rare in most data), the chunk's values outside the window are counted again one by one. Counts
 // are integers: the result is bit for bit the per-value counting's, on every level.
+// Cost, per vector on AVX-512: one shift for t (bfloat16: one vpmovzxwd and a shift), two subtractions, two vpsllvd,
+// ~3.9 vpternlogd and ~1 logic instruction for the deep levels. The one-hot words are made right before their adder
+// takes them and each adder overwrites only operands that are dead (csa), so nothing spills and nothing is copied
+// (the first version, all 32 words made first and a copy per adder, spilled the group levels to the stack). The three
+// shifts a vector share the two shift pipes with nothing else of the loop: they are its floor.
 constexpr int kOneHotKeys = 64;
 constexpr int64_t kOneHotMaxBins = 64;
 
@@ -128,14 +139,17 @@ HS_INLINE typename OneHotTypes<B>::U onehot_of(const typename OneHotTypes<B>::I&
   return ((U)k < 32u) ? (U{} + 1u) << ((U)k & 31u) : U{};
 }
 
-// Full adder on every bit: sum a ^ b ^ c, carry maj(a, b, c) (one vpternlogd each on AVX-512).
+// Full adder on every bit: sum a ^ b ^ c, carry maj(a, b, c) (one vpternlogd each on AVX-512). vpternlogd overwrites
+// its first operand: the sum goes over c and the carry over b (the callers' fresh words, dead afterwards), the carry
+// taken from (b, a, sum) (maj(a, b, c) is a where a == b, else c = !sum), so that no operand needs a copy.
 template <int B, typename Q>
 HS_INLINE void csa(Q& carry, Q& sum, const Q& a, const Q& b, const Q& c) {
 #if HS_X86_BUILTINS
   if constexpr (B == 64) {
     typedef int v16si __attribute__((vector_size(64)));
-    const Q h = (Q)__builtin_ia32_pternlogd512_mask((v16si)a, (v16si)b, (v16si)c, 0xE8, (unsigned short)0xFFFF);
-    sum = (Q)__builtin_ia32_pternlogd512_mask((v16si)a, (v16si)b, (v16si)c, 0x96, (unsigned short)0xFFFF);
+    const Q s = (Q)__builtin_ia32_pternlogd512_mask((v16si)c, (v16si)a, (v16si)b, 0x96, (unsigned short)0xFFFF);
+    const Q h = (Q)__builtin_ia32_pternlogd512_mask((v16si)b, (v16si)a, (v16si)s, 0xD4, (unsigned short)0xFFFF);
+    sum = s;
     carry = h;
     return;
   }
@@ -146,60 +160,99 @@ HS_INLINE void csa(Q& carry, Q& sum, const Q& a, const Q& b, const Q& c) {
   carry = h;
 }
 
-// The bit-sliced counts of 32 keys in the W 32-bit lanes of a B-byte vector: ones .. eights of the current
-// Harley-Seal group, deep levels above.
+// Population count of each 32-bit lane (SWAR: no instruction outside ATen's levels).
+template <typename U>
+HS_INLINE U popcount_lanes(U v) {
+  v = v - ((v >> 1) & 0x55555555u);
+  v = (v & 0x33333333u) + ((v >> 2) & 0x33333333u);
+  v = (v + (v >> 4)) & 0x0F0F0F0Fu;
+  return (v * 0x01010101u) >> 24;
+}
+
+// The bit-sliced counts of the two planes of 32 keys, in the W 32-bit lanes of a B-byte vector: ones .. sixteens of
+// the Harley-Seal groups in registers ([0]: keys 0..31, [1]: keys 32..63), the deep levels in memory (h.sliced, read
+// and written once a group of 32 words), so that the one-hot words, made just before their adder takes them, and the
+// group levels fit the 32 (16) vector registers with no spill.
 template <int B>
 struct SlicedCounts {
   using U = typename OneHotTypes<B>::U;
-  U ones, twos, fours, eights;
-  U deep[kOneHotDeep];
-  HS_INLINE void load(const uint32_t* m) {
-    std::memcpy(&ones, m, sizeof(U));
-    std::memcpy(&twos, m + 16, sizeof(U));
-    std::memcpy(&fours, m + 32, sizeof(U));
-    std::memcpy(&eights, m + 48, sizeof(U));
-    for (int l = 0; l < kOneHotDeep; ++l) std::memcpy(&deep[l], m + 16 * (4 + l), sizeof(U));
+  static constexpr int kPlane = kSlicedLevels * 16;  // words of one plane in h.sliced
+  U ones[2], twos[2], fours[2], eights[2], sixteens[2];
+  uint32_t* m;
+  HS_INLINE U at(int plane, int level) const {
+    U v;
+    std::memcpy(&v, m + plane * kPlane + 16 * level, sizeof(U));
+    return v;
   }
-  HS_INLINE void store(uint32_t* m) const {
-    std::memcpy(m, &ones, sizeof(U));
-    std::memcpy(m + 16, &twos, sizeof(U));
-    std::memcpy(m + 32, &fours, sizeof(U));
-    std::memcpy(m + 48, &eights, sizeof(U));
-    for (int l = 0; l < kOneHotDeep; ++l) std::memcpy(m + 16 * (4 + l), &deep[l], sizeof(U));
+  HS_INLINE void put(int plane, int level, const U& v) { std::memcpy(m + plane * kPlane + 16 * level, &v, sizeof(U)); }
+  HS_INLINE explicit SlicedCounts(uint32_t* sliced) : m(sliced) {
+    for (int q = 0; q < 2; ++q) {
+      ones[q] = at(q, 0);
+      twos[q] = at(q, 1);
+      fours[q] = at(q, 2);
+      eights[q] = at(q, 3);
+      sixteens[q] = at(q, 4);
+    }
   }
-  // Adds the one-hot words d[0, 16).
-  HS_INLINE void add16(const U* d) {
-    U twosA, twosB, foursA, foursB, eightsA, eightsB, sixteens;
-    csa<B>(twosA, ones, ones, d[0], d[1]);
-    csa<B>(twosB, ones, ones, d[2], d[3]);
-    csa<B>(foursA, twos, twos, twosA, twosB);
-    csa<B>(twosA, ones, ones, d[4], d[5]);
-    csa<B>(twosB, ones, ones, d[6], d[7]);
-    csa<B>(foursB, twos, twos, twosA, twosB);
-    csa<B>(eightsA, fours, fours, foursA, foursB);
-    csa<B>(twosA, ones, ones, d[8], d[9]);
-    csa<B>(twosB, ones, ones, d[10], d[11]);
-    csa<B>(foursA, twos, twos, twosA, twosB);
-    csa<B>(twosA, ones, ones, d[12], d[13]);
-    csa<B>(twosB, ones, ones, d[14], d[15]);
-    csa<B>(foursB, twos, twos, twosA, twosB);
-    csa<B>(eightsB, fours, fours, foursA, foursB);
-    csa<B>(sixteens, eights, eights, eightsA, eightsB);
-    U c = sixteens;
-    for (int l = 0; l < kOneHotDeep; ++l) {
-      const U t = deep[l] & c;
-      deep[l] ^= c;
-      c = t;
+  HS_INLINE void store() {
+    for (int q = 0; q < 2; ++q) {
+      put(q, 0, ones[q]);
+      put(q, 1, twos[q]);
+      put(q, 2, fours[q]);
+      put(q, 3, eights[q]);
+      put(q, 4, sixteens[q]);
+    }
+  }
+  // How many values the counts hold (after store): the population count of level l weighs 2^l. A lane's sum is
+  // below 2 x 32 keys x 32 * 2^kOneHotDeep: no 32-bit lane can wrap.
+  HS_INLINE int64_t total() const {
+    U t{};
+    for (int q = 0; q < 2; ++q) {
+      for (int l = 0; l < kSlicedLevels; ++l) t += popcount_lanes(at(q, l)) << l;
+    }
+    int64_t sum = 0;
+    for (int j = 0; j < B / 4; ++j) sum += t[j];
+    return sum;
+  }
+  // Adds the one-hot words of 2^LG vectors, fetch(u, d) writing vector u's two words d[0], d[1] (u from 0), to
+  // ones ..: the carries of weight 2^LG go to c[0], c[1]. Each word is made right before its adder takes it.
+  template <int LG, typename Fetch>
+  HS_INLINE void tree(int u, Fetch&& fetch, U* c) {
+    if constexpr (LG == 1) {
+      U a[2], b[2];
+      fetch(u, a);
+      fetch(u + 1, b);
+      for (int q = 0; q < 2; ++q) csa<B>(c[q], ones[q], ones[q], a[q], b[q]);
+    } else {
+      U a[2], b[2];
+      tree<LG - 1>(u, fetch, a);
+      tree<LG - 1>(u + (1 << (LG - 1)), fetch, b);
+      U* level = LG == 2 ? twos : (LG == 3 ? fours : (LG == 4 ? eights : sixteens));
+      for (int q = 0; q < 2; ++q) csa<B>(c[q], level[q], level[q], a[q], b[q]);
+    }
+  }
+  // Adds 32 vectors' words (tree<5>), then their carries of weight 32 into the deep levels.
+  template <typename Fetch>
+  HS_INLINE void add32(int u, Fetch&& fetch) {
+    U c[2];
+    tree<5>(u, fetch, c);
+    for (int q = 0; q < 2; ++q) {
+      U cq = c[q];
+      for (int l = 0; l < kOneHotDeep; ++l) {
+        const U d = at(q, kOneHotGroupLevels + l);
+        put(q, kOneHotGroupLevels + l, d ^ cq);
+        cq = d & cq;
+      }
     }
   }
 };
 
 // Counts nvec vectors into the bit-sliced counts that h carries (their key 0 at counter index base_p, key 32 at
-// base_n) and returns how many of their lanes it did not count. offsets(i, kp,
-// kn) gives vector i's W int32 lanes twice: a lane counts for key kp where kp < 32 (unsigned), for key 32 + kn
-// where kn < 32, and not at all where neither is (1 << kp and 1 << kn by vpsllvd, which gives 0 for counts >= 32:
-// no compare, no blend). A (lane, key) count grows by at most 1 a vector: nvec <= 1023 keeps it within the levels
-// (kChunk / W is 256 or 512).
+// base_n) and returns how many of their lanes it did not count (from the levels' population count, once).
+// offsets(i, kp, kn) gives vector i's W int32 lanes twice: a lane counts for key kp where kp < 32 (unsigned), for
+// key 32 + kn where kn < 32, and not at all where neither is (1 << kp and 1 << kn by vpsllvd, which gives 0 for
+// counts >= 32: no compare, no blend, no per-vector tally). A (lane, key) count grows by at most 1 a vector:
+// nvec <= 4095 keeps it within the levels (kChunk / W is 256 or 512).
 template <int B, typename OffsetFn>
 HS_INLINE int64_t count_onehot(int64_t nvec, OffsetFn&& offsets, HistCounters& h, int32_t base_p, int32_t base_n) {
   using I = typename OneHotTypes<B>::I;
@@ -209,43 +262,29 @@ HS_INLINE int64_t count_onehot(int64_t nvec, OffsetFn&& offsets, HistCounters& h
     h.base[0] = base_p;
     h.base[1] = base_n;
   }
-  SlicedCounts<B> lo, hi;
-  lo.load(h.sliced);
-  hi.load(h.sliced + kSlicedLevels * 16);
-  I missed{};
+  SlicedCounts<B> sc(h.sliced);
   auto group = [&](int64_t i, int gv) __attribute__((always_inline)) {
-    U dlo[16], dhi[16];
-    for (int u = 0; u < 16; ++u) {
+    sc.add32(0, [&](int u, U* d) __attribute__((always_inline)) {
       if (u < gv) {
         I kp, kn;
         offsets(i + u, kp, kn);
-        dlo[u] = onehot_of<B>(kp);
-        dhi[u] = onehot_of<B>(kn);
-        const I none = (I)(dlo[u] | dhi[u]);
-#if HS_X86_BUILTINS
-        if constexpr (B == 64) {
-          missed = simd::k16::add_where(simd::k16::cmpu<0 /*EQ*/>(none, I{}), missed, I{} + 1);
-          continue;
-        }
-#endif
-        missed -= (I)(none == 0);
+        d[0] = onehot_of<B>(kp);
+        d[1] = onehot_of<B>(kn);
       } else {
-        dlo[u] = dhi[u] = U{};
+        d[0] = d[1] = U{};
       }
-    }
-    lo.add16(dlo);
-    hi.add16(dhi);
+    });
   };
   int64_t i = 0;
-  for (; i + 16 <= nvec; i += 16) group(i, 16);
+  for (; i + 32 <= nvec; i += 32) group(i, 32);
   if (i < nvec) group(i, static_cast<int>(nvec - i));
-  lo.store(h.sliced);
-  hi.store(h.sliced + kSlicedLevels * 16);
-  // A chunk adds at most kChunk / W to a (lane, key) count; the levels hold 16 * 2^kOneHotDeep - 1.
-  if (++h.sliced_chunks >= ((16 << kOneHotDeep) - 1) / (kChunk / (B / 4))) fold_sliced(h);
-  int64_t m = 0;
-  for (int j = 0; j < B / 4; ++j) m += missed[j];
-  return m;
+  sc.store();
+  const int64_t total = sc.total();
+  const int64_t missed = nvec * (B / 4) - (total - h.sliced_total);
+  h.sliced_total = total;
+  // A chunk adds at most kChunk / W to a (lane, key) count; the levels hold 32 * 2^kOneHotDeep - 1.
+  if (++h.sliced_chunks >= ((32 << kOneHotDeep) - 1) / (kChunk / (B / 4))) fold_sliced(h);
+  return missed;
 }
 
 // Note [one-hot chunk counts] for the exponent histogram of float32 and bfloat16 inputs: keys 0..31 are the positive
@@ -273,12 +312,19 @@ HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, d
     } else {
       typename simd::VT<B>::u16 r;
       std::memcpy(&r, p + i * W, sizeof r);
-      u = __builtin_convertvector(r, U) << 16;  // bf16: the float32 layout
+      u = simd::widen_u16<B>(r) << 16;  // bf16: the float32 layout
     }
     return u;
   };
   auto offsets = [&](int64_t i, I& kp, I& kn) __attribute__((always_inline)) {
-    const I t = (I)(bits(i) >> 23);
+    I t;  // the 9 sign and exponent bits
+    if constexpr (sizeof(scalar_t) == 4) {
+      t = (I)(bits(i) >> 23);
+    } else {
+      typename simd::VT<B>::u16 r;
+      std::memcpy(&r, p + i * W, sizeof r);
+      t = (I)(simd::widen_u16<B>(r) >> 7);
+    }
     kp = t - lo;
     kn = t - (lo + 256);
   };

@@ -161,16 +161,21 @@ HS_INLINE typename VT<B>::f32 half_to_float(typename VT<B>::u16 h) {
   return (F)(sign | bits);
 }
 
+// 16-bit lanes zero-extended to 32 bits: one vpmovzxwd (GCC 12 widens a 32-byte vector in pieces: four instructions).
 template <int B>
-HS_INLINE typename VT<B>::f32 bf16_to_float(typename VT<B>::u16 h) {
+HS_INLINE typename VT<B>::u32 widen_u16(typename VT<B>::u16 h) {
 #if HS_X86_BUILTINS
-  if constexpr (B == 64) {  // one vpmovzxwd (GCC 12 widens a 32-byte vector in pieces)
+  if constexpr (B == 64) {
     typedef short v16hi __attribute__((vector_size(32)));
-    const typename VT<B>::i32 w = __builtin_ia32_pmovzxwd512_mask((v16hi)h, typename VT<B>::i32{}, (unsigned short)0xFFFF);
-    return (typename VT<B>::f32)(w << 16);
+    return (typename VT<B>::u32)__builtin_ia32_pmovzxwd512_mask((v16hi)h, typename VT<B>::i32{}, (unsigned short)0xFFFF);
   }
 #endif
-  return (typename VT<B>::f32)(__builtin_convertvector(h, typename VT<B>::u32) << 16);
+  return __builtin_convertvector(h, typename VT<B>::u32);
+}
+
+template <int B>
+HS_INLINE typename VT<B>::f32 bf16_to_float(typename VT<B>::u16 h) {
+  return (typename VT<B>::f32)(widen_u16<B>(h) << 16);
 }
 
 // float -> IEEE half, round to nearest even, bit exact for every float including subnormal

@@ -150,7 +150,7 @@ TaskState initial_state(const scalar_t* p, int64_t n) {
   // one large value dominates is a poor shift for the rest.
   const double mean = m ? s / m : 0.0;
   const double shift = m && mean * mean > ss / m - mean * mean ? ldexp(mean, ex) : 0.0;
-  return TaskState{shift, scale_exponent<acc_t>(amax), nonfinite};
+  return TaskState{shift, scale_exponent<acc_t>(amax), nonfinite, false};
 }
 
 // Where the histogram goes: hist_len int64 counters, written (accumulate false) or added to.
@@ -284,7 +284,7 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
     counters = counter_refs.data();
     for (int64_t t = 0; t < nthreads; ++t) {
       counters[t] = HistCounters{counter_cache.data() + t * copies * len, total_cache.data() + t * len, len, copies, 0,
-                                 sliced_cache.data() + t * kSlicedWords, {-1, -1}, 0};
+                                 sliced_cache.data() + t * kSlicedWords, {-1, -1}, 0, 0};
     }
   }
   // The lambda below runs on worker threads: it reaches the caches only through `counters`,
@@ -299,7 +299,9 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
     // float magnitudes stay above 2^-298); fp64 keeps gradual underflow.
     const simd::FlushToZero ftz(std::is_same<acc_of<scalar_t>, float>::value);
     alignas(64) scalar_t buf[kChunk];
-    TaskState k{0.0, 0, false};
+    TaskState k{0.0, 0, false, false};
+    // the note on fast_chunk_simd (cpu/stats_chunk.h): prefetch where the tensor is flat and larger than caches hold
+    const bool prefetch = layout.ndim == 0 && numel * static_cast<int64_t>(sizeof(scalar_t)) > kPrefetchMinBytes;
     HistCounters* hist = mode != kHistNone ? &counters[thread] : nullptr;
     // The values of chunk c (gathered into buf when x is not flat) and their count.
     auto chunk_at = [&](int64_t c, int64_t& clen) -> const scalar_t* {
@@ -313,7 +315,10 @@ StatsPartial stats_partial_cpu(const scalar_t* base, int64_t numel, const Stride
     for (int64_t c = t * chunks_per_task; c < c_end; ++c) {
       int64_t clen;
       const scalar_t* p = chunk_at(c, clen);
-      if (c == t * chunks_per_task) k = initial_state(p, clen);
+      if (c == t * chunks_per_task) {
+        k = initial_state(p, clen);
+        k.prefetch = prefetch;
+      }
       if constexpr (LOC) {
         const StatsPartial cp = chunk(p, clen, k, hist, &plan);
         const double camax = hs_fmax(-cp.mn, cp.mx);  // -inf for an all-NaN chunk
