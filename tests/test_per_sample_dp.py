@@ -475,7 +475,7 @@ def test_workspace_buffers_are_reused_across_steps_and_never_shared_within_one()
 
 class TiedLM(nn.Module):
     """Token embedding tied to the LM head, with repeated tokens: the head's per-sample products materialised (the
-    clip computes its gradient), crossed with the embedding's rows (terms.cross of Dense and Index)."""
+    clip computes its gradient) and the embedding's rows added into them (Note [tied rows folded])."""
 
     def __init__(self, v: int = 11, d: int = 8):
         super().__init__()
@@ -491,15 +491,18 @@ class TiedLM(nn.Module):
 
 @pytest.mark.parametrize("t", [6, 1], ids=["seq", "one_token"])  # Index.sq by the Gram of equal indices
 def test_clipping_tied_embedding_and_materialised_head(t, monkeypatch):
-    from hookstats.per_sample import terms
+    from hookstats.per_sample import core, terms
 
     torch.manual_seed(0)
     model = TiedLM().double()
     idx = torch.randint(0, 11, (B + 2, t), generator=torch.Generator().manual_seed(3))
     idx[0, :] = 4  # a sample repeating one token
-    crossed = []
-    cross = terms.cross
+    crossed, folded = [], []
+    cross, fold = terms.cross, core.fold_rows
     monkeypatch.setattr(terms, "cross", lambda a, b: crossed.append({type(a), type(b)}) or cross(a, b))
+    monkeypatch.setattr(core, "fold_rows", lambda ts: folded.append(len(ts) - len(r := fold(ts))) or r)
     clip_check(model, lambda m, x: m(x), idx)
-    head = terms.Dense if t > 1 else terms.Outer  # one token: Outer.materialize declines, the Gather of the Outer
-    assert crossed and all(c == {head, terms.Index} for c in crossed)
+    if t > 1:  # the rows folded into the materialised head's products: one Dense term, no cross term
+        assert folded.count(1) == 2 and not crossed  # once a step
+    else:  # one token: Outer.materialize declines, the head's Outer crossed with the rows
+        assert not any(folded) and crossed and all(c == {terms.Outer, terms.Index} for c in crossed)

@@ -1,7 +1,7 @@
 """Per-sample clipping from the terms, and what it refuses."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,27 +29,33 @@ OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...)
 
 
 def apply_clip(entries: List[tuple], max_norm: float, eps: float, params: Dict[int, torch.nn.Parameter], *,
-               keep_corrections: Optional[Dict[int, torch.Tensor]] = None
+               groups: Sequence[tuple] = (), keep_corrections: Optional[Dict[int, torch.Tensor]] = None
                ) -> Tuple[Optional[torch.Tensor], Dict[int, torch.Tensor]]:
     """Clips the gradients of each entry's parameter (entries: (pid, samples, squared norm, [(term, deferred)]) of
-    this backward). A term autograd has already summed into .grad gets sum_b (coef_b - 1) grad_b added there (or,
-    given keep_corrections, put there by pid, in the term's dtype, for the caller to add later: Note [clipping under
-    DDP] in ddp.py); a deferred one (Note [book-keeping] in bookkeeping.py: autograd did not compute it) contributes
-    sum_b coef_b grad_b to the returned {pid: gradient}, which the caller delivers through autograd. Returns
-    ([samples] float64 coefficients min(1, max_norm / (norm + eps)) or None without entries, that dict)."""
-    if not entries:
+    this backward; groups: (pids, samples, C [B, k n], squared norms [B, k], deferred), k parameters of n values with
+    one Dense term each, side by side: Note [stacked small terms] in core.py). A term autograd has already summed into
+    .grad gets sum_b (coef_b - 1) grad_b added there (or, given keep_corrections, put there by pid, in the term's
+    dtype, for the caller to add later: Note [clipping under DDP] in ddp.py); a deferred one (Note [book-keeping] in
+    bookkeeping.py: autograd did not compute it) contributes sum_b coef_b grad_b to the returned {pid: gradient},
+    which the caller delivers through autograd. Returns ([samples] float64 coefficients min(1, max_norm / (norm +
+    eps)) or None without entries, that dict)."""
+    if not entries and not groups:
         return None, {}
-    batches = {n for _, n, _, _ in entries}
+    batches = {e[1] for e in entries} | {g[1] for g in groups}
     if len(batches) > 1:
         raise RuntimeError(f"hookstats.PerSampleGradNorms(max_norm=...): one backward saw batches of sizes "
                            f"{sorted(batches)}; per-sample clipping needs one batch of samples per backward")
     deliver: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        sqs = [v for _, _, v, _ in entries]
-        if all(v.dtype == sqs[0].dtype for v in sqs):  # one cast, not one per parameter (the same float64 sum)
-            sq = torch.stack(sqs).to(torch.float64).sum(0)
-        else:
-            sq = torch.stack([v.to(torch.float64) for v in sqs]).sum(0)
+        # every squared norm as rows of [k, B] blocks, summed in float64 in one op
+        rows = [g[3].t() for g in groups]
+        if entries:
+            sqs = [e[2] for e in entries]
+            rows.append(torch.stack(sqs) if len(sqs) > 1 and all(v.dtype == sqs[0].dtype for v in sqs)
+                        else torch.stack([v.to(torch.float64) for v in sqs]))
+        if len(rows) > 1 and any(r.dtype != rows[0].dtype for r in rows):
+            rows = [r.to(torch.float64) for r in rows]
+        sq = (torch.cat(rows) if len(rows) > 1 else rows[0]).to(torch.float64).sum(0)
         coef = torch.clamp(max_norm / (sq.sqrt() + eps), max=1.0)
         weights: Dict[tuple, torch.Tensor] = {}  # (minus one, dtype) -> coef (or coef - 1) in that dtype, made once
 
@@ -60,53 +66,48 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float, params: Dict[i
             return w
 
         corrections: Dict[int, torch.Tensor] = {}  # pid -> what its .grad gets added, in the .grad's dtype
-        for pid, _, _, ts in entries:
+
+        def put(pid: int, d: torch.Tensor, deferred: bool) -> None:
             p = params[pid]
+            if deferred:
+                d = d if d.dtype == p.dtype else d.to(p.dtype)
+                deliver[pid] = d if pid not in deliver else deliver[pid].add_(d)
+            elif keep_corrections is not None:
+                keep_corrections[pid] = d if pid not in keep_corrections else keep_corrections[pid].add_(d)
+            elif p.grad is not None:
+                d = d if d.dtype == p.grad.dtype else d.to(p.grad.dtype)
+                corrections[pid] = d if pid not in corrections else corrections[pid].add_(d)
+
+        for pids, _, c, _, deferred in groups:  # one weighted sum for k parameters
+            n = c.shape[1] // len(pids)
+            out = torch.mv(c.t(), weight(not deferred, c.dtype)).view(len(pids), n)
+            for i, pid in enumerate(pids):
+                put(pid, out[i].view(params[pid].shape), deferred)
+        for pid, _, _, ts in entries:
+            shape = params[pid].shape
             for t, deferred in ts:
-                dt = term_dtype(t)
-                if deferred:
-                    d = t.delta(weight(False, dt), p.shape)
-                    d = d if d.dtype == p.dtype else d.to(p.dtype)
-                    deliver[pid] = d if pid not in deliver else deliver[pid].add_(d)
-                elif keep_corrections is not None:
-                    d = t.delta(weight(True, dt), p.shape)
-                    keep_corrections[pid] = d if pid not in keep_corrections else keep_corrections[pid].add_(d)
-                elif p.grad is not None:
-                    d = t.delta(weight(True, dt), p.shape)
-                    d = d if d.dtype == p.grad.dtype else d.to(p.grad.dtype)
-                    corrections[pid] = d if pid not in corrections else corrections[pid].add_(d)
+                put(pid, t.delta(weight(not deferred, term_dtype(t)), shape), deferred)
         if corrections:  # one call for every parameter (each once)
             torch._foreach_add_([params[pid].grad for pid in corrections], list(corrections.values()))
     return coef, deliver
 
 
-class _Deliver(torch.autograd.Function):
-    """A node whose backward hands the given gradients to the parameters' AccumulateGrad nodes."""
-
-    @staticmethod
-    def forward(ctx, grads, *params):
-        ctx.grads = grads
-        return params[0].new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        grads, ctx.grads = ctx.grads, None
-        return (None, *grads)
-
-
 def deliver(grads: Dict[int, torch.Tensor], params: Dict[int, torch.nn.Parameter], owner=None) -> None:
-    """Accumulates each gradient into its parameter through a backward of its own (Note [book-keeping] in bookkeeping.py):
-    AccumulateGrad adds it to .grad (or sets it), and the parameter's hooks, post-accumulate-grad hooks and DDP's
-    reducer see it, as they would autograd's."""
+    """Accumulates each gradient into its parameter through a backward of its own (Note [book-keeping] in
+    bookkeeping.py), rooted at the parameters themselves: the engine hands each gradient to the parameter's
+    AccumulateGrad node, which adds it to .grad (or sets it), and the parameter's hooks, post-accumulate-grad hooks
+    and DDP's reducer see it, as they would autograd's."""
     if not grads:
         return
     pids = list(grads)
-    with torch.enable_grad():
-        tok = _Deliver.apply(tuple(grads[pid] for pid in pids), *(params[pid] for pid in pids))
     if owner is not None:
         owner._delivering = True  # its post-accumulate-grad hooks: the clip's own gradient, not autograd's
     try:
-        torch.autograd.backward(tok)
+        _engine.run_backward(tuple(params[pid] for pid in pids), tuple(grads[pid] for pid in pids), False, False, (),
+                             True, True)  # (keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
     finally:
         if owner is not None:
             owner._delivering = False
+
+
+_engine = torch.autograd.Variable._execution_engine

@@ -18,8 +18,18 @@ from .clip import OPT_OUT, deliver
 from .coverage import Coverage, build_coverage
 from .ddp import active_ddp, clip_with
 from .rules.refused import Refused
-from .terms import sum_same_length, sum_sq
+from .terms import Dense, fold_rows, sum_same_length, sum_sq
 from .workspace import Workspace
+
+
+# Note [stacked small terms]: most parameters of a model are small (biases, norm weights) and their per-sample
+# gradient a lone Dense term [B, n]: computing each one's squared norm, and in the clip each one's weighted sum, as
+# ops of their own costs a few microseconds of dispatch each for a few hundred values, about as much as the large
+# layers' arithmetic together on small models. So such a term (one per parameter this backward, at most _STACK_MAX
+# values per sample) waits for the end of the backward, where the terms of one width are put side by side, [B, k n]:
+# one vector norm gives the k squared norms, and the clip one matrix-vector product for the k weighted sums. Large
+# terms (the per-sample products of the weights) are reduced as soon as they are complete, while still in cache.
+_STACK_MAX = 2048
 
 
 class _Call:
@@ -91,6 +101,7 @@ class PerSampleGradNorms:
         self._terms: Dict[int, list] = {}
         self._sq: Dict[str, List[torch.Tensor]] = {}
         self._clip: list = []
+        self._small: list = []  # (pid, samples, D, deferred): lone small Dense terms (Note [stacked small terms])
         self._coef: List[torch.Tensor] = []
         self._refused: Dict[str, str] = {}  # layer -> reason, found at run time
         self._dead: set = set()  # pids left out because a use of theirs was refused at run time
@@ -117,7 +128,7 @@ class PerSampleGradNorms:
         mods = dict(model.named_modules())
         self._defer = self.max_norm is not None and not self.allow_unclipped  # Note [book-keeping]
         for name in self.layers:
-            defer = [(a, pid) for a, pid in self._attrs[name] if a in self._rule[name].defer] if self._defer else []
+            defer = [(a, pid) for a, pid in self._attrs[name] if a in self._rule[name].deferrable(mods[name])] if self._defer else []
             if defer:
                 self._handles += [register(mods[name], "register_forward_pre_hook", defer_hook(self, name, defer),
                                            with_kwargs=True),
@@ -331,16 +342,38 @@ class PerSampleGradNorms:
 
     def _finalize(self, pid: int) -> None:
         """The squared norm of the parameter's per-sample gradient: the sum of its uses' terms, per group of calls
-        with the same number of samples."""
+        with the same number of samples (grad mode off: the caller's). A lone small Dense term waits for the end of
+        the backward, where such terms are stacked (Note [stacked small terms])."""
         groups: Dict[int, list] = {}
         for t, deferred in self._terms.pop(pid, []):
             groups.setdefault(t.samples, []).append((t, deferred))
-        with torch.no_grad():
-            for n, ts in groups.items():
-                sq = sum_sq([t for t, _ in ts])
-                self._sq.setdefault(self._pname[pid], []).append(sq)
-                if self.max_norm is not None:  # kept until the end of this backward (Note [per-sample clipping])
-                    self._clip.append((pid, n, sq, ts))
+        for n, ts in groups.items():
+            ts = fold_rows(ts)
+            if len(ts) == 1 and type(ts[0][0]) is Dense and ts[0][0].D.shape[1] <= _STACK_MAX:
+                self._small.append((pid, n, ts[0][0].D, ts[0][1]))
+                self._queue_flush()
+                continue
+            sq = sum_sq([t for t, _ in ts])
+            self._sq.setdefault(self._pname[pid], []).append(sq)
+            if self.max_norm is not None:  # kept until the end of this backward (Note [per-sample clipping])
+                self._clip.append((pid, n, sq, ts))
+
+    def _stack_small(self) -> list:
+        """Note [stacked small terms]: the squared norms of the lone small Dense terms of this backward, k parameters
+        of one width at a time; returns, for the clip, (pids, samples, C [B, k n], squared norms [B, k], deferred)."""
+        by: Dict[tuple, list] = {}
+        for pid, n, d, deferred in self._small:
+            if pid not in self._dead:
+                by.setdefault((d.shape[1], d.dtype, d.device, n, deferred), []).append((pid, d))
+        self._small.clear()
+        out = []
+        for (width, _, _, n, deferred), items in by.items():
+            c = torch.cat([d for _, d in items], 1) if len(items) > 1 else items[0][1]
+            sq = torch.linalg.vector_norm(c.reshape(n, len(items), width), dim=2).square_()  # [B, k]
+            for i, (pid, _) in enumerate(items):
+                self._sq.setdefault(self._pname[pid], []).append(sq[:, i])
+            out.append(([pid for pid, _ in items], n, c, sq, deferred))
+        return out if self.max_norm is not None else []
 
     def _on_accumulate(self, pid: int) -> None:
         if self._delivering:  # the clip's own gradient (Note [book-keeping])
@@ -354,8 +387,10 @@ class PerSampleGradNorms:
         self._fwd_batches.clear()
         self._rows.clear()
         try:
-            for pid in list(self._terms):
-                self._finalize(pid)
+            with torch.no_grad():
+                for pid in list(self._terms):
+                    self._finalize(pid)
+                small = self._stack_small() if self._small else []
             unclipped = sorted(self._pname[pid] for pid in self._accumulated - self._termed if pid not in self._dead)
             self._accumulated.clear()
             self._termed.clear()
@@ -366,16 +401,17 @@ class PerSampleGradNorms:
                 if not self.allow_unclipped:
                     raise RuntimeError(f"{msg}. {OPT_OUT}")
                 warnings.warn(msg, stacklevel=2)
-            if self._clip or self._ddp is not None:  # under DDP the ranks' collectives must line up
-                self._apply_clip()
+            if self._clip or small or self._ddp is not None:  # under DDP the ranks' collectives must line up
+                self._apply_clip(small)
         finally:  # no term outlives the backward: their workspace buffers are free again (Note [workspace])
             self._terms.clear()
+            self._small.clear()
             self._clip.clear()
             self._ws.release()
 
-    def _apply_clip(self) -> None:  # Note [per-sample clipping]
+    def _apply_clip(self, small: list) -> None:  # Note [per-sample clipping]
         entries, self._clip = [e for e in self._clip if e[0] not in self._dead], []
-        coef, grads = clip_with(self._ddp, self._pname)(entries, self.max_norm, self.eps, self._param)
+        coef, grads = clip_with(self._ddp, self._pname)(entries, self.max_norm, self.eps, self._param, groups=small)
         if coef is not None:
             self._coef.append(coef)
         deliver(grads, self._param, self)
@@ -467,6 +503,7 @@ class PerSampleGradNorms:
         self._sq.clear()
         self._pending.clear()
         self._terms.clear()
+        self._small.clear()
         self._clip.clear()
         self._coef.clear()
         self._ws.release()

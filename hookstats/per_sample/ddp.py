@@ -98,9 +98,9 @@ def clip_with(ddp, names: Dict[int, str]):
     if ddp is None:
         return apply_clip
 
-    def clip(entries: list, max_norm: float, eps: float, params: Dict[int, torch.nn.Parameter]):
+    def clip(entries: list, max_norm: float, eps: float, params: Dict[int, torch.nn.Parameter], groups=()):
         deltas: Dict[int, torch.Tensor] = {}
-        coef, grads = apply_clip(entries, max_norm, eps, params, keep_corrections=deltas)
+        coef, grads = apply_clip(entries, max_norm, eps, params, groups=groups, keep_corrections=deltas)
         add_after_ddp(ddp, deltas, list(names), params, names)
         return coef, grads
     return clip

@@ -36,7 +36,8 @@ class Rule:
       batches] in core.py).
     - `defer`: the parameter attributes whose gradient the clip may compute instead of autograd (Note
       [book-keeping] in core.py): attributes the module's forward applies as an ordinary tensor argument (read from
-      mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights, conv biases).
+      mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights, conv biases, an
+      Embedding's table); `deferrable(mod)` returns them for a given module (default `defer`).
     - `hook_site(mod)`: the module whose call the rule reads (default: `mod` itself): a child, for parameters the
       module applies in its own forward before calling that child (timm ViT's class token and position table, read at
       its pos_drop); input(), output() and keep() then see that child's arguments and output, with `mod` the holder.
@@ -71,6 +72,9 @@ class Rule:
 
     def hook_site(self, mod: nn.Module) -> nn.Module:
         return mod
+
+    def deferrable(self, mod: nn.Module) -> Sequence[str]:
+        return self.defer
 
     def check(self, mod: nn.Module) -> Optional[str]:
         return None

@@ -96,7 +96,7 @@ class Outer(Term):
             return None
         out = None if workspace is None else workspace.take((b * g, m, n), self.L.dtype, self.L.device)
         ps = torch.bmm(self.L.reshape(b * g, t, m).transpose(1, 2), self.R.reshape(b * g, t, n), out=out)
-        return Dense(ps.reshape(b, g * m * n))
+        return Dense(ps.view(b, g * m * n), owned=True)
 
     def delta(self, w, shape):
         b, g, t, m = self.L.shape
@@ -149,11 +149,13 @@ class Index(Term):
 
 
 class Dense(Term):
-    __slots__ = ("D",)
+    __slots__ = ("D", "owned")
 
-    def __init__(self, D: torch.Tensor):
-        self.D = D.reshape(D.shape[0], -1)
+    def __init__(self, D: torch.Tensor, owned: bool = False):
+        # owned: D is a fresh tensor (a materialised product) no one else holds: fold_rows may add into it
+        self.D = D if D.dim() == 2 else D.reshape(D.shape[0], -1)
         self.samples = D.shape[0]
+        self.owned = owned
 
     def rows_to_samples(self, k):
         if k == 1:
@@ -230,6 +232,35 @@ def cross(a: Term, b: Term) -> torch.Tensor:
     s, t = lo.shape[1], b.idx.shape[1]
     picked = torch.gather(lo, 2, b.idx.unsqueeze(1).expand(-1, s, t))  # L_s[idx_t]: [B, S, T]
     return (picked * torch.bmm(ro, b.R.to(dt).transpose(1, 2))).sum((1, 2))
+
+
+def fold_rows(ts: List[tuple]) -> List[tuple]:
+    """[(term, deferred)] of one parameter, with the same sum: each embedding-row term (Index) added into an owned
+    Dense term of the same parameter with the same `deferred` (Note [tied rows folded])."""
+    if len(ts) < 2:
+        return ts
+    into = next(((t, d) for t, d in ts if type(t) is Dense and t.owned), None)
+    if into is None:
+        return ts
+    dense, deferred = into
+    out = []
+    for t, d in ts:
+        if (type(t) is Index and not t.transposed and d == deferred and t.R.dtype == dense.D.dtype
+                and t.samples == dense.samples and dense.D.shape[1] == t.V * t.R.shape[-1]):
+            b, n = t.R.shape[0], t.R.shape[-1]
+            key = (torch.arange(b, device=t.idx.device).unsqueeze(1) * t.V + t.idx).reshape(-1)
+            dense.D.view(b * t.V, n).index_add_(0, key, t.R.reshape(-1, n))
+        else:
+            out.append((t, d))
+    return out
+
+
+# Note [tied rows folded]: a parameter used as an LM head whose per-sample gradients were materialised (Note
+# [book-keeping]) and as an embedding table (Index: rows of the output gradient at the sample's tokens) has, per
+# sample, the gradient D_b + sum_t e_{idx_bt} R_bt^T. Added into D_b's rows (one index_add_ over the B T rows, into
+# the buffer the product was written to), it is one Dense term: its squared norm one pass, its clip one weighted
+# sum, instead of ||D||^2 + ||Index||^2 + 2 <D, Index> (a Gram, a mask, a row gather) and two weighted sums. Only when
+# both uses are clipped the same way (both deferred, or neither): the weights of their clip sums must agree.
 
 
 def sum_sq(terms: List[Term]) -> torch.Tensor:

@@ -12,6 +12,10 @@ from ..terms import Index, compute_dtype
 class EmbeddingRule(Rule):
     rowwise = True
     params = ("weight",)
+    defer = ("weight",)  # Note [book-keeping]: the rows' clipped sum costs what autograd's sum does
+
+    def deferrable(self, mod):
+        return () if mod.sparse else self.defer  # a sparse .grad stays autograd's (the clip's sum is dense)
 
     def check(self, mod):
         if mod.scale_grad_by_freq:

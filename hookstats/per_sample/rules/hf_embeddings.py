@@ -85,6 +85,8 @@ def _embedding_like(mod: nn.Module, ref, via_super: bool = True) -> bool:
 class ScaledEmbeddingRule(EmbeddingRule):
     """y = embedding(ids) * scale: the Embedding rule on g * scale."""
 
+    defer = ()  # autograd's gradient and the clip's correction (Note [book-keeping])
+
     def keep(self, mod, x, args=(), kwargs=None):
         s = mod.embed_scale
         return x, (s.detach().to(mod.weight.dtype) if isinstance(s, torch.Tensor) and _gemma(mod) else s)
@@ -102,6 +104,8 @@ class PositionsRule(EmbeddingRule):
     """The positions the module's forward computes (the same code on the same arguments) plus its offset: they are
     the rows checked against the batch, so positions of batch 1 (BART's decoder, given position_ids) have their output
     expanded to the batch (Note [broadcast layers])."""
+
+    defer = ()  # autograd's gradient and the clip's correction (Note [book-keeping])
 
     def input(self, mod, args, kwargs):
         kwargs = dict(kwargs or {})
@@ -128,6 +132,8 @@ class PositionsRule(EmbeddingRule):
 class WhisperPositionsRule(EmbeddingRule):
     """weight[position_ids] (Whisper's decoder passes [B, T] ids); without position_ids the forward returns the
     [T, d] rows with no batch dim, broadcast over the batch after the layer: refused (Note [broadcast layers])."""
+
+    defer = ()  # autograd's gradient and the clip's correction (Note [book-keeping])
 
     def expands(self, mod, x):
         return False
