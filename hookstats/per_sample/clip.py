@@ -81,8 +81,9 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float, params: Dict[i
         for pids, _, c, _, deferred in groups:  # one weighted sum for k parameters
             n = c.shape[1] // len(pids)
             out = torch.mv(c.t(), weight(not deferred, c.dtype)).view(len(pids), n)
-            for i, pid in enumerate(pids):
-                put(pid, out[i].view(params[pid].shape), deferred)
+            for pid, d in zip(pids, out.unbind(0)):
+                shape = params[pid].shape
+                put(pid, d if d.shape == shape else d.view(shape), deferred)
         for pid, _, _, ts in entries:
             shape = params[pid].shape
             for t, deferred in ts:

@@ -310,7 +310,9 @@ class PerSampleGradNorms:
             return untracked(name, call.deferred, again=True)
         # grad mode is on only in a backward with create_graph=True: the terms stay out of its graph
         with torch.no_grad() if torch.is_grad_enabled() else nullcontext():
-            g = grad.detach() if grad.shape == call.shape else grad.detach().reshape(call.shape)
+            g = grad.detach() if grad.requires_grad else grad
+            if g.shape != call.shape:
+                g = g.reshape(call.shape)
             if not call.batched:
                 g = g.unsqueeze(0)
             elif call.bd:
@@ -370,8 +372,8 @@ class PerSampleGradNorms:
         for (width, _, _, n, deferred), items in by.items():
             c = torch.cat([d for _, d in items], 1) if len(items) > 1 else items[0][1]
             sq = torch.linalg.vector_norm(c.reshape(n, len(items), width), dim=2).square_()  # [B, k]
-            for i, (pid, _) in enumerate(items):
-                self._sq.setdefault(self._pname[pid], []).append(sq[:, i])
+            for (pid, _), v in zip(items, sq.unbind(1)):
+                self._sq.setdefault(self._pname[pid], []).append(v)
             out.append(([pid for pid, _ in items], n, c, sq, deferred))
         return out if self.max_norm is not None else []
 

@@ -31,9 +31,8 @@ def active_ddp(model: torch.nn.Module, max_norm: Optional[float]):
     all-reduce the gradients of this forward's backward; None otherwise."""
     if max_norm is None:
         return None
-    try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-    except ImportError:  # torch built without distributed
+    DDP = _ddp_class()
+    if DDP is None:  # torch built without distributed
         return None
     ddp = model if isinstance(model, DDP) else DDP._get_active_ddp_module()
     if ddp is None or not torch.is_grad_enabled() or not ddp.require_backward_grad_sync:
@@ -45,6 +44,20 @@ def active_ddp(model: torch.nn.Module, max_norm: Optional[float]):
                            "DDP]); remove the hook, or run the backward under ddp.no_sync() and all-reduce the "
                            "clipped .grad yourself")
     return ddp
+
+
+_DDP: list = []
+
+
+def _ddp_class():
+    """torch's DistributedDataParallel, imported once (each forward asks), or None without torch.distributed."""
+    if not _DDP:
+        try:
+            from torch.nn.parallel import DistributedDataParallel
+        except ImportError:
+            DistributedDataParallel = None
+        _DDP.append(DistributedDataParallel)
+    return _DDP[0]
 
 
 def graph_ddp(ddp) -> bool:

@@ -30,6 +30,11 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def as_dtype(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """t in dtype dt: t itself when it has it (no dispatch on the hot path)."""
+    return t if t.dtype == dt else t.to(dt)
+
+
 def outer_sq_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """||sum_t g[b, t] a[b, t]^T||_F^2 for every b, from a [B, T, p] and g [B, T, q], without the [B, q, p] per-sample
     products unless they are the cheaper computation: two Gram matrices cost T^2 (p + q) per sample, the products
@@ -63,13 +68,38 @@ class Term:
 
 
 class Outer(Term):
-    __slots__ = ("L", "R")
+    # L [B, G, T, m], R [B, G, T, n]; one block ([B, T, m] given) is kept 3-D, its 4-D view made when asked for
+    __slots__ = ("_L", "_R", "_L3", "_R3")
 
     def __init__(self, L: torch.Tensor, R: torch.Tensor):
         if L.dim() == 3:  # [B, T, m]: one block
-            L, R = L.unsqueeze(1), R.unsqueeze(1)
-        self.L, self.R = L, R
+            self._L3, self._R3, self._L, self._R = L, R, None, None
+        else:
+            self._L3, self._R3, self._L, self._R = None, None, L, R
         self.samples = L.shape[0]
+
+    @property
+    def L(self) -> torch.Tensor:
+        if self._L is None:
+            self._L = self._L3.unsqueeze(1)
+        return self._L
+
+    @property
+    def R(self) -> torch.Tensor:
+        if self._R is None:
+            self._R = self._R3.unsqueeze(1)
+        return self._R
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return (self._L3 if self._L3 is not None else self._L).dtype
+
+    def _blocks(self):
+        """(L, R) as [B G, T, m] and [B G, T, n], and B, G."""
+        if self._L3 is not None:
+            return self._L3, self._R3, self._L3.shape[0], 1
+        b, g, t, m = self._L.shape
+        return self._L.reshape(b * g, t, m), self._R.reshape(b * g, t, self._R.shape[-1]), b, g
 
     def rows_to_samples(self, k):
         if k == 1:
@@ -79,9 +109,9 @@ class Outer(Term):
         return Outer(f(self.L), f(self.R))
 
     def sq(self):
-        b, g, t, m = self.L.shape
-        n = self.R.shape[-1]
-        return outer_sq_norms(self.R.reshape(b * g, t, n), self.L.reshape(b * g, t, m)).reshape(b, g).sum(1)
+        l, r, b, g = self._blocks()
+        sq = outer_sq_norms(r, l)
+        return sq if g == 1 else sq.reshape(b, g).sum(1)
 
     def materialize(self, workspace=None) -> Optional["Dense"]:
         """The per-sample gradients themselves ([B, G m n] by one bmm, into a buffer of `workspace` when given: Note
@@ -90,19 +120,23 @@ class Outer(Term):
         route: T m n flops per sample, then a weighted sum, against T^2 (m + n) for the Gram norm plus T m n for the
         clipped product (measured on the tied transformer of benchmarks/test_bench_per_sample.py: 1.55x against
         1.71x a plain step)."""
-        b, g, t, m = self.L.shape
-        n = self.R.shape[-1]
+        l, r, b, g = self._blocks()
+        t, m, n = l.shape[1], l.shape[2], r.shape[2]
         if t == 1 or m * n > 2 * t * (m + n):
             return None
-        out = None if workspace is None else workspace.take((b * g, m, n), self.L.dtype, self.L.device)
-        ps = torch.bmm(self.L.reshape(b * g, t, m).transpose(1, 2), self.R.reshape(b * g, t, n), out=out)
-        return Dense(ps.view(b, g * m * n), owned=True)
+        if workspace is None:
+            return Dense(torch.bmm(l.transpose(1, 2), r).view(b, g * m * n), owned=True)
+        out, flat = workspace.take_pair((b * g, m, n), (b, g * m * n), l.dtype, l.device)
+        torch.bmm(l.transpose(1, 2), r, out=out)
+        return Dense(flat, owned=True)
 
     def delta(self, w, shape):
+        if self._L3 is not None:
+            l, r = self._L3, self._R3
+            lw = l * as_dtype(w, l.dtype).view(-1, 1, 1)
+            return (lw.reshape(-1, l.shape[-1]).t() @ r.reshape(-1, r.shape[-1])).reshape(shape)
         b, g, t, m = self.L.shape
-        lw = self.L * w.to(self.L.dtype).reshape(b, 1, 1, 1)
-        if g == 1:
-            return (lw.reshape(-1, m).t() @ self.R.reshape(-1, self.R.shape[-1])).reshape(shape)
+        lw = self.L * as_dtype(w, self.L.dtype).reshape(b, 1, 1, 1)
         lw = lw.transpose(0, 1).reshape(g, b * t, m)
         return torch.bmm(lw.transpose(1, 2), self.R.transpose(0, 1).reshape(g, b * t, -1)).reshape(shape)
 
@@ -143,7 +177,7 @@ class Index(Term):
 
     def delta(self, w, shape):
         d = self.R.shape[-1]
-        rw = (self.R * w.to(self.R.dtype).reshape(-1, 1, 1)).reshape(-1, d)
+        rw = (self.R * as_dtype(w, self.R.dtype).reshape(-1, 1, 1)).reshape(-1, d)
         out = torch.zeros(self.V, d, dtype=self.R.dtype, device=self.R.device).index_add_(0, self.idx.reshape(-1), rw)
         return (out.t() if self.transposed else out).reshape(shape)
 
@@ -166,7 +200,7 @@ class Dense(Term):
         return torch.linalg.vector_norm(self.D, dim=1).square()  # one pass, no [B, n] temporary
 
     def delta(self, w, shape):
-        return torch.mv(self.D.t(), w.to(self.D.dtype)).reshape(shape)
+        return torch.mv(self.D.t(), as_dtype(w, self.D.dtype)).view(shape)
 
 
 def _cat(terms: Sequence[Term]) -> Optional[Term]:
@@ -193,7 +227,7 @@ def _cat(terms: Sequence[Term]) -> Optional[Term]:
 
 def term_dtype(t: Term) -> torch.dtype:
     """The dtype the term's tensors hold (that of its delta); float64 for a Term subclass of another form."""
-    return (t.L.dtype if isinstance(t, Outer) else t.R.dtype if isinstance(t, Index) else t.D.dtype
+    return (t.dtype if isinstance(t, Outer) else t.R.dtype if isinstance(t, Index) else t.D.dtype
             if isinstance(t, Dense) else torch.float64)
 
 

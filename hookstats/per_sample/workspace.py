@@ -19,11 +19,12 @@ import torch
 
 
 class Workspace:
-    __slots__ = ("_bufs", "_taken")
+    __slots__ = ("_bufs", "_taken", "_views")
 
     def __init__(self):
         self._bufs: Dict[Tuple, List[torch.Tensor]] = {}
         self._taken: Dict[Tuple, int] = {}
+        self._views: Dict[Tuple, torch.Tensor] = {}  # (id of a buffer, shape) -> its view (take_pair)
 
     def take(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised [shape] tensor no other term of this backward holds."""
@@ -37,6 +38,18 @@ class Workspace:
             bufs.append(torch.empty(shape, dtype=dtype, device=device))
         return bufs[i]
 
+    def take_pair(self, shape: Tuple[int, ...], flat: Tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """take(shape, ...) and a view of it as `flat` (the same memory), the view made once per buffer."""
+        t = self.take(shape, dtype, device)
+        if device.type != "cpu":
+            return t, t.view(flat)
+        key = (id(t), tuple(flat))
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = t.view(flat)
+        return t, v
+
     def release(self) -> None:
         """Every buffer free again: the terms that held them are gone."""
         self._taken.clear()
@@ -44,6 +57,7 @@ class Workspace:
     def clear(self) -> None:
         """Frees the memory."""
         self._taken.clear()
+        self._views.clear()
         self._bufs.clear()
 
     def nbytes(self) -> int:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..registry import Rule, register_rule
-from ..terms import Dense, Outer, compute_dtype
+from ..terms import Dense, Outer, as_dtype, compute_dtype
 
 
 def conv_terms(mod, x, g, attrs, pad=None):
@@ -52,7 +52,7 @@ def conv_terms(mod, x, g, attrs, pad=None):
         gg = g.to(dt).reshape(b, groups, mod.out_channels // groups, length).transpose(2, 3)  # [B, G, L, O / G]
         out["weight"] = Outer(gg, a)
     if "bias" in attrs:
-        out["bias"] = Dense(g.to(dt).reshape(b, mod.out_channels, -1).sum(2))
+        out["bias"] = Dense(as_dtype(g, dt).reshape(b, mod.out_channels, -1).sum(2))
     return out
 
 

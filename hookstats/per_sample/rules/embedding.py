@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..registry import Rule, register_rule
-from ..terms import Index, compute_dtype
+from ..terms import Index, as_dtype, compute_dtype
 
 
 @register_rule(nn.Embedding)
@@ -34,7 +34,7 @@ class EmbeddingRule(Rule):
         b = idx.shape[0]
         idx = idx.reshape(b, -1)
         g = g.reshape(b, -1, mod.embedding_dim)
-        g = g.to(compute_dtype(g))
+        g = as_dtype(g, compute_dtype(g))
         if mod.padding_idx is not None:
             g = g * (idx != mod.padding_idx).unsqueeze(-1).to(g.dtype)
         return {"weight": Index(idx, g, mod.num_embeddings)}

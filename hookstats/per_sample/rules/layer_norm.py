@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..registry import Rule, register_rule
-from ..terms import Dense, compute_dtype
+from ..terms import Dense, as_dtype, compute_dtype
 
 # Note [saved norm statistics]: native_layer_norm and native_group_norm save their per-row (per-group) mean and
 # 1/std for their backward (grad_fn._saved_result1 / _saved_result2). The per-sample terms of the affine weight need
@@ -69,14 +69,19 @@ class LayerNormRule(Rule):
         x, st = (kept, None) if isinstance(kept, torch.Tensor) else (kept[0], kept[1:])
         dt = compute_dtype(x)
         b, d = x.shape[0], math.prod(mod.normalized_shape)
-        g = g.to(dt)
+        g = as_dtype(g, dt)
         if st is None:
             xhat = F.layer_norm(x.to(dt), mod.normalized_shape, None, None, mod.eps)
             return affine_terms(xhat, g, attrs, b, d)
         out = {}
         if "weight" in attrs:  # (x - mean) * rstd * g, in one temporary, summed over the tokens
-            t = (x.to(dt) - st[0].to(dt)).mul_(st[1].to(dt)).mul_(g)
-            out["weight"] = Dense(t.reshape(b, -1, d).sum(1))
+            t = (as_dtype(x, dt) - as_dtype(st[0], dt)).mul_(as_dtype(st[1], dt)).mul_(g)
+            out["weight"] = Dense(_rows(t, b, d).sum(1))
         if "bias" in attrs:
-            out["bias"] = Dense(g.reshape(b, -1, d).sum(1))
+            out["bias"] = Dense(_rows(g, b, d).sum(1))
         return out
+
+
+def _rows(t, b, d):
+    """t as [b, tokens, d] (a [B, T, d] tensor as it is)."""
+    return t if t.dim() == 3 and t.shape[2] == d else t.reshape(b, -1, d)

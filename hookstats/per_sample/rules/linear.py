@@ -5,14 +5,18 @@ from __future__ import annotations
 from torch import nn
 
 from ..registry import Rule, register_rule
-from ..terms import Dense, Outer, compute_dtype
+from ..terms import Dense, Outer, as_dtype, compute_dtype
 
 
 def tokens(x, g):
     """[B, T, in] and [B, T, out] in the compute dtype from [B, T..., features] tensors."""
     dt = compute_dtype(x)
     b = x.shape[0]
-    return x.reshape(b, -1, x.shape[-1]).to(dt), g.reshape(b, -1, g.shape[-1]).to(dt)
+    if x.dim() != 3:
+        x = x.reshape(b, -1, x.shape[-1])
+    if g.dim() != 3:
+        g = g.reshape(b, -1, g.shape[-1])
+    return as_dtype(x, dt), as_dtype(g, dt)
 
 
 def affine_terms(x, g, attrs, transposed: bool = False) -> dict:
