@@ -195,7 +195,8 @@ def test_per_sample_interleaved(benchmark, hookstats, device):
 #   opacus_ghost   opacus GradSampleModuleFastGradientClipping (ghost clipping): norms in a first backward, the
 #                  clipped gradient by a second one (Opacus's DPTensorFastGradientClipping.backward); Opacus 1.6
 #                  refuses tied parameters there (extra_info["opacus_ghost_refused"] says so)
-# and records each median and its ratio to plain in extra_info (overhead_<case>). The [B] totals of hookstats and
+# and records each median (31 rounds after 3 of warm-up, the cases' order rotated from round to round) and its ratio to
+# plain in extra_info (overhead_<case>). The [B] totals of hookstats and
 # Opacus's GradSampleModule are checked equal first (Opacus sums a tied parameter's uses too). On the CPU it also
 # records each case's minor page faults a step (faults_<case>): the C allocator hands large freed blocks back to the
 # system and faults them in again, which can take a third of the plain CNN step, and how often it does depends on what
@@ -344,14 +345,16 @@ def test_per_sample_vs_opacus(benchmark, hookstats, device, name):
                 return run
             fns = {case: counted(case, fn) for case, fn in fns.items()}
         times, timed = interleaved_timer(fns, device)
-        reps = 1 if benchmark.disabled else 15
-        for case in fns:  # warm-up
-            fns[case]()
+        reps = 1 if benchmark.disabled else 31
+        for _ in range(1 if benchmark.disabled else 3):  # warm-up: buffers kept between steps, the allocator's
+            for case in fns:                               # pools, lazily built state
+                fns[case]()
         faults.update(dict.fromkeys(faults, 0))  # the timed steps only
         for v in cpu.values():
             v.clear()
-        for _ in range(reps):
-            for case in fns:
+        order = list(fns)
+        for r in range(reps):  # each case in each position in turn: no case always follows the same other case
+            for case in order[r % len(order):] + order[:r % len(order)]:
                 timed(case)
         med = {case: statistics.median(v) for case, v in times.items()}
         benchmark.group = f"per-sample-opacus-{device}"
