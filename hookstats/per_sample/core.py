@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -305,37 +304,44 @@ class PerSampleGradNorms:
         if grad is None:
             return None
         try:  # (_Call has no __eq__: by identity)
-            self._pending.get(name, []).remove(call)
-        except ValueError:  # cleared by step() or refused since the forward
+            self._pending[name].remove(call)
+        except (KeyError, ValueError):  # cleared by step() or refused since the forward
             return untracked(name, call.deferred, again=True)
-        # grad mode is on only in a backward with create_graph=True: the terms stay out of its graph
-        with torch.no_grad() if torch.is_grad_enabled() else nullcontext():
-            g = grad.detach() if grad.requires_grad else grad
-            if g.shape != call.shape:
-                g = g.reshape(call.shape)
-            if not call.batched:
-                g = g.unsqueeze(0)
-            elif call.bd:
-                g = g.movedim(call.bd, 0)
-            terms = self._rule[name].terms(mod, call.kept, g, tuple(a for a, _ in call.active))
-            call.kept = None
-            for a, pid in call.active:
-                if pid in self._dead:
-                    continue
-                self._termed.add(pid)
-                term = terms[a] if call.k == 1 else terms[a].rows_to_samples(call.k)
-                deferred = a in call.deferred
-                if deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
-                    mat = getattr(term, "materialize", None)
-                    term = (mat(self._ws) if mat is not None else None) or term
-                self._terms.setdefault(pid, []).append((term, deferred))
-                if all(not self._pending.get(layer) for layer in self._holders[pid]):
-                    self._finalize(pid)
-                else:
-                    self._queue_flush()
+        if torch.is_grad_enabled():  # a backward with create_graph=True: the terms stay out of its graph
+            with torch.no_grad():
+                self._take_grad(name, mod, call, grad)
+        else:
+            self._take_grad(name, mod, call, grad)
         if self.max_norm is not None:
             self._queue_flush()
         return None
+
+    def _take_grad(self, name: str, mod: nn.Module, call: _Call, grad: torch.Tensor) -> None:
+        g = grad.detach() if grad.requires_grad else grad
+        if g.shape != call.shape:
+            g = g.reshape(call.shape)
+        if not call.batched:
+            g = g.unsqueeze(0)
+        elif call.bd:
+            g = g.movedim(call.bd, 0)
+        terms = self._rule[name].terms(mod, call.kept, g, tuple(a for a, _ in call.active))
+        call.kept = None
+        for a, pid in call.active:
+            if pid in self._dead:
+                continue
+            self._termed.add(pid)
+            term = terms[a] if call.k == 1 else terms[a].rows_to_samples(call.k)
+            deferred = a in call.deferred
+            if deferred:  # Note [book-keeping]: the per-sample gradients, when the cheaper route
+                mat = getattr(term, "materialize", None)
+                term = (mat(self._ws) if mat is not None else None) or term
+            self._terms.setdefault(pid, []).append((term, deferred))
+            holders = self._holders[pid]
+            if (not self._pending.get(holders[0]) if len(holders) == 1
+                    else all(not self._pending.get(layer) for layer in holders)):
+                self._finalize(pid)
+            else:
+                self._queue_flush()
 
     def _queue_flush(self) -> None:
         if not self._flush_queued:  # runs when this backward is done
@@ -346,10 +352,17 @@ class PerSampleGradNorms:
         """The squared norm of the parameter's per-sample gradient: the sum of its uses' terms, per group of calls
         with the same number of samples (grad mode off: the caller's). A lone small Dense term waits for the end of
         the backward, where such terms are stacked (Note [stacked small terms])."""
-        groups: Dict[int, list] = {}
-        for t, deferred in self._terms.pop(pid, []):
-            groups.setdefault(t.samples, []).append((t, deferred))
-        for n, ts in groups.items():
+        ts = self._terms.pop(pid, None)
+        if not ts:
+            return
+        if len(ts) == 1:
+            groups = ((ts[0][0].samples, ts),)
+        else:
+            by: Dict[int, list] = {}
+            for t, deferred in ts:
+                by.setdefault(t.samples, []).append((t, deferred))
+            groups = by.items()
+        for n, ts in groups:
             ts = fold_rows(ts)
             if len(ts) == 1 and type(ts[0][0]) is Dense and ts[0][0].D.shape[1] <= _STACK_MAX:
                 self._small.append((pid, n, ts[0][0].D, ts[0][1]))
