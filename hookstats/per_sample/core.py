@@ -18,7 +18,7 @@ from .coverage import Coverage, build_coverage
 from .ddp import active_ddp, clip_with
 from .rules.refused import Refused
 from .terms import Dense, fold_rows, sum_same_length, sum_sq
-from .workspace import Workspace
+from .workspace import _ACTIVE, Workspace
 
 
 # Note [stacked small terms]: most parameters of a model are small (biases, norm weights) and their per-sample
@@ -324,7 +324,11 @@ class PerSampleGradNorms:
             g = g.unsqueeze(0)
         elif call.bd:
             g = g.movedim(call.bd, 0)
-        terms = self._rule[name].terms(mod, call.kept, g, tuple(a for a, _ in call.active))
+        _ACTIVE.append(self._ws)  # the rule's large temporaries from the workspace (workspace.scratch)
+        try:
+            terms = self._rule[name].terms(mod, call.kept, g, tuple(a for a, _ in call.active))
+        finally:
+            _ACTIVE.pop()
         call.kept = None
         for a, pid in call.active:
             if pid in self._dead:

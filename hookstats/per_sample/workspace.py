@@ -18,6 +18,17 @@ import torch
 # tensor. On other devices the caching allocator already reuses memory: take() is torch.empty there.
 
 
+_ACTIVE: list = []  # the workspace of the backward whose rule is running (core.py sets it around Rule.terms)
+
+
+def scratch(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for a rule's large temporary (im2col patches): a buffer of the running backward's
+    workspace, free again when that backward is done (Note [workspace]); torch.empty outside one."""
+    if _ACTIVE:
+        return _ACTIVE[-1].take(shape, dtype, device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class Workspace:
     __slots__ = ("_bufs", "_taken", "_views")
 
