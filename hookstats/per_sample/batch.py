@@ -53,6 +53,31 @@ import torch
 # output), refused when those differ.
 
 
+# Note [broadcast layers]: a layer fed a batch of 1 whose output is broadcast over the batch afterwards (GPT-2 /
+# BERT position embeddings on [1, T] ids) gets the batch's gradient summed by the broadcast's backward before
+# its own output sees it: no per-sample split is left. Returning output.expand(B, ...) from the forward hook
+# moves the broadcast to the layer's output: every value the model computes is the same (the broadcasting op
+# reads the same numbers), the expand's backward sums exactly as the broadcast's did (both sum_to_size), and the
+# expanded tensor's gradient is the per-sample one. That sum is bit for bit the broadcast's only when the
+# expanded output feeds the broadcasting elementwise op directly and is broadcast over the batch dim alone
+# ([1, T, d] + [B, T, d]): fed to another layer first, that layer would run on B copies and the batch sum would
+# move after its backward; broadcast over tokens too, the sum would be split in two. So only the rules that
+# know their use expand (Rule.expands: Embedding on [1, T] position ids); other layers fed a batch of 1 are
+# refused, as is a layer whose batch dim is something else (T5's [T, T] relative-bias table, routed tokens).
+
+
+def rows_refusal(bd: int, rows: int, b: int) -> str:
+    """Why a layer whose input's dim `bd` holds `rows` rows, the model's batch `b` samples, is refused."""
+    if rows < b:
+        return (f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples: a value broadcast "
+                f"over the batch after the layer has its gradient summed over the samples before the layer sees it "
+                f"(Note [broadcast layers]: only rules that know the broadcast, such as position embeddings, expand)")
+    return (f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples, and they are not "
+            f"provably the batch's samples flattened batch-major (Note [batch layouts]: the batch's dims followed back "
+            f"through views, permutes, row-wise layers, elementwise ops and batched matmuls): routed tokens, windows "
+            f"that mix samples, or a table shared by every sample")
+
+
 def first_batch(args, kwargs, bd: int) -> Optional[int]:
     for v in list(args) + list((kwargs or {}).values()):
         if isinstance(v, torch.Tensor) and v.dim() > bd:

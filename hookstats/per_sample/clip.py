@@ -1,6 +1,7 @@
 """Per-sample clipping from the terms, and what it refuses."""
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -28,12 +29,23 @@ OPT_OUT = ("Freeze it (requires_grad_(False)), leave its layer out (exclude=...)
 # is done (Note [checkpointed layers]).
 
 
+def refuse_unclipped(names: List[str], allow_unclipped: bool) -> None:
+    """Note [clipping refuses what it cannot bound]: parameters whose .grad autograd changed in this backward with no
+    per-sample term: an error, or with allow_unclipped a warning."""
+    msg = (f"hookstats.PerSampleGradNorms(max_norm=...): {', '.join(names)} got a gradient in this backward but no "
+           f"per-sample term (used outside the layer whose rule covers it, or that layer's hook did not see the call): "
+           f"its gradient is not clipped")
+    if not allow_unclipped:
+        raise RuntimeError(f"{msg}. {OPT_OUT}")
+    warnings.warn(msg, stacklevel=3)
+
+
 def apply_clip(entries: List[tuple], max_norm: float, eps: float, params: Dict[int, torch.nn.Parameter], *,
                groups: Sequence[tuple] = (), keep_corrections: Optional[Dict[int, torch.Tensor]] = None
                ) -> Tuple[Optional[torch.Tensor], Dict[int, torch.Tensor]]:
     """Clips the gradients of each entry's parameter (entries: (pid, samples, squared norm, [(term, deferred)]) of
     this backward; groups: (pids, samples, C [B, k n], squared norms [B, k], deferred), k parameters of n values with
-    one Dense term each, side by side: Note [stacked small terms] in core.py). A term autograd has already summed into
+    one Dense term each, side by side: Note [stacked small terms] in stacked.py). A term autograd has already summed into
     .grad gets sum_b (coef_b - 1) grad_b added there (or, given keep_corrections, put there by pid, in the term's
     dtype, for the caller to add later: Note [clipping under DDP] in ddp.py); a deferred one (Note [book-keeping] in
     bookkeeping.py: autograd did not compute it) contributes sum_b coef_b grad_b to the returned {pid: gradient},

@@ -11,24 +11,15 @@ from . import ranking as _ranking
 from . import rules as _rules  # noqa: F401  (registers the shipped rules)
 from .._owned_hooks import in_backward, register
 from .._select import Selection
-from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows
+from .batch import first_batch, flattened, nonreentrant_recompute, output_tensors, proved_rows, rows_refusal
 from .bookkeeping import _is_functorch, defer_hook, param_at, restore_hook, untracked
-from .clip import OPT_OUT, deliver
+from .clip import OPT_OUT, deliver, refuse_unclipped
 from .coverage import Coverage, build_coverage
 from .ddp import active_ddp, clip_with
 from .rules.refused import Refused
+from .stacked import STACK_MAX, stack_small
 from .terms import Dense, fold_rows, sum_same_length, sum_sq
 from .workspace import _ACTIVE, Workspace
-
-
-# Note [stacked small terms]: most parameters of a model are small (biases, norm weights) and their per-sample
-# gradient a lone Dense term [B, n]: computing each one's squared norm, and in the clip each one's weighted sum, as
-# ops of their own costs a few microseconds of dispatch each for a few hundred values, about as much as the large
-# layers' arithmetic together on small models. So such a term (one per parameter this backward, at most _STACK_MAX
-# values per sample) waits for the end of the backward, where the terms of one width are put side by side, [B, k n]:
-# one vector norm gives the k squared norms, and the clip one matrix-vector product for the k weighted sums. Large
-# terms (the per-sample products of the weights) are reduced as soon as they are complete, while still in cache.
-_STACK_MAX = 2048
 
 
 class _Call:
@@ -225,15 +216,7 @@ class PerSampleGradNorms:
                 elif replay or not active:
                     return None if replay else untracked(name, deferred)
                 else:
-                    why = (f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples: a value "
-                           f"broadcast over the batch after the layer has its gradient summed over the samples before "
-                           f"the layer sees it (Note [broadcast layers]: only rules that know the broadcast, such as "
-                           f"position embeddings, expand)" if rows < b else
-                           f"its input's dim {bd} holds {rows} rows where the model's batch has {b} samples, and they "
-                           f"are not provably the batch's samples flattened batch-major (Note [batch layouts]: the "
-                           f"batch's dims followed back through views, permutes, row-wise layers, elementwise ops and "
-                           f"batched matmuls): routed tokens, windows that mix samples, or a table shared by every "
-                           f"sample")
+                    why = rows_refusal(bd, rows, b)
                     # refused when a gradient reaches this output: a side computation whose result is detached
                     # (DoRA's lora_B(lora_A(eye)) for its weight norm) leaves the layer's other calls covered
                     out.register_hook(lambda g, name=name, why=why: self._refuse(name, why))
@@ -272,17 +255,6 @@ class PerSampleGradNorms:
             return ret
         return hook
 
-    # Note [broadcast layers]: a layer fed a batch of 1 whose output is broadcast over the batch afterwards (GPT-2 /
-    # BERT position embeddings on [1, T] ids) gets the batch's gradient summed by the broadcast's backward before
-    # its own output sees it: no per-sample split is left. Returning output.expand(B, ...) from the forward hook
-    # moves the broadcast to the layer's output: every value the model computes is the same (the broadcasting op
-    # reads the same numbers), the expand's backward sums exactly as the broadcast's did (both sum_to_size), and the
-    # expanded tensor's gradient is the per-sample one. That sum is bit for bit the broadcast's only when the
-    # expanded output feeds the broadcasting elementwise op directly and is broadcast over the batch dim alone
-    # ([1, T, d] + [B, T, d]): fed to another layer first, that layer would run on B copies and the batch sum would
-    # move after its backward; broadcast over tokens too, the sum would be split in two. So only the rules that
-    # know their use expand (Rule.expands: Embedding on [1, T] position ids); other layers fed a batch of 1 are
-    # refused, as is a layer whose batch dim is something else (T5's [T, T] relative-bias table, routed tokens).
 
     def _refuse(self, name: str, reason: str) -> None:
         if name in self._refused:
@@ -356,19 +328,13 @@ class PerSampleGradNorms:
         """The squared norm of the parameter's per-sample gradient: the sum of its uses' terms, per group of calls
         with the same number of samples (grad mode off: the caller's). A lone small Dense term waits for the end of
         the backward, where such terms are stacked (Note [stacked small terms])."""
-        ts = self._terms.pop(pid, None)
-        if not ts:
-            return
-        if len(ts) == 1:
-            groups = ((ts[0][0].samples, ts),)
-        else:
-            by: Dict[int, list] = {}
-            for t, deferred in ts:
-                by.setdefault(t.samples, []).append((t, deferred))
-            groups = by.items()
-        for n, ts in groups:
+        ts = self._terms.pop(pid, None) or []
+        by: Dict[int, list] = {ts[0][0].samples: ts} if len(ts) == 1 else {}
+        for t, deferred in ts if len(ts) > 1 else ():
+            by.setdefault(t.samples, []).append((t, deferred))
+        for n, ts in by.items():
             ts = fold_rows(ts)
-            if len(ts) == 1 and type(ts[0][0]) is Dense and ts[0][0].D.shape[1] <= _STACK_MAX:
+            if len(ts) == 1 and type(ts[0][0]) is Dense and ts[0][0].D.shape[1] <= STACK_MAX:
                 self._small.append((pid, n, ts[0][0].D, ts[0][1]))
                 self._queue_flush()
                 continue
@@ -376,23 +342,6 @@ class PerSampleGradNorms:
             self._sq.setdefault(self._pname[pid], []).append(sq)
             if self.max_norm is not None:  # kept until the end of this backward (Note [per-sample clipping])
                 self._clip.append((pid, n, sq, ts))
-
-    def _stack_small(self) -> list:
-        """Note [stacked small terms]: the squared norms of the lone small Dense terms of this backward, k parameters
-        of one width at a time; returns, for the clip, (pids, samples, C [B, k n], squared norms [B, k], deferred)."""
-        by: Dict[tuple, list] = {}
-        for pid, n, d, deferred in self._small:
-            if pid not in self._dead:
-                by.setdefault((d.shape[1], d.dtype, d.device, n, deferred), []).append((pid, d))
-        self._small.clear()
-        out = []
-        for (width, _, _, n, deferred), items in by.items():
-            c = torch.cat([d for _, d in items], 1) if len(items) > 1 else items[0][1]
-            sq = torch.linalg.vector_norm(c.reshape(n, len(items), width), dim=2).square_()  # [B, k]
-            for (pid, _), v in zip(items, sq.unbind(1)):
-                self._sq.setdefault(self._pname[pid], []).append(v)
-            out.append(([pid for pid, _ in items], n, c, sq, deferred))
-        return out if self.max_norm is not None else []
 
     def _on_accumulate(self, pid: int) -> None:
         if self._delivering:  # the clip's own gradient (Note [book-keeping])
@@ -409,17 +358,12 @@ class PerSampleGradNorms:
             with torch.no_grad():
                 for pid in list(self._terms):
                     self._finalize(pid)
-                small = self._stack_small() if self._small else []
+                small = stack_small(self._small, self._dead, self._sq, self._pname, self.max_norm is not None)
             unclipped = sorted(self._pname[pid] for pid in self._accumulated - self._termed if pid not in self._dead)
             self._accumulated.clear()
             self._termed.clear()
             if unclipped:
-                msg = (f"hookstats.PerSampleGradNorms(max_norm=...): {', '.join(unclipped)} got a gradient in this "
-                       f"backward but no per-sample term (used outside the layer whose rule covers it, or that "
-                       f"layer's hook did not see the call): its gradient is not clipped")
-                if not self.allow_unclipped:
-                    raise RuntimeError(f"{msg}. {OPT_OUT}")
-                warnings.warn(msg, stacklevel=2)
+                refuse_unclipped(unclipped, self.allow_unclipped)
             if self._clip or small or self._ddp is not None:  # under DDP the ranks' collectives must line up
                 self._apply_clip(small)
         finally:  # no term outlives the backward: their workspace buffers are free again (Note [workspace])

@@ -35,7 +35,7 @@ class Rule:
       dims, embeddings): a batch-major flattened input then makes a batch-major flattened output (Note [flattened
       batches] in core.py).
     - `defer`: the parameter attributes whose gradient the clip may compute instead of autograd (Note
-      [book-keeping] in core.py): attributes the module's forward applies as an ordinary tensor argument (read from
+      [book-keeping] in bookkeeping.py): attributes the module's forward applies as an ordinary tensor argument (read from
       mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights, conv biases, an
       Embedding's table); `deferrable(mod)` returns them for a given module (default `defer`).
     - `hook_site(mod)`: the module whose call the rule reads (default: `mod` itself): a child, for parameters the
