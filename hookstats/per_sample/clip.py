@@ -45,8 +45,8 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float, params: Dict[i
                ) -> Tuple[Optional[torch.Tensor], Dict[int, torch.Tensor]]:
     """Clips the gradients of each entry's parameter (entries: (pid, samples, squared norm, [(term, deferred)]) of
     this backward; groups: (pids, samples, C [B, k n], squared norms [B, k], deferred), k parameters of n values with
-    one Dense term each, side by side: Note [stacked small terms] in stacked.py). A term autograd has already summed into
-    .grad gets sum_b (coef_b - 1) grad_b added there (or, given keep_corrections, put there by pid, in the term's
+    one Dense term each, side by side: Note [stacked small terms] in stacked.py). A term autograd has already summed
+    into .grad gets sum_b (coef_b - 1) grad_b added there (or, given keep_corrections, put there by pid, in the term's
     dtype, for the caller to add later: Note [clipping under DDP] in ddp.py); a deferred one (Note [book-keeping] in
     bookkeeping.py: autograd did not compute it) contributes sum_b coef_b grad_b to the returned {pid: gradient},
     which the caller delivers through autograd. Returns ([samples] float64 coefficients min(1, max_norm / (norm +

@@ -118,7 +118,8 @@ class PerSampleGradNorms:
         mods = dict(model.named_modules())
         self._defer = self.max_norm is not None and not self.allow_unclipped  # Note [book-keeping]
         for name in self.layers:
-            defer = [(a, pid) for a, pid in self._attrs[name] if a in self._rule[name].deferrable(mods[name])] if self._defer else []
+            can = self._rule[name].deferrable(mods[name]) if self._defer else ()
+            defer = [(a, pid) for a, pid in self._attrs[name] if a in can]
             if defer:
                 self._handles += [register(mods[name], "register_forward_pre_hook", defer_hook(self, name, defer),
                                            with_kwargs=True),

@@ -33,11 +33,11 @@ class Rule:
       dims), so that `PerSampleGradNorms(batch_dim=1)` moves dim 1 to the front; False for [B, C, ...] (conv).
     - `rowwise`: True when output row r (dim 0) is computed from input row r alone (Linear, norms over the last
       dims, embeddings): a batch-major flattened input then makes a batch-major flattened output (Note [flattened
-      batches] in core.py).
+      batches] in batch.py).
     - `defer`: the parameter attributes whose gradient the clip may compute instead of autograd (Note
-      [book-keeping] in bookkeeping.py): attributes the module's forward applies as an ordinary tensor argument (read from
-      mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights, conv biases, an
-      Embedding's table); `deferrable(mod)` returns them for a given module (default `defer`).
+      [book-keeping] in bookkeeping.py): attributes the module's forward applies as an ordinary tensor argument (read
+      from mod._parameters at the call), whose gradient its terms give in full (Linear and conv weights, conv biases,
+      an Embedding's table); `deferrable(mod)` returns them for a given module (default `defer`).
     - `hook_site(mod)`: the module whose call the rule reads (default: `mod` itself): a child, for parameters the
       module applies in its own forward before calling that child (timm ViT's class token and position table, read at
       its pos_drop); input(), output() and keep() then see that child's arguments and output, with `mod` the holder.
