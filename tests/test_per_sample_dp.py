@@ -506,3 +506,41 @@ def test_clipping_tied_embedding_and_materialised_head(t, monkeypatch):
         assert folded.count(1) == 2 and not crossed  # once a step
     else:  # one token: Outer.materialize declines, the head's Outer crossed with the rows
         assert not any(folded) and crossed and all(c == {terms.Outer, terms.Index} for c in crossed)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_head"])
+def test_clipping_sparse_embedding(tied):
+    """Embedding(sparse=True) under max_norm: its table deferred like the others (Note [book-keeping]), the clipped
+    gradient delivered sparse as autograd's own backward gives it (dense when tied to a head, as autograd's sum is),
+    equal to the per-sample loop on a dense twin, over two accumulated backwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 4, sparse=True), nn.Tanh(), nn.Linear(4, 11, bias=False)).double()
+    if tied:
+        model[2].weight = model[0].weight
+    twin = copy.deepcopy(model)
+    twin[0].sparse = False
+    params = dict(model.named_parameters())
+    got_before = {k: torch.zeros_like(p) for k, p in params.items()}
+    psn = None
+    for step in range(2):
+        idx = torch.randint(0, 11, (B + 2, 6), generator=torch.Generator().manual_seed(3 + step))
+        idx[0, :] = 4  # a sample repeating one token
+        r = torch.randn(B + 2, 6, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        names, per = per_sample_grads(twin, lambda m, x: m(x), idx, r)
+        norms = torch.stack([torch.stack([g.square().sum() for g in gs]).sum().sqrt() for gs in per])
+        c = float(norms.median())
+        coef = torch.clamp(c / (norms + 1e-6), max=1.0)
+        if psn is None:
+            psn = hookstats.PerSampleGradNorms(model, max_norm=c)
+        psn.max_norm = c
+        (model(idx) * r).sum().backward()
+        torch.testing.assert_close(psn.clip_coef(), coef, rtol=1e-9, atol=0)
+        for i, k in enumerate(names):
+            g = params[k].grad
+            assert g.is_sparse == (k == "0.weight" and not tied), k
+            g = g.to_dense() if g.is_sparse else g
+            want = got_before[k] + sum(coef[b] * per[b][i] for b in range(len(per)))
+            torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-14)
+            got_before[k] = g.clone()
+        psn.step()
+    psn.remove()

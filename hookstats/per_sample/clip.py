@@ -83,12 +83,13 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float, params: Dict[i
             p = params[pid]
             if deferred:
                 d = d if d.dtype == p.dtype else d.to(p.dtype)
-                deliver[pid] = d if pid not in deliver else deliver[pid].add_(d)
+                deliver[pid] = d if pid not in deliver else _plus(deliver[pid], d)
             elif keep_corrections is not None:
+                d = d.to_dense() if d.is_sparse else d  # all-reduced flat (Note [clipping under DDP])
                 keep_corrections[pid] = d if pid not in keep_corrections else keep_corrections[pid].add_(d)
             elif p.grad is not None:
                 d = d if d.dtype == p.grad.dtype else d.to(p.grad.dtype)
-                corrections[pid] = d if pid not in corrections else corrections[pid].add_(d)
+                corrections[pid] = d if pid not in corrections else _plus(corrections[pid], d)
 
         for pids, _, c, _, deferred in groups:  # one weighted sum for k parameters
             n = c.shape[1] // len(pids)
@@ -100,9 +101,23 @@ def apply_clip(entries: List[tuple], max_norm: float, eps: float, params: Dict[i
             shape = params[pid].shape
             for t, deferred in ts:
                 put(pid, t.delta(weight(not deferred, term_dtype(t)), shape), deferred)
+        sparse = [pid for pid, d in corrections.items() if d.is_sparse or params[pid].grad.is_sparse]
+        for pid in sparse:  # Embedding(sparse=True): its .grad, or the correction of a sparse term, sparse
+            p, d = params[pid], corrections.pop(pid)
+            if p.grad.is_sparse and not d.is_sparse:
+                p.grad = d.add_(p.grad)
+            else:
+                p.grad.add_(d)
         if corrections:  # one call for every parameter (each once)
             torch._foreach_add_([params[pid].grad for pid in corrections], list(corrections.values()))
     return coef, deliver
+
+
+def _plus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b, in place in a dense one (a sparse tensor cannot take a dense one in place)."""
+    if not a.is_sparse:
+        return a.add_(b)
+    return b.add_(a) if not b.is_sparse else a + b
 
 
 def deliver(grads: Dict[int, torch.Tensor], params: Dict[int, torch.nn.Parameter], owner=None) -> None:

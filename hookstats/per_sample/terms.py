@@ -142,18 +142,20 @@ class Outer(Term):
 
 
 class Index(Term):
-    __slots__ = ("idx", "R", "V", "transposed")
+    __slots__ = ("idx", "R", "V", "transposed", "sparse")
 
-    def __init__(self, idx: torch.Tensor, R: torch.Tensor, V: int, transposed: bool = False):
-        # idx [B, T] long, R [B, T, n] (rows that get no gradient are zero); transposed: the parameter is [n, V]
-        self.idx, self.R, self.V, self.transposed = idx, R, V, transposed
+    def __init__(self, idx: torch.Tensor, R: torch.Tensor, V: int, transposed: bool = False, sparse: bool = False):
+        # idx [B, T] long, R [B, T, n] (rows that get no gradient are zero); transposed: the parameter is [n, V];
+        # sparse: delta() gives a sparse COO tensor, as the backward of Embedding(sparse=True) does
+        self.idx, self.R, self.V, self.transposed, self.sparse = idx, R, V, transposed, sparse and not transposed
         self.samples = idx.shape[0]
 
     def rows_to_samples(self, k):
         if k == 1:
             return self
         b = self.idx.shape[0] // k
-        return Index(self.idx.reshape(b, -1), self.R.reshape(b, -1, self.R.shape[-1]), self.V, self.transposed)
+        return Index(self.idx.reshape(b, -1), self.R.reshape(b, -1, self.R.shape[-1]), self.V, self.transposed,
+                     self.sparse)
 
     def sq(self):
         b, t, d = self.R.shape
@@ -178,6 +180,8 @@ class Index(Term):
     def delta(self, w, shape):
         d = self.R.shape[-1]
         rw = (self.R * as_dtype(w, self.R.dtype).reshape(-1, 1, 1)).reshape(-1, d)
+        if self.sparse:  # uncoalesced, one row per position, as Embedding(sparse=True)'s own backward gives
+            return torch.sparse_coo_tensor(self.idx.reshape(1, -1), rw, (self.V, d), check_invariants=False)
         out = torch.zeros(self.V, d, dtype=self.R.dtype, device=self.R.device).index_add_(0, self.idx.reshape(-1), rw)
         return (out.t() if self.transposed else out).reshape(shape)
 
@@ -221,7 +225,7 @@ def _cat(terms: Sequence[Term]) -> Optional[Term]:
             raise RuntimeError("hookstats.PerSampleGradNorms: one parameter used as an embedding table both ways "
                                "([V, n] and [n, V]) has no per-sample rule")
         return Index(torch.cat([t.idx for t in terms], 1), torch.cat([t.R.to(dt) for t in terms], 1), t0.V,
-                     t0.transposed)
+                     t0.transposed, all(t.sparse for t in terms))
     return Dense(sum(t.D.to(dt) for t in terms))
 
 

@@ -14,9 +14,6 @@ class EmbeddingRule(Rule):
     params = ("weight",)
     defer = ("weight",)  # Note [book-keeping]: the rows' clipped sum costs what autograd's sum does
 
-    def deferrable(self, mod):
-        return () if mod.sparse else self.defer  # a sparse .grad stays autograd's (the clip's sum is dense)
-
     def check(self, mod):
         if mod.scale_grad_by_freq:
             raise NotImplementedError(
@@ -37,4 +34,4 @@ class EmbeddingRule(Rule):
         g = as_dtype(g, compute_dtype(g))
         if mod.padding_idx is not None:
             g = g * (idx != mod.padding_idx).unsqueeze(-1).to(g.dtype)
-        return {"weight": Index(idx, g, mod.num_embeddings)}
+        return {"weight": Index(idx, g, mod.num_embeddings, sparse=mod.sparse)}
