@@ -686,6 +686,17 @@ def test_moe_experts_clipping():
     clip_check(model, fwd, ids())
 
 
+def test_moe_experts_called_twice_in_one_backward():
+    """Two forwards of the model, then one backward (two views of a batch): the experts module's terms of both calls
+    join (RoutedOuter.cat), norms and clipping against the per-sample loop."""
+    model, fwd = family("qwen2_moe")
+    twice = lambda m, x: torch.cat([fwd(m, x), fwd(m, x.flip(1))], 1)  # noqa: E731
+    psn = check(model, twice, ids(), covered=[n for n, _ in model.named_parameters()])
+    assert psn._rule["model.layers.0.mlp.experts"].name == "RoutedExpertsRule"
+    model, fwd = family("qwen2_moe")
+    clip_check(model, twice, ids())
+
+
 def test_moe_experts_refused_with_another_implementation():
     """A fused experts kernel (grouped_mm) is not the eager loop the rule replays: refused from the start, with the
     reason and what to do; max_norm= then raises, naming them."""
@@ -971,6 +982,16 @@ def test_swinv2_clipping(lib):
 
 
 @pytest.mark.parametrize("lib", ["timm", "hf"])
+def test_swinv2_called_twice_in_one_backward(lib):
+    """Two forwards, then one backward: each attention's position-bias MLP terms of both calls join (MlpTerm.cat),
+    against the per-sample loop."""
+    model, fwd = swinv2(lib)
+    twice = lambda m, x: torch.cat([fwd(m, x), fwd(m, x.flip(-1))], 1)  # noqa: E731
+    check(model, twice, f64(B, 3, 32, 32) if lib == "timm" else _vision(),
+          covered=[n for n, _ in model.named_parameters()])
+
+
+@pytest.mark.parametrize("lib", ["timm", "hf"])
 def test_swinv2_refused_with_attention_dropout(lib):
     model, fwd = swinv2(lib)
     for m in model.modules():
@@ -1095,6 +1116,25 @@ def test_dinov2_resampled_table_refused():
     psn.remove()
 
 
+def test_term_of_its_own_form_without_a_sum_refused():
+    """A rule's Term of a form of its own that has no cat(): two uses in one backward, or a use beside another form,
+    are refused with the reason (before, combine() dropped such a term from the norm's sum without a word)."""
+    from hookstats.per_sample import terms
+
+    class Odd(terms.Term):
+        samples = 2
+
+        def sq(self):
+            return torch.ones(2, dtype=torch.float64)
+
+    dense = terms.Dense(torch.ones(2, 3, dtype=torch.float64))
+    torch.testing.assert_close(terms.sum_sq([Odd()]), torch.ones(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="a Odd was used 2 times in one backward"):
+        terms.sum_sq([Odd(), Odd()])
+    with pytest.raises(RuntimeError, match="Odd was also used by another kind of layer"):
+        terms.sum_sq([Odd(), dense])
+
+
 @pytest.mark.parametrize("s,m,n", [(12, 2, 3), (4, 16, 16)])
 def test_routed_outer_term(s, m, n):
     """RoutedOuter (Note [routed experts]) against the per-sample [E, m, n] gradients materialised: the squared norms
@@ -1119,3 +1159,11 @@ def test_routed_outer_term(s, m, n):
     torch.testing.assert_close(term.delta(w, (e_, m, n)), (full * w.reshape(-1, 1, 1, 1)).sum(0), rtol=1e-12, atol=0)
     two = term.rows_to_samples(2)
     torch.testing.assert_close(two.sq(), full.reshape(b // 2, 2, -1).sum(1).square().sum(1), rtol=1e-12, atol=0)
+    cut = s // 2  # one call's pairs and another's, joined (an experts module called twice in one backward)
+    halves = [RoutedOuter(L[:, a:z], R[:, a:z], e[:, a:z], e_) for a, z in ((0, cut), (cut, s))]
+    joined = RoutedOuter.cat(halves)
+    torch.testing.assert_close(joined.sq(), full.square().sum((1, 2, 3)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(sum(h.delta(w, (e_, m, n)) for h in halves), term.delta(w, (e_, m, n)), rtol=1e-12,
+                               atol=1e-14)
+    with pytest.raises(RuntimeError, match="different expert counts"):
+        RoutedOuter.cat([halves[0], RoutedOuter(L, R, e, e_ + 1)])

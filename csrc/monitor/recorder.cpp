@@ -164,14 +164,16 @@ int32_t Recorder::site_for(int32_t hook, int32_t index, int32_t call, const at::
   const int64_t key = (static_cast<int64_t>(call) << 32) | static_cast<uint32_t>(index);
   const c10::Device dev = t.device();
   const at::ScalarType dt = t.scalar_type();
-  auto it = h.sites.find(key);
+  int32_t head = h.first;
+  if (key != 0) {
+    auto it = h.sites.find(key);
+    head = it == h.sites.end() ? -1 : it->second;
+  }
   int32_t prev = -1;
-  if (it != h.sites.end()) {
-    for (int32_t s = it->second; s >= 0; s = sites_[s].next) {
-      const Site& site = sites_[s];
-      if (site.dtype == dt && devs_[site.dev].device == dev) return s;
-      prev = s;
-    }
+  for (int32_t s = head; s >= 0; s = sites_[s].next) {
+    const Site& site = sites_[s];
+    if (site.dtype == dt && devs_[site.dev].device == dev) return s;
+    prev = s;
   }
   Site s{hook, index, call, 0, 0, -1, -1, -1, dt};
   s.dev = device_index(dev);
@@ -206,6 +208,8 @@ int32_t Recorder::site_for(int32_t hook, int32_t index, int32_t call, const at::
   sites_.push_back(s);
   if (prev >= 0) {
     sites_[prev].next = id;
+  } else if (key == 0) {
+    h.first = id;
   } else {
     h.sites.emplace(key, id);
   }

@@ -66,6 +66,12 @@ class Term:
         """sum_b w_b grad_b, in the parameter's shape."""
         raise NotImplementedError
 
+    @classmethod
+    def cat(cls, terms: Sequence["Term"]) -> "Term":
+        """One term for several uses of one parameter, all of this class (a form of its own: combine())."""
+        raise RuntimeError(f"hookstats.PerSampleGradNorms: a parameter whose per-sample gradient is a {cls.__name__} "
+                           f"was used {len(terms)} times in one backward, which that form has no sum for")
+
 
 class Outer(Term):
     # L [B, G, T, m], R [B, G, T, n]; one block ([B, T, m] given) is kept 3-D, its 4-D view made when asked for
@@ -207,6 +213,9 @@ class Dense(Term):
         return torch.mv(self.D.t(), as_dtype(w, self.D.dtype)).view(shape)
 
 
+_FORMS = (Outer, Index, Dense)  # the forms combine() joins, and cross() pairs
+
+
 def _cat(terms: Sequence[Term]) -> Optional[Term]:
     if not terms:
         return None
@@ -236,13 +245,21 @@ def term_dtype(t: Term) -> torch.dtype:
 
 
 def combine(terms: List[Term]) -> List[Term]:
-    """At most one term of each form, with the same sum."""
-    out = [_cat([t for t in terms if isinstance(t, cls)]) for cls in (Outer, Index, Dense)]
+    """At most one term of each form, with the same sum; a Term of a form of its own (a rule's) joins its uses by its
+    cat()."""
+    out = [_cat([t for t in terms if isinstance(t, cls)]) for cls in _FORMS]
+    for cls in dict.fromkeys(type(t) for t in terms if not isinstance(t, _FORMS)):
+        same = [t for t in terms if type(t) is cls]
+        out.append(same[0] if len(same) == 1 else cls.cat(same))
     return [t for t in out if t is not None]
 
 
 def cross(a: Term, b: Term) -> torch.Tensor:
     """<grad_a, grad_b> per sample, for two terms of different forms (combine() has merged those of one form)."""
+    if not isinstance(a, _FORMS) or not isinstance(b, _FORMS):
+        odd = type(a if not isinstance(a, _FORMS) else b).__name__
+        raise RuntimeError(f"hookstats.PerSampleGradNorms: a parameter whose per-sample gradient is a {odd} was also "
+                           f"used by another kind of layer, which has no per-sample rule")
     if any(isinstance(t, Index) and t.transposed for t in (a, b)):
         raise RuntimeError("hookstats.PerSampleGradNorms: a transposed embedding table ([n, V]) used by another kind "
                            "of layer too has no per-sample rule")

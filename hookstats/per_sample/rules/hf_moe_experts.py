@@ -17,9 +17,9 @@ outgrow them, sum_{p, q same expert} <L_p, L_q> <R_p, R_q> from two Grams over t
 equal experts; the clip's weighted sum runs expert by expert. Refused: another experts implementation (grouped_mm,
 batched_mm: a kernel the rule does not replay), a class whose forward is not that code (gpt-oss, DBRX, Llama 4, ...:
 their layouts differ). The router is a Linear on the token rows (mixtral_router.py); the experts' weights never meet
-the other layers' parameters (no tying). One call per backward is assumed: RoutedOuter is not one of the forms
-terms.combine sums, so an experts module called twice in one backward fails in the norm's sum (an error, never a
-number).
+the other layers' parameters (no tying). An experts module called more than once in one backward (two forwards, then
+one backward; a module shared by layers) gives one RoutedOuter per call: terms.combine joins them (RoutedOuter.cat),
+a sample's pairs of every call side by side, which is the sum of its gradients.
 """
 from __future__ import annotations
 
@@ -101,6 +101,17 @@ class RoutedOuter(Term):
         lp[skey, slot] = self.L[keep][order]
         rp[skey, slot] = self.R[keep][order]
         return outer_sq_norms(rp, lp).reshape(b, self.E).sum(1)
+
+    @classmethod
+    def cat(cls, terms):
+        """The uses of one experts module's parameter in one backward (called more than once: two forwards before
+        one backward, a module shared by layers) as one term: a sample's gradient sums its pairs of every call."""
+        if len({(t.E, t.L.shape[-1], t.R.shape[-1]) for t in terms}) > 1:
+            raise RuntimeError("hookstats.PerSampleGradNorms: one experts parameter used with different expert "
+                               "counts or shapes has no per-sample rule")
+        dt = torch.promote_types(terms[0].L.dtype, terms[-1].L.dtype)
+        return cls(torch.cat([t.L.to(dt) for t in terms], 1), torch.cat([t.R.to(dt) for t in terms], 1),
+                   torch.cat([t.e for t in terms], 1), terms[0].E)
 
     def delta(self, w, shape):
         m, n = self.L.shape[-1], self.R.shape[-1]

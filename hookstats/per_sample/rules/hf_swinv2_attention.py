@@ -188,6 +188,10 @@ class MlpTerm(Term):
     def delta(self, w, shape):
         return self.rows_to_samples(1).delta(w, shape)
 
+    @classmethod
+    def cat(cls, terms):  # the attention called more than once in one backward: the per-sample gradients summed
+        return Dense(sum(t.rows_to_samples(1).D for t in terms))
+
 
 class MlpGrads:
     def __init__(self, d_table: torch.Tensor, mlp: nn.Module, coords: torch.Tensor, prefix: str):
