@@ -40,6 +40,8 @@ struct HistCounters {
   int32_t base[2];
   int32_t sliced_chunks;
   int64_t sliced_total;  // how many values the bit-sliced counts hold (their population count, weighted)
+  bool keys16;           // the bit-sliced counts are of 16-bit lanes: bit b of a 32-bit word is key b % 16
+  int32_t narrow_wait;   // Note [narrow exponent windows]: chunks to count in the wide window before trying again
 };
 
 constexpr int kOneHotGroupLevels = 5;  // ones .. sixteens: a Harley-Seal group of 32 words
@@ -72,7 +74,7 @@ inline void fold_sliced(HistCounters& h) {
       for (uint32_t b = 0; b < 32; ++b) out[b] += ((word >> b) & 1u) << l;
     }
     for (int k = 0; k < 32; ++k) {
-      if (out[k]) h.c[h.base[plane] + k] += out[k];
+      if (out[k]) h.c[h.base[plane] + (h.keys16 ? k & 15 : k)] += out[k];
     }
   }
   std::memset(h.sliced, 0, sizeof(uint32_t) * kSlicedWords);
@@ -138,6 +140,15 @@ HS_INLINE typename OneHotTypes<B>::U onehot_of(const typename OneHotTypes<B>::I&
 #endif
   return ((U)k < 32u) ? (U{} + 1u) << ((U)k & 31u) : U{};
 }
+
+#if HS_X86_BUILTINS
+typedef short v32hi_t __attribute__((vector_size(64)));
+typedef unsigned short v32hu_t __attribute__((vector_size(64)));
+// 1 << k per 16-bit lane, 0 where k >= 16 as unsigned (vpsllvw, AVX-512 BW), in the 32-bit lanes' vector type.
+HS_INLINE OneHotTypes<64>::U onehot16_of(const OneHotTypes<64>::I& k) {
+  return (OneHotTypes<64>::U)__builtin_ia32_psllv32hi_mask(v32hi_t{} + 1, (v32hi_t)k, v32hi_t{}, 0xFFFFFFFFu);
+}
+#endif
 
 // Full adder on every bit: sum a ^ b ^ c, carry maj(a, b, c) (one vpternlogd each on AVX-512). vpternlogd overwrites
 // its first operand: the sum goes over c and the carry over b (the callers' fresh words, dead afterwards), the carry
@@ -253,14 +264,17 @@ struct SlicedCounts {
 // key 32 + kn where kn < 32, and not at all where neither is (1 << kp and 1 << kn by vpsllvd, which gives 0 for
 // counts >= 32: no compare, no blend, no per-vector tally). A (lane, key) count grows by at most 1 a vector:
 // nvec <= 4095 keeps it within the levels (kChunk / W is 256 or 512).
-template <int B, typename OffsetFn>
+// K16 (Note [narrow exponent windows]): the lanes are 16-bit, 2 B of them a vector, with 16 keys each.
+template <int B, bool K16 = false, typename OffsetFn>
 HS_INLINE int64_t count_onehot(int64_t nvec, OffsetFn&& offsets, HistCounters& h, int32_t base_p, int32_t base_n) {
   using I = typename OneHotTypes<B>::I;
   using U = typename OneHotTypes<B>::U;
-  if (h.base[0] != base_p || h.base[1] != base_n) {  // another window: the carried counts go to their counters
-    fold_sliced(h);
+  constexpr int kLanes = K16 ? B / 2 : B / 4;
+  if (h.base[0] != base_p || h.base[1] != base_n || h.keys16 != K16) {  // another window: the carried counts go
+    fold_sliced(h);                                                     // to their counters
     h.base[0] = base_p;
     h.base[1] = base_n;
+    h.keys16 = K16;
   }
   SlicedCounts<B> sc(h.sliced);
   auto group = [&](int64_t i, int gv) __attribute__((always_inline)) {
@@ -268,6 +282,13 @@ HS_INLINE int64_t count_onehot(int64_t nvec, OffsetFn&& offsets, HistCounters& h
       if (u < gv) {
         I kp, kn;
         offsets(i + u, kp, kn);
+#if HS_X86_BUILTINS
+        if constexpr (K16) {
+          d[0] = onehot16_of(kp);
+          d[1] = onehot16_of(kn);
+          return;
+        }
+#endif
         d[0] = onehot_of<B>(kp);
         d[1] = onehot_of<B>(kn);
       } else {
@@ -280,10 +301,10 @@ HS_INLINE int64_t count_onehot(int64_t nvec, OffsetFn&& offsets, HistCounters& h
   if (i < nvec) group(i, static_cast<int>(nvec - i));
   sc.store();
   const int64_t total = sc.total();
-  const int64_t missed = nvec * (B / 4) - (total - h.sliced_total);
+  const int64_t missed = nvec * kLanes - (total - h.sliced_total);
   h.sliced_total = total;
-  // A chunk adds at most kChunk / W to a (lane, key) count; the levels hold 32 * 2^kOneHotDeep - 1.
-  if (++h.sliced_chunks >= ((32 << kOneHotDeep) - 1) / (kChunk / (B / 4))) fold_sliced(h);
+  // A chunk adds at most kChunk / kLanes to a (lane, key) count; the levels hold 32 * 2^kOneHotDeep - 1.
+  if (++h.sliced_chunks >= ((32 << kOneHotDeep) - 1) / (kChunk / kLanes)) fold_sliced(h);
   return missed;
 }
 
@@ -358,6 +379,101 @@ HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, d
   h.c[2 * nE + 2] += static_cast<uint32_t>(zero);
   h.c[2 * nE + 5] += static_cast<uint32_t>(nan);
 }
+
+#if HS_X86_BUILTINS
+// Note [narrow exponent windows]
+// Real data's chunks span few exponents: a chunk of 4096 normal values lies within about 14 exponents of its largest
+// |x|. The AVX-512 entry points first count a float32 or bfloat16 chunk's exponent histogram in a window of 16
+// exponents of either sign, on 16-bit lanes (vpsllvw, AVX-512 BW): twice the values per one-hot word, so half the
+// shifts and adders per value of the 32-bit lanes' 32-exponent window (Note [one-hot chunk counts]). A lane holds
+// the 9 sign and exponent bits t (bfloat16: its bits >> 7; float32: the high halves of two vectors put together by
+// one vpermt2w, then >> 7), its keys t - lo and t - lo - 256. Values below the window (and subnormals, infinities)
+// are rarer than one in a thousand in such chunks: the chunk is read again, 32 values a compare, and those values
+// alone are counted one by one. A chunk with more of them than kNarrowMaxMissed sends the next kNarrowWait chunks to
+// the wide window (HistCounters::narrow_wait); a chunk whose largest |x| is infinite goes there too. Counts are
+// integers: the result is bit for bit the per-value counting's.
+constexpr int64_t kNarrowMaxMissed = kChunk / 16;
+constexpr int32_t kNarrowWait = 8;
+
+// The chunk's exponent histogram in the narrow window, or false (nothing counted) where the wide one should count it.
+template <typename scalar_t>
+HS_INLINE bool exp_chunk_narrow(const scalar_t* p, int64_t n, HistCounters& h, double amax, int64_t zero,
+                                int64_t nan) {
+  using I = typename OneHotTypes<64>::I;
+  constexpr int32_t nE = 254;
+  if (h.narrow_wait > 0) {
+    --h.narrow_wait;
+    return false;
+  }
+  if (!(amax > 0.0 && amax - amax == 0.0)) return false;
+  int ex = 0;
+  std::frexp(amax, &ex);
+  const int top = ex - 1 + 127;
+  // [lo, lo + 15] within the normals 1..254; the last chunk's window while it has at most 3 exponents above top
+  const int32_t last = h.base[1] + 1;
+  const int32_t lo = h.keys16 && h.base[1] >= 0 && top >= last + 12 && top <= last + 15
+                         ? last : std::min(std::max(top - 15, 1), 239);
+  const v32hu_t vlo = v32hu_t{} + static_cast<unsigned short>(lo);
+  const v32hu_t vlo_n = v32hu_t{} + static_cast<unsigned short>(lo + 256);
+  constexpr int G = 32;  // values a vector of 16-bit lanes
+  auto sign_exp = [&](int64_t i) __attribute__((always_inline)) -> v32hu_t {  // the 9 sign and exponent bits
+    v32hu_t w;
+    if constexpr (sizeof(scalar_t) == 4) {
+      v32hi_t a, b;
+      std::memcpy(&a, p + i * G, sizeof a);
+      std::memcpy(&b, p + i * G + 16, sizeof b);
+      v32hi_t odd;  // the high halves of values 0..31 in order
+      for (int j = 0; j < 32; ++j) odd[j] = static_cast<short>(2 * j + 1);
+      w = (v32hu_t)__builtin_ia32_vpermt2varhi512_mask(odd, a, b, 0xFFFFFFFFu);
+    } else {
+      std::memcpy(&w, p + i * G, sizeof w);
+    }
+    return w >> 7;
+  };
+  auto offsets = [&](int64_t i, I& kp, I& kn) __attribute__((always_inline)) {
+    const v32hu_t t = sign_exp(i);
+    kp = (I)(t - vlo);
+    kn = (I)(t - vlo_n);
+  };
+  const int64_t nvec = n / G;
+  const int64_t missed = count_onehot<64, true>(nvec, offsets, h, nE + lo - 1, lo - 1);
+  auto bits_of = [&](int64_t i) -> uint32_t {
+    if constexpr (sizeof(scalar_t) == 4) {
+      uint32_t u;
+      std::memcpy(&u, p + i, 4);
+      return u;
+    } else {
+      return static_cast<uint32_t>(p[i].x) << 16;
+    }
+  };
+  int64_t special = 0, counted = 0;  // zeros and NaNs seen by count_one; values it counted
+  auto count_one = [&](uint32_t u) {
+    const uint32_t a = u & 0x7fffffffu;
+    if (a == 0 || a > 0x7f800000u) {
+      ++special;
+      return;
+    }
+    ++counted;
+    h.c[exp_slot<8, 23>(u)] += 1;
+  };
+  for (int64_t i = nvec * G; i < n; ++i) count_one(bits_of(i));
+  if (missed > zero + nan - special) {  // values outside the window: count them
+    counted = 0;
+    for (int64_t i = 0; i < nvec; ++i) {
+      const v32hu_t t = sign_exp(i);
+      const v32hi_t kp = (v32hi_t)(t - vlo), kn = (v32hi_t)(t - vlo_n);
+      // lanes with neither key below 16 (vpcmpuw, 6: NLE)
+      unsigned int out = __builtin_ia32_ucmpw512_mask(kp, v32hi_t{} + 15, 6, 0xFFFFFFFFu) &
+                         __builtin_ia32_ucmpw512_mask(kn, v32hi_t{} + 15, 6, 0xFFFFFFFFu);
+      for (; out != 0; out &= out - 1) count_one(bits_of(i * G + __builtin_ctz(out)));
+    }
+    if (counted > kNarrowMaxMissed) h.narrow_wait = kNarrowWait;
+  }
+  h.c[2 * nE + 2] += static_cast<uint32_t>(zero);
+  h.c[2 * nE + 5] += static_cast<uint32_t>(nan);
+  return true;
+}
+#endif
 
 // Note [one-hot chunk counts] over n counter indices (range ordinals or slots): keys 0..63 are indices kb .. kb + 63
 // (kb: the index of the chunk's least value); NaN, when its index nan_idx is outside, comes from the chunk's count
