@@ -457,14 +457,14 @@ HS_INLINE bool exp_chunk_narrow(const scalar_t* p, int64_t n, HistCounters& h, d
     h.c[exp_slot<8, 23>(u)] += 1;
   };
   for (int64_t i = nvec * G; i < n; ++i) count_one(bits_of(i));
-  if (missed > zero + nan - special) {  // values outside the window: count them
+  const int64_t others = missed - (zero + nan - special);  // values outside the window that zeros and NaNs leave
+  if (others > 0) {  // count them, reading until the last one is found
     counted = 0;
-    for (int64_t i = 0; i < nvec; ++i) {
+    for (int64_t i = 0; i < nvec && counted < others; ++i) {
       const v32hu_t t = sign_exp(i);
-      const v32hi_t kp = (v32hi_t)(t - vlo), kn = (v32hi_t)(t - vlo_n);
+      const v32hu_t kp = t - vlo, kn = t - vlo_n;
       // lanes with neither key below 16 (vpcmpuw, 6: NLE)
-      unsigned int out = __builtin_ia32_ucmpw512_mask(kp, v32hi_t{} + 15, 6, 0xFFFFFFFFu) &
-                         __builtin_ia32_ucmpw512_mask(kn, v32hi_t{} + 15, 6, 0xFFFFFFFFu);
+      unsigned int out = __builtin_ia32_ucmpw512_mask((v32hi_t)(kp < kn ? kp : kn), v32hi_t{} + 15, 6, 0xFFFFFFFFu);
       for (; out != 0; out &= out - 1) count_one(bits_of(i * G + __builtin_ctz(out)));
     }
     if (counted > kNarrowMaxMissed) h.narrow_wait = kNarrowWait;
