@@ -217,6 +217,27 @@ struct SlicedCounts {
   // How many values the counts hold (after store): the population count of level l weighs 2^l. A lane's sum is
   // below 2 x 32 keys x 32 * 2^kOneHotDeep: no 32-bit lane can wrap.
   HS_INLINE int64_t total() const {
+#if HS_X86_BUILTINS
+    if constexpr (B == 64) {  // per level: nibble counts by table (vpshufb), the two planes' bytes added, vpsadbw
+      typedef char v64qi __attribute__((vector_size(64)));
+      typedef long long v8di __attribute__((vector_size(64)));
+      v64qi lut;
+      for (int j = 0; j < 64; ++j) lut[j] = static_cast<char>(__builtin_popcount(j & 15));
+      v8di acc{};
+      for (int l = 0; l < kSlicedLevels; ++l) {
+        v64qi bytes{};
+        for (int q = 0; q < 2; ++q) {
+          const U w = at(q, l);
+          bytes += __builtin_ia32_pshufb512_mask(lut, (v64qi)(w & 0x0F0F0F0Fu), v64qi{}, ~0ull);
+          bytes += __builtin_ia32_pshufb512_mask(lut, (v64qi)((w >> 4) & 0x0F0F0F0Fu), v64qi{}, ~0ull);
+        }
+        acc += (v8di)__builtin_ia32_psadbw512(bytes, v64qi{}) << l;
+      }
+      int64_t sum = 0;
+      for (int j = 0; j < 8; ++j) sum += acc[j];
+      return sum;
+    }
+#endif
     U t{};
     for (int q = 0; q < 2; ++q) {
       for (int l = 0; l < kSlicedLevels; ++l) t += popcount_lanes(at(q, l)) << l;
@@ -417,18 +438,23 @@ HS_INLINE bool exp_chunk_narrow(const scalar_t* p, int64_t n, HistCounters& h, d
   const v32hu_t vlo_n = v32hu_t{} + static_cast<unsigned short>(lo + 256);
   constexpr int G = 32;  // values a vector of 16-bit lanes
   auto sign_exp = [&](int64_t i) __attribute__((always_inline)) -> v32hu_t {  // the 9 sign and exponent bits
-    v32hu_t w;
-    if constexpr (sizeof(scalar_t) == 4) {
-      v32hi_t a, b;
+    if constexpr (sizeof(scalar_t) == 4) {  // t of 16 values, >> 23, twice, packed (vpackusdw: lane_value below)
+      typedef int v16si_t __attribute__((vector_size(64)));
+      typedef unsigned v16su_t __attribute__((vector_size(64)));
+      v16su_t a, b;
       std::memcpy(&a, p + i * G, sizeof a);
       std::memcpy(&b, p + i * G + 16, sizeof b);
-      v32hi_t odd;  // the high halves of values 0..31 in order
-      for (int j = 0; j < 32; ++j) odd[j] = static_cast<short>(2 * j + 1);
-      w = (v32hu_t)__builtin_ia32_vpermt2varhi512_mask(odd, a, b, 0xFFFFFFFFu);
+      return (v32hu_t)__builtin_ia32_packusdw512_mask((v16si_t)(a >> 23), (v16si_t)(b >> 23), v32hi_t{}, 0xFFFFFFFFu);
     } else {
+      v32hu_t w;
       std::memcpy(&w, p + i * G, sizeof w);
+      return w >> 7;
     }
-    return w >> 7;
+  };
+  // The value of 16-bit lane j: vpackusdw packs per 128 bits, 4 lanes of its first operand then 4 of its second.
+  auto lane_value = [](int j) -> int {
+    if constexpr (sizeof(scalar_t) == 4) return (j & ~7) / 2 + (j & 3) + (j & 4 ? 16 : 0);
+    return j;
   };
   auto offsets = [&](int64_t i, I& kp, I& kn) __attribute__((always_inline)) {
     const v32hu_t t = sign_exp(i);
@@ -465,7 +491,7 @@ HS_INLINE bool exp_chunk_narrow(const scalar_t* p, int64_t n, HistCounters& h, d
       const v32hu_t kp = t - vlo, kn = t - vlo_n;
       // lanes with neither key below 16 (vpcmpuw, 6: NLE)
       unsigned int out = __builtin_ia32_ucmpw512_mask((v32hi_t)(kp < kn ? kp : kn), v32hi_t{} + 15, 6, 0xFFFFFFFFu);
-      for (; out != 0; out &= out - 1) count_one(bits_of(i * G + __builtin_ctz(out)));
+      for (; out != 0; out &= out - 1) count_one(bits_of(i * G + lane_value(__builtin_ctz(out))));
     }
     if (counted > kNarrowMaxMissed) h.narrow_wait = kNarrowWait;
   }
