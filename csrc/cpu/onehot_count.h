@@ -406,18 +406,19 @@ HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, d
 // Note [narrow exponent windows]
 // A chunk of real data spans few exponents: 4096 normal values lie within about 14 exponents of their largest |x|
 // (randn: 80% of its chunks within 16). So the AVX-512 entry points first count a float32 or bfloat16 chunk's exponent
-// histogram in a window of 16 exponents of either sign, on 16-bit lanes (vpsllvw, AVX-512 BW: 0 for counts >= 16):
-// 32 values a one-hot word instead of 16, so half the shifts and adders per value of the 32-bit lanes' window of 32
-// (Note [one-hot chunk counts], whose levels and folding it shares: a 32-bit word of the levels holds two lanes' 16
-// keys, HistCounters::keys16). A lane holds the 9 sign and exponent bits t (bfloat16: its bits >> 7; float32: bits
-// >> 23 of two vectors, packed by vpackusdw), its keys t - lo and t - lo - 256, lo = 15 below the largest |x|'s
-// exponent, or the last chunk's lo while it holds this chunk (a move folds the levels, ~10x a recount). Values below
-// the window and subnormals are missed, as in the wide window (infinities cannot be: a chunk whose largest |x| is
-// infinite goes to the wide window): the chunk is read again, 32 values a compare, until the missed ones are found and
-// counted one by one (a third of randn's chunks, one value each). A chunk with more of them than kNarrowMaxMissed
-// sends the next kNarrowWait chunks to the wide window (HistCounters::narrow_wait). Counts are integers: the result is
-// bit for bit the per-value counting's. Measured (2^20 randn, one thread, shared machine), statistics + exponent
-// histogram against the wide window alone: float32 ~7% faster, bfloat16 ~14% (no widening, half the words).
+// histogram in a window of 16 exponents of either sign, on 16-bit lanes (vpsllvw, AVX-512 BW: 0 for counts >= 16): 32
+// values a one-hot word instead of 16, so half the shifts and adders per value of the 32-bit lanes' window of 32 (Note
+// [one-hot chunk counts], whose levels and folding it shares: a 32-bit word of the levels holds two lanes' 16 keys,
+// HistCounters::keys16). A lane holds the 9 sign and exponent bits t (bfloat16: its bits >> 7; float32: bits >> 23 of
+// one vector in the even lanes, merged by one masked vpsrlw of another), its keys t - lo and t - lo - 256, lo = 15
+// below the largest |x|'s exponent, or the last chunk's lo while it holds this chunk (a move folds the levels, ~10x a
+// recount). Values below the window and subnormals are missed, as in the wide window (infinities cannot be: a chunk
+// whose largest |x| is infinite goes to the wide window): the chunk is read again, 32 values a compare, until the
+// missed ones are found and counted one by one (a third of randn's chunks, one value each). A chunk with more of them
+// than kNarrowMaxMissed sends the next kNarrowWait chunks to the wide window (HistCounters::narrow_wait). Counts are
+// integers: the result is bit for bit the per-value counting's. Measured (2^20 randn, one thread, shared machine),
+// statistics + exponent histogram against the wide window alone: float32 ~7% faster, bfloat16 ~14% (no widening, half
+// the words).
 constexpr int64_t kNarrowMaxMissed = kChunk / 16;
 constexpr int32_t kNarrowWait = 8;
 
@@ -443,22 +444,22 @@ HS_INLINE bool exp_chunk_narrow(const scalar_t* p, int64_t n, HistCounters& h, d
   const v32hu_t vlo_n = v32hu_t{} + static_cast<unsigned short>(lo + 256);
   constexpr int G = 32;  // values a vector of 16-bit lanes
   auto sign_exp = [&](int64_t i) __attribute__((always_inline)) -> v32hu_t {  // the 9 sign and exponent bits
-    if constexpr (sizeof(scalar_t) == 4) {  // t of 16 values, >> 23, twice, packed (vpackusdw: lane_value below)
-      typedef int v16si_t __attribute__((vector_size(64)));
-      typedef unsigned v16su_t __attribute__((vector_size(64)));
-      v16su_t a, b;
+    if constexpr (sizeof(scalar_t) == 4) {  // t of values 16..31 (>> 23) in the even lanes, merged with the odd
+      typedef unsigned v16su_t __attribute__((vector_size(64)));  // lanes of values 0..15 >> 7 (lane_value below)
+      v32hi_t a;
+      v16su_t b;
       std::memcpy(&a, p + i * G, sizeof a);
       std::memcpy(&b, p + i * G + 16, sizeof b);
-      return (v32hu_t)__builtin_ia32_packusdw512_mask((v16si_t)(a >> 23), (v16si_t)(b >> 23), v32hi_t{}, 0xFFFFFFFFu);
+      return (v32hu_t)__builtin_ia32_psrlwi512_mask(a, 7, (v32hi_t)(b >> 23), 0xAAAAAAAAu);
     } else {
       v32hu_t w;
       std::memcpy(&w, p + i * G, sizeof w);
       return w >> 7;
     }
   };
-  // The value of 16-bit lane j: vpackusdw packs per 128 bits, 4 lanes of its first operand then 4 of its second.
+  // The value of 16-bit lane j (float32: odd lanes hold values 0..15, even lanes values 16..31).
   auto lane_value = [](int j) -> int {
-    if constexpr (sizeof(scalar_t) == 4) return (j & ~7) / 2 + (j & 3) + (j & 4 ? 16 : 0);
+    if constexpr (sizeof(scalar_t) == 4) return (j & 1) ? j >> 1 : 16 + (j >> 1);
     return j;
   };
   auto offsets = [&](int64_t i, I& kp, I& kn) __attribute__((always_inline)) {
