@@ -66,6 +66,7 @@ def inputs(dtype: torch.dtype):
         yield "huge", big.to(dtype)
         yield "tiny", (big * 1e-60 if dtype == torch.float32 else big * 1e-400).to(dtype)
     yield "mean_offset", (torch.randn(40000, generator=g) * 0.01 + 100.0).to(dtype)
+    yield "narrow_window_edges", narrow_window_edges(g, dtype, 12).to(dtype)
 
 
 def check_all_ops(x: torch.Tensor, what: str) -> None:
@@ -146,9 +147,36 @@ def test_deterministic_across_threads(isa, restore_threads):
         assert torch.equal(v, runs[0][0]) and torch.equal(h, runs[0][1])
 
 
+def narrow_window_edges(g: torch.Generator, dtype: torch.dtype, k: int) -> torch.Tensor:
+    """Note [narrow exponent windows] (AVX-512, float32 and bfloat16): k chunks whose largest |x| has exponent 3, with
+    values of either sign at the window's lowest exponent (-12), just below it (-13, -14), at the least normal, as
+    subnormals, zeros of either sign, NaN and +-Inf, in counts around kNarrowMaxMissed (256) so that chunks go to
+    the wide window and come back; the largest |x| moving by 1, 3, 4 and 5 exponents from chunk to chunk (the
+    window kept, then moved); a tail of 45 values (a 32-value group and 13 alone). Other dtypes take it as one more
+    input with spread exponents, subnormals and signed zeros."""
+    edge = (torch.rand(k * 4096 + 45, generator=g) * 0.99 + 1.0) * torch.exp2(torch.randint(-12, 4, (k * 4096 + 45,), generator=g).float())
+    edge = torch.where(torch.rand(edge.shape, generator=g) < 0.5, -edge, edge)
+    tops = (3, 3, 4, 3, 6, 7, 3, 2, 8, 3)
+    for c in range(k):
+        ch = edge[c * 4096:(c + 1) * 4096]
+        ch *= 2.0 ** (tops[c % len(tops)] - 3)
+        ch[c] = 9.5 * 2.0 ** (tops[c % len(tops)] - 3) * (1 - 2 * (c % 2))  # the largest |x|: exponent top
+        low = 2.0 ** (tops[c % len(tops)] - 3 - 12)  # the window's lowest exponent
+        many = (0, 1, 2, 255, 256, 257, 300, 3, 0, 4000)[c % 10]
+        at = torch.randperm(4096, generator=g)[:many]
+        ch[at] = torch.tensor([low * 0.75, -low * 0.6, low / 4, -low * 1.5, low, -low])[torch.arange(many) % 6]
+        if c % 5 == 1:
+            ch[100:104] = torch.tensor([0.0, -0.0, 1e-40 if dtype != torch.bfloat16 else 1e-39, -1.2e-38])
+        if c % 7 == 3:
+            ch[200] = float("nan")
+        if c % 11 == 5:
+            ch[300] = float("inf") * (1 - 2 * (c % 2))
+    return edge
+
+
 def onehot_inputs(dtype: torch.dtype):
-    """(name, tensor) pairs for Note [one-hot chunk counts]: chunks whose exponents or bins reach outside the 32-
-    exponent / 64-index window (tiny values beside large ones, subnormals, infinities, values in under- and overflow
+    """(name, tensor) pairs for Note [one-hot chunk counts] and Note [narrow exponent windows]: chunks whose
+    exponents or bins reach outside the 16- or 32-exponent / 64-index window (tiny values beside large ones, subnormals, infinities, values in under- and overflow
     and in every bin), windows that move from chunk to chunk and back, and counts that outgrow 8 and 16 bits per
     (lane, key) before the carried counts are folded (2^20 values in four slots)."""
     g = torch.Generator().manual_seed(361)
@@ -185,6 +213,10 @@ def onehot_inputs(dtype: torch.dtype):
         if c % 2:
             one[c * 4096 + 4 * c + 2] = float("nan")
     yield "one_outside_per_chunk", one.to(dtype)
+    edge = narrow_window_edges(g, dtype, 24)
+    yield "narrow_window_edges", edge.to(dtype)
+    yield "narrow_window_edges_strided", edge.to(dtype)[1::2]
+    yield "randn_2^18", torch.randn(2**18 + 45, generator=g).to(dtype)
     # Chunk tails whose vector count leaves a group of 16 to 31 words (389 values: 24 vectors of 16, 48 of 8) and a
     # group under 16 (77 values), with spread exponents
     for tail in (389, 77):

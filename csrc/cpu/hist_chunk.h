@@ -317,6 +317,11 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
   constexpr int W = L::W;
   constexpr bool kWide = B >= 32;
   if constexpr (kWide && HM == kHistExp && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)) {
+#if HS_X86_BUILTINS
+    if constexpr (B == 64) {
+      if (exp_chunk_narrow(p, n, h, std::fmax(-mn, mx), zero, nan)) return;
+    }
+#endif
     exp_chunk_onehot<B>(p, n, h, std::fmax(-mn, mx), zero, nan);
     return;
   }

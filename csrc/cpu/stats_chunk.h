@@ -72,12 +72,18 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
   // 16-bit inputs on AVX-512 count their zeros on the raw bits, 32 values an instruction pair (vptestnmw and a masked
   // add on 16-bit lanes) instead of a compare and a masked add per 16 converted values; the counts are the same:
   // v == 0 exactly where the bits without the sign are 0 (DAZ is off, Note [stats scaling]).
+  // bfloat16 on AVX-512 also converts 32 values from one 64-byte load in two instructions: the odd values' float32
+  // bits are the 32-bit lanes' high halves (an and), the even values' their low halves shifted up. The lanes then hold
+  // values in another order than the 16-value loads' (sums round alike, min, max and counts are the same bits), for
+  // two instructions per 32 values fewer than two widening loads and two shifts.
 #if HS_X86_BUILTINS
   constexpr bool kZero16 = B == 64 && sizeof(scalar_t) == 2;
+  constexpr bool kPairs16 = B == 64 && std::is_same_v<scalar_t, c10::BFloat16>;
   typedef short v32hi __attribute__((vector_size(64)));
   v32hi z16{};  // at most 2 * kChunk / (S * W) = 128 a lane: no 16-bit lane can wrap
 #else
   constexpr bool kZero16 = false;
+  constexpr bool kPairs16 = false;
 #endif
   auto step = [&](Lanes& a, const V& v, auto count_zeros) {
     const V y = SCALED ? v * vs : v;  // exact: a power of two (Note [stats scaling])
@@ -123,6 +129,17 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<
         }
       }
 #endif
+      if constexpr (kPairs16) {
+        static_assert(S == 4, "two 64-byte loads of 32 bfloat16 values, four float32 vectors");
+        using U = typename simd::VT<B>::u32;
+        for (int h = 0; h < 2; ++h) {
+          U raw;
+          std::memcpy(&raw, p + i + 32 * h, sizeof raw);
+          step(a[2 * h], (V)(raw << 16), std::false_type{});
+          step(a[2 * h + 1], (V)(raw & 0xFFFF0000u), std::false_type{});
+        }
+        continue;
+      }
       for (int u = 0; u < S; ++u) step(a[u], L::load(p + i + u * W), std::integral_constant<bool, !kZero16>{});
     }
     for (; i + W <= end; i += W) step(a[0], L::load(p + i), std::true_type{});  // a block's last (< S) vectors
