@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import reference
-from ._types import check_tensor, hist_length, result_dtype
+from ._types import check_tensor, from_parts, hist_length, part_codes, result_dtype
 
 try:
     from . import _C  # loading the library registers torch.ops.hookstats
@@ -38,6 +38,16 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
     )
 
 _CUDA_BUILT: Optional[bool] = None
+_FIELDS = getattr(_C, "_fields", None)
+_is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
+def result_of(cls, values: torch.Tensor, counts: torch.Tensor):
+    """_types.from_parts (the result type cls from a stats op's (values, counts)), its fields made by the extension in
+    one call where it can (Note [field views] in csrc/monitor/py_tensors.cpp): plain tensors, not under dynamo."""
+    if _FIELDS is not None and type(values) is torch.Tensor and type(counts) is torch.Tensor and not _is_compiling():
+        return cls._make(_FIELDS(values, counts, part_codes(cls)))
+    return from_parts(cls, values, counts)
 
 
 def extension(what: str = "hookstats.Monitor and hookstats.record"):

@@ -16,6 +16,7 @@ from ._kernels import (  # noqa: F401  (re-exported: hookstats.HAVE_EXTENSION, c
     cuda_kernels_built,
     explained,
     reference_checked,
+    result_of,
     use_kernels,
 )
 from ._types import (  # noqa: F401  (re-exported: the names other modules imported from here before _types)
@@ -32,7 +33,6 @@ from ._types import (  # noqa: F401  (re-exported: the names other modules impor
     as_histogram,
     check_tensor,
     exp_layout,
-    from_parts,
     hist_length,
     result_dtype,
     unravel,
@@ -87,7 +87,7 @@ def bump_version(xs) -> None:
 
 def _located(values: torch.Tensor, counts: torch.Tensor, loc: torch.Tensor, shape) -> LocatedStats:
     a, f = loc.unbind(0)
-    return LocatedStats(*from_parts(Stats, values, counts), argmax_abs_index=a, first_nonfinite_index=f, shape=shape)
+    return LocatedStats(*result_of(Stats, values, counts), argmax_abs_index=a, first_nonfinite_index=f, shape=shape)
 
 
 def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
@@ -125,11 +125,11 @@ def stats(x: torch.Tensor, histogram=None, *, locations: bool = False):
             reference = reference_checked((x,), "stats")
             return reference.stats(x), reference.histogram_of(x, h)
         values, counts, hist = torch.ops.hookstats.stats_hist.default(x.detach(), h.mode, h.bins, h.lo, h.hi)
-        return from_parts(Stats, values, counts), hist
+        return result_of(Stats, values, counts), hist
     if not use_kernels(x, "stats"):
         return reference_checked((x,), "stats").stats(x)
     values, counts = torch.ops.hookstats.stats.default(x.detach())
-    return from_parts(Stats, values, counts)
+    return result_of(Stats, values, counts)
 
 
 def histogram(x: torch.Tensor, bins: int = 64, *, range) -> torch.Tensor:

@@ -289,13 +289,20 @@ def from_parts(cls, values: torch.Tensor, counts: torch.Tensor):
     """A `Stats` or `ChannelStats` from its op's (values, counts) outputs (views, no copy): each field where the
     type's _PARTS puts it (Note [record fields]; Note [channel stats]).
 
-    On every `hookstats.stats` call: one `unbind` per output (a view costs ~0.3-0.5 µs, the views are the floor) and
-    the tuple built from a precomputed order (cls._make, no per-call generator or dict)."""
-    order = _PART_ORDER.get(cls)
-    if order is None:
-        order = _PART_ORDER[cls] = tuple((0 if p == "values" else 1, j) for p, j in cls._PARTS)
+    One `unbind` per output (a view costs ~0.4 µs) and the tuple built from a precomputed order: what a traced call
+    and a tensor subclass take; `_kernels.result_of` makes the views in one extension call otherwise (Note [field
+    views] in csrc/monitor/py_tensors.cpp)."""
     parts = (values.unbind(0), counts.unbind(0))
-    return cls._make([parts[p][j] for p, j in order])
+    return cls._make([parts[c >> 16][c & 0xFFFF] for c in part_codes(cls)])
 
 
-_PART_ORDER: dict = {}  # cls -> its _PARTS as (0: values / 1: counts, index)
+def part_codes(cls) -> tuple:
+    """cls._PARTS as codes part << 16 | index, part 0 for the op's values and 1 for its counts (from_parts, and
+    hookstats._C._fields)."""
+    codes = _PART_CODES.get(cls)
+    if codes is None:
+        codes = _PART_CODES[cls] = tuple((0 if p == "values" else 1) << 16 | j for p, j in cls._PARTS)
+    return codes
+
+
+_PART_CODES: dict = {}  # cls -> part_codes(cls)

@@ -7,11 +7,11 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ._kernels import reference_checked, use_kernels
+from ._kernels import reference_checked, result_of, use_kernels
 from ._nested import first_floating
 from ._owned_hooks import in_backward, register
 from ._select import Selection, Site
-from ._types import CHANNEL_FIELDS, ChannelStats, check_tensor, from_parts  # noqa: F401  (CHANNEL_FIELDS: re-exported)
+from ._types import CHANNEL_FIELDS, ChannelStats, check_tensor  # noqa: F401  (CHANNEL_FIELDS: re-exported)
 
 # The sites a ChannelCalibrator sits on, and the side each one's results are named by (its public `on` names).
 FORWARD_SITES = (Site.FORWARD_PRE, Site.FORWARD)
@@ -39,7 +39,7 @@ def channel_stats(x: torch.Tensor, dim: int = -1) -> ChannelStats:
     if not use_kernels(x, "channel_stats"):
         return reference_checked((x,), "channel_stats").channel_stats(x, dim)
     values, counts = torch.ops.hookstats.channel_stats.default(x.detach(), dim)
-    return from_parts(ChannelStats, values, counts)
+    return result_of(ChannelStats, values, counts)
 
 
 def channel_stats_buffer(channels: int, device=None, dtype: torch.dtype = torch.float64) -> torch.Tensor:

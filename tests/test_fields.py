@@ -57,6 +57,35 @@ def test_from_parts_puts_each_field_where_the_kernels_write_it():
     assert hookstats.stats(x[4:], locations=True).to_dict()["inf_count"] == 2
 
 
+@pytest.mark.parametrize("cls,shape", [(Stats, ()), (ChannelStats, (3,))])
+def test_field_views_equal_unbinds(cls, shape):
+    """_kernels.result_of's fields (row views made by the extension, Note [field views]) against from_parts' unbind:
+    the same values, dtype, shape, strides and storage offset, on the op's outputs (strided rows of a column-major
+    block too), independent of the outputs' autograd; a tensor subclass takes unbind."""
+    from hookstats._kernels import result_of
+
+    k = len(shape) and shape[0]
+    nv, nc = (9, 4) if cls is Stats else (5, 2)
+    values = torch.randn(*((nv, k) if k else (nv,)), dtype=torch.float64)
+    counts = torch.randint(0, 9, (nc, k) if k else (nc,))
+    blocks = [(values, counts)]
+    if k:  # rows strided (a transposed block) and offset in their storage
+        blocks.append((torch.randn(k + 1, nv, dtype=torch.float64).t()[:, 1:], torch.randint(0, 9, (k, nc)).t()))
+    for v, c in blocks:
+        fast, slow = result_of(cls, v, c), from_parts(cls, v, c)
+        assert type(fast) is cls
+        for a, b in zip(fast, slow):
+            assert a.dtype == b.dtype and a.shape == b.shape == shape and a.stride() == b.stride()
+            assert a.storage_offset() == b.storage_offset() and a.data_ptr() == b.data_ptr() and torch.equal(a, b)
+            assert not a.requires_grad and a.grad_fn is None
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = result_of(cls, values.as_subclass(Sub), counts.as_subclass(Sub))
+    assert all(type(f) is Sub and f._base is not None for f in sub)
+
+
 def test_stats_types_pickle_and_copy():
     import copy
     import pickle

@@ -295,6 +295,9 @@ PYBIND11_MODULE(_C, m) {
         return out;
       });
 
+  static PyMethodDef fields_def = {"_fields", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(&field_views)),
+                                   METH_FASTCALL, "a stats op's result fields as row views (Note [field views])"};
+  m.add_object("_fields", py::reinterpret_steal<py::object>(PyCFunction_New(&fields_def, nullptr)));
   m.def("forward_hook", [](std::shared_ptr<Recorder> r, int32_t fwd, int32_t grad, int32_t outputs) -> py::object {
     if (grad < 0 || outputs == kComputed || outputs == kComputedOrInput) {
       return py::make_tuple(make_hook<ForwardHook, 3>(ForwardHook{r, fwd, grad, nullptr, outputs}, "forward_hook"),

@@ -25,5 +25,9 @@ Tensors flat(PyObject* obj);
 at::Tensor plain(const at::Tensor& t);
 void set_local_part_fn(PyObject* fn);
 
+// hookstats._C._fields(values, counts, codes) (METH_FASTCALL): the tuple of row views parts[c >> 16][c & 0xffff],
+// parts = (values, counts), for each c of the tuple codes: a stats op's result fields (Note [field views]).
+PyObject* field_views(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+
 }  // namespace monitor
 }  // namespace hookstats
