@@ -268,3 +268,79 @@ def test_aten_cpu_capability_picks_the_level(level):
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "default", out.stdout
+
+
+def channel_inputs(dtype: torch.dtype):
+    """(name, tensor, dim) for the per-channel kernel (csrc/cpu/channel_chunk.h): rows order (dim=-1 of [B, T, C],
+    channels innermost; also channels_last [N, C, H, W]) with channel counts that are not a multiple of any vector
+    (16/32/64 bytes) and cross the 256-channel tile, row counts that are not a multiple of the 32-row block or of 4;
+    strided channels (gathered); runs order (dim=1 of [N, C, H, W]) with runs of 100 (read in place: 100 is no
+    multiple of a vector) and of 35 values (gathered); NaN, +-Inf, zeros of either sign, and magnitudes outside the
+    float fast path's [2^-40, 2^40] (re-read in double) in some channels."""
+    g = torch.Generator().manual_seed(362)
+
+    def dirty(x: torch.Tensor) -> torch.Tensor:
+        f = x.reshape(-1)
+        n = f.numel()
+        at = torch.randperm(n, generator=g)[: max(8, n // 97)]
+        f[at[0::8]] = float("nan")
+        f[at[1::8]] = float("inf")
+        f[at[2::8]] = -float("inf")
+        f[at[3::8]] = 0.0
+        f[at[4::8]] = -0.0
+        if dtype in (torch.float32, torch.float64):
+            f[at[5::8]] *= 1e20  # beyond 2^40: those blocks are re-read in double
+            f[at[6::8]] *= 1e-20
+        return x
+
+    yield "btc_301", (torch.randn(3, 45, 301, generator=g) * 2).to(dtype), -1
+    yield "btc_301_dirty", dirty((torch.randn(3, 45, 301, generator=g) * 2).to(dtype)), -1
+    yield "btc_37_const", torch.full((2, 70, 37), -1.25).to(dtype), -1
+    yield "btc_strided", (torch.randn(133, 2 * 75 + 1, generator=g)).to(dtype)[:, ::2].reshape(7, 19, 76), -1
+    yield "btc_transposed", (torch.randn(83, 97, generator=g)).to(dtype).t(), 0
+    x = (torch.randn(5, 61, 10, 10, generator=g) * 3 + 1).to(dtype)
+    yield "nchw_runs_100", x, 1
+    yield "nchw_runs_100_dirty", dirty(x.clone()), 1
+    yield "nchw_runs_35", dirty((torch.randn(9, 29, 5, 7, generator=g)).to(dtype)), 1
+    yield "nchw_channels_last", dirty(x.clone()).contiguous(memory_format=torch.channels_last), 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_channel_stats_on_every_level_and_levels_agree(dtype):
+    """hookstats.channel_stats and channel_stats_into on each level against the float64 oracle; absmax, min, max and
+    the non-finite count and count are the same bits on every level, sums within the tolerance (the runs order's
+    lanes and the rows order's vector tail depend on the vector width)."""
+    from test_channel_stats import EXACT, FIELDS, assert_channel_close, oracle
+
+    before = torch.ops.hookstats._cpu_isa("")
+    try:
+        results = {}
+        for level in LEVELS:
+            if torch.ops.hookstats._cpu_isa(level) != level:
+                continue
+            rs = []
+            for name, x, dim in channel_inputs(dtype):
+                got = hookstats.channel_stats(x, dim)
+                assert_channel_close(got, oracle(x, dim), dtype)
+                buf = hookstats.channel_stats_buffer(x.shape[dim])
+                hookstats.channel_stats_into(x, buf, dim)
+                hookstats.channel_stats_into(x, buf, dim)
+                assert_channel_close(hookstats.ChannelStats.from_buffer(buf), oracle(torch.cat([x, x], (dim + 1) % x.dim()), dim), dtype,
+                                     out_dtype=torch.float64)
+                rs.append((name, got))
+            results[level] = rs
+        assert "default" in results and len(results) >= 2 or cpu_max_level() == "default"
+        first_level, first = next(iter(results.items()))
+        rel = 1e-12 if dtype == torch.float64 else 4e-6
+        for level, rs in results.items():
+            for (name, s), (_, s0) in zip(rs, first):
+                for f in FIELDS:
+                    a, b = getattr(s, f), getattr(s0, f)
+                    if f in EXACT:
+                        assert torch.equal(a.isnan(), b.isnan()), (level, first_level, name, f)
+                        assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), (level, first_level, name, f)
+                    else:
+                        torch.testing.assert_close(a, b, rtol=rel, atol=0.0, equal_nan=True,
+                                                   msg=lambda m: f"{level} vs {first_level} {name} {f}: {m}")
+    finally:
+        torch.ops.hookstats._cpu_isa(before)
