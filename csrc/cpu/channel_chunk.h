@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "../core/channel_bindings.h"
 #include "../core/channel_ops.h"
@@ -83,22 +84,52 @@ struct TileAcc {
   }
 };
 
+// The lanes of a block whose float results cannot be trusted, as bits (lane l: bit l): a sum that is not finite
+// (NaN/Inf in the lane, or an overflow), or an absmax am outside the fast path's [lo, hi] other than 0. At 64 bytes the
+// compares go to mask registers (GCC 12 builds the `&` / `|` of 64-byte compares lane by lane: simd::select);
+// the predicates are the negations of sa - sa == 0, am <= hi, am >= lo and am == 0, NaN counted as untrusted.
+template <int B, typename acc_t, typename V, typename M>
+HS_INLINE uint32_t untrusted_lanes(const V& sa, const V& am) {
+  constexpr acc_t hi = ChanLimits<acc_t>::hi, lo = ChanLimits<acc_t>::lo;
+#if HS_X86_BUILTINS
+  if constexpr (B == 64 && sizeof(acc_t) == 4) {
+    using simd::k16::cmp;
+    const V f = sa - sa;
+    // _CMP_NEQ_UQ 4, _CMP_NLE_UQ 6, _CMP_NGE_UQ 9
+    return cmp<4>(f, V{}) | cmp<6>(am, V{} + hi) | (cmp<9>(am, V{} + lo) & cmp<4>(am, V{}));
+  }
+  if constexpr (B == 64 && sizeof(acc_t) == 8) {
+    const V f = sa - sa;
+    const auto c = [](const V& a, const V& b, auto p) {
+      return static_cast<uint32_t>(__builtin_ia32_cmppd512_mask(a, b, decltype(p)::value, (unsigned char)0xFF, 4));
+    };
+    using P4 = std::integral_constant<int, 4>;
+    return c(f, V{}, P4{}) | c(am, V{} + hi, std::integral_constant<int, 6>{}) |
+           (c(am, V{} + lo, std::integral_constant<int, 9>{}) & c(am, V{}, P4{}));
+  }
+#endif
+  constexpr int W = sizeof(V) / sizeof(acc_t);
+  const M ok = ((sa - sa) == 0) & (am <= hi) & ((am >= lo) | (am == 0));
+  const M bad = (ok == 0);
+  if (!simd::any_lane_of<B>(bad)) return 0;
+  uint32_t bits = 0;
+  for (int l = 0; l < W; ++l) bits |= static_cast<uint32_t>(bad[l] != 0) << l;
+  return bits;
+}
+
 // Adds one block's float results of W channels (lanes of sa, sq, mn, mx over nrows rows) into the tile
-// at channel j; lanes that cannot be trusted are re-read in double.
+// at channel j (the sums widened to double lanes); lanes that cannot be trusted are re-read in double.
 template <int B, typename scalar_t, typename V, typename M>
 HS_INLINE void rows_flush(const scalar_t* const* rowp, int64_t nrows, int64_t j, const V& sa, const V& sq,
                           const V& mn, const V& mx, TileAcc<acc_of<scalar_t>>& t) {
   using acc_t = acc_of<scalar_t>;
   constexpr int W = sizeof(V) / sizeof(acc_t);
+  using DV = typename simd::F64Lanes<W>::type;
   const V nmn = -mn;
-  const V am = simd::max_of<B>(nmn, mx);
-  const M ok = ((sa - sa) == 0) & (am <= ChanLimits<acc_t>::hi) & ((am >= ChanLimits<acc_t>::lo) | (am == 0));
-  const M bad = (ok == 0);  // (a compare, not ~: GCC 12 scalarizes ~ of a 64-byte variable, simd::select)
-  if (!simd::any_lane_of<B>(bad)) {
-    for (int l = 0; l < W; ++l) {
-      t.sum_abs[j + l] += static_cast<double>(sa[l]);
-      t.sum_sq[j + l] += static_cast<double>(sq[l]);
-    }
+  const uint32_t bad = untrusted_lanes<B, acc_t, V, M>(sa, simd::max_of<B>(nmn, mx));
+  if (bad == 0) {
+    store_acc<DV>(t.sum_abs + j, load_acc<DV>(t.sum_abs + j) + __builtin_convertvector(sa, DV));
+    store_acc<DV>(t.sum_sq + j, load_acc<DV>(t.sum_sq + j) + __builtin_convertvector(sq, DV));
     const V omn = load_acc<V>(t.mn + j), omx = load_acc<V>(t.mx + j);
     store_acc<V>(t.mn + j, simd::min_of<B>(mn, omn));
     store_acc<V>(t.mx + j, simd::max_of<B>(mx, omx));
@@ -106,7 +137,7 @@ HS_INLINE void rows_flush(const scalar_t* const* rowp, int64_t nrows, int64_t j,
   }
   for (int l = 0; l < W; ++l) {
     ChannelPartial q = channel_empty();
-    if (bad[l]) {
+    if ((bad >> l) & 1u) {
       for (int64_t i = 0; i < nrows; ++i) channel_add(q, static_cast<double>(rowp[i][j + l]));
     } else {
       q.sum_abs = sa[l]; q.sum_sq = sq[l]; q.mn = mn[l]; q.mx = mx[l];
