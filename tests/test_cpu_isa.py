@@ -31,6 +31,17 @@ def cpu_max_level() -> str:
         torch.ops.hookstats._cpu_isa(before)
 
 
+def each_level():
+    """The levels this CPU runs, each set in turn; the level before is set again at the end (or on an error)."""
+    before = torch.ops.hookstats._cpu_isa("")
+    try:
+        for level in LEVELS:
+            if torch.ops.hookstats._cpu_isa(level) == level:
+                yield level
+    finally:
+        torch.ops.hookstats._cpu_isa(before)
+
+
 def inputs(dtype: torch.dtype):
     """(name, tensor) pairs: sizes around the vector widths (16/32/64 bytes), the 4096-value chunk and the
     2^15-value task; misaligned and strided views; NaN / Inf / zeros / constants; large magnitudes."""
@@ -115,23 +126,17 @@ def test_prefetched_tensors_on_every_level(isa):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_levels_agree_exactly_where_exact(dtype):
     """Counts, min, max and histograms are the same bits on every level; sums within the tolerance."""
-    before = torch.ops.hookstats._cpu_isa("")
-    try:
-        results = {}
-        for level in LEVELS:
-            if torch.ops.hookstats._cpu_isa(level) != level:
-                continue
-            results[level] = [(hookstats.stats(x, RANGE), hookstats.exp_histogram(x)) for _, x in inputs(dtype)]
-        first = next(iter(results.values()))
-        for level, rs in results.items():
-            for (s, h, e), (s0, h0, e0) in zip(((a, b, c) for (a, b), c in rs), ((a, b, c) for (a, b), c in first)):
-                for f in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "linf"):
-                    assert torch.equal(getattr(s, f).isnan(), getattr(s0, f).isnan())
-                    if not bool(getattr(s, f).isnan()):
-                        assert torch.equal(getattr(s, f), getattr(s0, f)), (level, f)
-                assert torch.equal(h, h0) and torch.equal(e, e0), level
-    finally:
-        torch.ops.hookstats._cpu_isa(before)
+    results = {}
+    for level in each_level():
+        results[level] = [(hookstats.stats(x, RANGE), hookstats.exp_histogram(x)) for _, x in inputs(dtype)]
+    first = next(iter(results.values()))
+    for level, rs in results.items():
+        for (s, h, e), (s0, h0, e0) in zip(((a, b, c) for (a, b), c in rs), ((a, b, c) for (a, b), c in first)):
+            for f in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "linf"):
+                assert torch.equal(getattr(s, f).isnan(), getattr(s0, f).isnan())
+                if not bool(getattr(s, f).isnan()):
+                    assert torch.equal(getattr(s, f), getattr(s0, f)), (level, f)
+            assert torch.equal(h, h0) and torch.equal(e, e0), level
 
 
 def test_deterministic_across_threads(isa, restore_threads):
@@ -312,35 +317,30 @@ def test_channel_stats_on_every_level_and_levels_agree(dtype):
     lanes and the rows order's vector tail depend on the vector width)."""
     from test_channel_stats import EXACT, FIELDS, assert_channel_close, oracle
 
-    before = torch.ops.hookstats._cpu_isa("")
-    try:
-        results = {}
-        for level in LEVELS:
-            if torch.ops.hookstats._cpu_isa(level) != level:
-                continue
-            rs = []
-            for name, x, dim in channel_inputs(dtype):
-                got = hookstats.channel_stats(x, dim)
-                assert_channel_close(got, oracle(x, dim), dtype)
-                buf = hookstats.channel_stats_buffer(x.shape[dim])
-                hookstats.channel_stats_into(x, buf, dim)
-                hookstats.channel_stats_into(x, buf, dim)
-                assert_channel_close(hookstats.ChannelStats.from_buffer(buf), oracle(torch.cat([x, x], (dim + 1) % x.dim()), dim), dtype,
-                                     out_dtype=torch.float64)
-                rs.append((name, got))
-            results[level] = rs
-        assert "default" in results and len(results) >= 2 or cpu_max_level() == "default"
-        first_level, first = next(iter(results.items()))
-        rel = 1e-12 if dtype == torch.float64 else 4e-6
-        for level, rs in results.items():
-            for (name, s), (_, s0) in zip(rs, first):
-                for f in FIELDS:
-                    a, b = getattr(s, f), getattr(s0, f)
-                    if f in EXACT:
-                        assert torch.equal(a.isnan(), b.isnan()), (level, first_level, name, f)
-                        assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), (level, first_level, name, f)
-                    else:
-                        torch.testing.assert_close(a, b, rtol=rel, atol=0.0, equal_nan=True,
-                                                   msg=lambda m: f"{level} vs {first_level} {name} {f}: {m}")
-    finally:
-        torch.ops.hookstats._cpu_isa(before)
+    results = {}
+    for level in each_level():
+        rs = []
+        for name, x, dim in channel_inputs(dtype):
+            got = hookstats.channel_stats(x, dim)
+            assert_channel_close(got, oracle(x, dim), dtype)
+            buf = hookstats.channel_stats_buffer(x.shape[dim])
+            hookstats.channel_stats_into(x, buf, dim)
+            hookstats.channel_stats_into(x, buf, dim)
+            twice = torch.cat([x, x], (dim + 1) % x.dim())
+            assert_channel_close(hookstats.ChannelStats.from_buffer(buf), oracle(twice, dim), dtype,
+                                 out_dtype=torch.float64)
+            rs.append((name, got))
+        results[level] = rs
+    assert set(results) == {lv for lv in LEVELS if LEVELS.index(lv) >= LEVELS.index(cpu_max_level())}
+    first_level, first = next(iter(results.items()))
+    rel = 1e-12 if dtype == torch.float64 else 4e-6
+    for level, rs in results.items():
+        for (name, s), (_, s0) in zip(rs, first):
+            for f in FIELDS:
+                a, b = getattr(s, f), getattr(s0, f)
+                if f in EXACT:
+                    assert torch.equal(a.isnan(), b.isnan()), (level, first_level, name, f)
+                    assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), (level, first_level, name, f)
+                else:
+                    torch.testing.assert_close(a, b, rtol=rel, atol=0.0, equal_nan=True,
+                                               msg=lambda m: f"{level} vs {first_level} {name} {f}: {m}")
