@@ -8,8 +8,9 @@
 // before vector lowering, the same source becomes AVX2+FMA code in the second and AVX-512 code in the third:
 // one source of the math, no per-file compiler flags, and every function that is not inlined (the C++
 // library's, c10's) keeps the baseline target, so nothing compiled for a wider ISA can be picked by the
-// linker for a caller on an older CPU. The statistics kernel keeps each ISA's entry points in a translation
-// unit of its own (cpu/stats_chunk_{default,avx2,avx512}.cpp, over cpu/stats_chunk.h).
+// linker for a caller on an older CPU. The statistics and per-channel kernels keep each ISA's entry points in a
+// translation unit of its own (cpu/stats_chunk_{default,avx2,avx512}.cpp over cpu/stats_chunk.h,
+// cpu/channel_chunk_{default,avx2,avx512}.cpp over cpu/channel_chunk.h).
 // Which entry point runs is isa(): the level ATen's own kernels run at (at::get_cpu_capability(), which
 // honours the ATEN_CPU_CAPABILITY environment variable: "default", "avx2", "avx512"), or
 // HOOKSTATS_CPU_ISA when it is set, never above what the CPU supports. Tests pick each level with set_isa
