@@ -281,10 +281,31 @@ HS_INLINE void span_body(const scalar_t* p, int64_t n, ChannelPartial& q) {
       sa0 += a0; sq0 += a0 * a0; mn0 = simd::min_of<B>(v0, mn0); mx0 = simd::max_of<B>(v0, mx0);
     }
     acc_t sa = 0, sq = 0, mn = static_cast<acc_t>(INFINITY), mx = -static_cast<acc_t>(INFINITY);
-    for (int l = 0; l < W; ++l) {
-      sa += sa0[l]; sq += sq0[l];
-      mn = mn0[l] < mn ? mn0[l] : mn;
-      mx = mx0[l] > mx ? mx0[l] : mx;
+    if constexpr (B == 64 && sizeof(acc_t) == 4) {
+      // A float run of a [N, C, 16, 16] activation is 4 steps here: the 16 lanes are first folded in halves (one add,
+      // min or max each), else their scalar reduction costs what the wider vectors saved (double: 8 lanes, unfolded).
+      typedef acc_t H __attribute__((vector_size(B / 2)));
+      const auto fold = [](const V& v, auto op) __attribute__((always_inline)) {
+        H lo, hi;
+        std::memcpy(&lo, &v, sizeof lo);
+        std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+        return op(lo, hi);
+      };
+      const H hsa = fold(sa0, [](const H& x, const H& y) { return x + y; });
+      const H hsq = fold(sq0, [](const H& x, const H& y) { return x + y; });
+      const H hmn = fold(mn0, [](const H& x, const H& y) { return simd::min_of<B / 2>(x, y); });
+      const H hmx = fold(mx0, [](const H& x, const H& y) { return simd::max_of<B / 2>(x, y); });
+      for (int l = 0; l < W / 2; ++l) {
+        sa += hsa[l]; sq += hsq[l];
+        mn = hmn[l] < mn ? hmn[l] : mn;
+        mx = hmx[l] > mx ? hmx[l] : mx;
+      }
+    } else {
+      for (int l = 0; l < W; ++l) {
+        sa += sa0[l]; sq += sq0[l];
+        mn = mn0[l] < mn ? mn0[l] : mn;
+        mx = mx0[l] > mx ? mx0[l] : mx;
+      }
     }
     for (; i < end; ++i) {
       const acc_t x = static_cast<acc_t>(p[i]);
