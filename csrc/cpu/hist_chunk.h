@@ -16,6 +16,7 @@
 
 #include "../core/hist_ops.h"
 #include "cpu_common.h"
+#include "exp_onehot.h"
 #include "onehot_count.h"
 #include "simd.h"
 
