@@ -237,14 +237,12 @@ def backward_hook(rec, mid: int, hid: int):
 
 def grad_hook(rec, mid: int, hid: int):
     """A post-accumulate-grad hook: records param.grad after each accumulation."""
-    record = rec.record
+    call = extension().grad_hook(rec, hid)
 
     def hook(param):
         if is_compiling():
             return record_traced(mid, hid, param.grad)
-        g = param.grad
-        if g is not None and rec.active:
-            record(hid, g)
+        call(param)
         return None
 
     return inlined_only(hook)
