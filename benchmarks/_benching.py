@@ -51,6 +51,42 @@ MAX_ROUNDS = 400
 MIN_ROUND_S = 200e-6  # batch calls of tiny ops into rounds of at least this long, so timer overhead vanishes
 
 
+# glibc told to keep what is freed (no trimming of the heap's top, no separate mappings for large blocks): what a
+# caching allocator (jemalloc, tcmalloc) gives. Set in the environment of a fresh process, before its first malloc.
+# With glibc's defaults a CPU training step hands freed blocks back to the system and faults them in again, as often
+# as the order of everything allocated before makes it: hundreds to thousands of minor page faults a step, which
+# moves a step's time by several percent between processes that run the same code (test_bench_per_sample.py,
+# test_bench_large_models.py run their comparisons both ways).
+KEEP_FREED = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
+
+
+def run_keeping_freed(script: str, *args: str, timeout: float = 900) -> dict:
+    """The JSON dict that `python script *args` prints as its last line, run in a fresh process whose C allocator
+    keeps freed memory (KEEP_FREED), with the benchmarks' folder on its path."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = dict(os.environ, **KEEP_FREED, PYTHONPATH=path)
+    out = subprocess.run([sys.executable, os.path.abspath(script), *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"the keep-freed run of {os.path.basename(script)} failed ({out.returncode}):\n"
+                           f"{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def minor_faults() -> int | None:
+    """This process's minor page faults so far (None where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Smoke mode (`--benchmark-disable`, which `make test` runs): each benchmarked function runs once, untimed, so a
 # benchmark that breaks fails CI instead of rotting; cases parametrized by a size above SMOKE_MAX_SIZE_LOG2 are

@@ -11,6 +11,8 @@ every case alike; one torch thread, since 2-thread regions stall on a shared 2-c
     monitor_grads  the same + "grad", with optimizer=opt (every parameter's grad, one C++ call per step)
     monitor_grad_hooks  the same + "grad" without optimizer=: a post-accumulate-grad hook per parameter
     monitor_exp    the same as monitor + the exponent histogram (514 bins for float32)
+  The whole comparison runs twice: in the benchmark's process, and in a fresh one whose C allocator keeps freed
+  memory (keep_freed_* fields; _benching.KEEP_FREED), each with the page faults a step of every case.
   Every Monitor case flushes every FLUSH_EVERY steps inside the timed loop (Note [flush cost] in
   test_bench_monitor.py): a step's time is the mean over whole flush periods, not a median that skips flushes.
   large-host                  host time per record and flush time per record:
@@ -34,7 +36,7 @@ from typing import Callable
 
 import pytest
 import torch
-from _benching import SEED
+from _benching import SEED, minor_faults, run_keeping_freed
 from torch import nn
 from torch.nn import functional as F
 
@@ -128,18 +130,26 @@ MODELS = {"mlp1000": make_mlp, "gpt12": make_gpt}
 # The report's tables (benchmarks/report.py reads this literal; targets in benchmarks/targets.json).
 REPORT = [
     {"id": "large_step", "title": "Monitor on large models, one training step, interleaved", "family": "large",
-     "where": "bench == 'step'", "explode": {"key": "case", "fields": ["step_s", "ratios", "median_ratios"]},
+     "where": "bench == 'step'", "explode": {"key": "case", "fields": ["step_s", "ratios", "median_ratios", "cpu_ratios", "faults",
+                                           "keep_freed_ratios", "keep_freed_faults"]},
      "split": ["model"], "rows": ["case"],
      "labels": {"none": "no hooks", "empty_hooks": "PyTorch's empty forward + full backward pre-hooks",
                 "monitor": "Monitor, default kinds", "monitor_grads": "+ `grad` (`optimizer=`)",
                 "monitor_grad_hooks": "+ `grad` (a hook per parameter)",
                 "monitor_exp": "+ exponent histogram"},
      "columns": [["case", "label(case)"], ["step ms (fastest period)", "step_s", "ms"], ["vs no hooks", "ratios", "x"],
-                 ["median ratio", "median_ratios", "x"]],
+                 ["median ratio", "median_ratios", "x"], ["CPU-time ratio", "cpu_ratios", "x"],
+                 ["page faults a step", "faults", "int"], ["keep-freed: vs no hooks", "keep_freed_ratios", "x"],
+                 ["keep-freed: page faults a step", "keep_freed_faults", "int"]],
      "note": "mlp1000: 500 x (Linear(64, 64), ReLU), batch 32, 1,001 modules; gpt12: a 12-layer GPT (nanoGPT layout, "
              "n_embd 128), batch 2 x 32, 164 modules. Forward, loss, backward, SGD step, `zero_grad`, a flush every 10 "
              "steps inside the timed loop; the cases run interleaved period by period, one thread; the ratio of each "
-             "case's fastest 10-step period to the no-hooks one's (a busy neighbour only ever adds time)."},
+             "case's fastest 10-step period to the no-hooks one's (a busy neighbour only ever adds time); the CPU-time "
+             "ratio is the same of the thread's CPU time, which leaves out time spent waiting for a core. Page faults: "
+             "glibc's allocator hands freed blocks back to the system and the next step faults them in again, as often "
+             "as the heap's history makes it, in every case alike or not (Note in _benching.py, KEEP_FREED); the "
+             "keep-freed columns are the same comparison in a fresh process whose allocator keeps freed memory: each "
+             "case's own work, which does not move with the heap's history."},
     {"id": "large_host", "title": "Host cost per recorded tensor and per flushed record", "family": "large",
      "where": "bench == 'host'", "rows": ["bench"],
      "columns": [["host time per recorded tensor µs", "record_host_s", "us"],
@@ -196,9 +206,8 @@ class Case:
 
 
 
-@pytest.mark.parametrize("model_name", list(MODELS))
-def test_large_model_step(benchmark, hookstats, one_thread, model_name):
-    smoke = benchmark.disabled
+def measure_steps(hookstats, model_name: str, smoke: bool) -> dict:
+    """Every case of one model, interleaved flush period by flush period: extra_info's fields, each a dict by case."""
     cases = {c: Case(hookstats, model_name, c, smoke) for c in CASES}
     try:
         mon = cases["monitor_grads"].mon
@@ -208,24 +217,50 @@ def test_large_model_step(benchmark, hookstats, one_thread, model_name):
         records = len([r for r in mon.records() if r["step"] == mon.current_step - 1])
         assert records > 0 and {r["kind"] for r in per_step} >= {"forward", "backward_pre", "grad"}
         times: dict[str, list] = {c: [] for c in CASES}
-        for _ in range(1 if smoke else ROUNDS):  # interleaved: one flush period of each case in turn
+        cpu: dict[str, list] = {c: [] for c in CASES}  # the thread's CPU time: what another process's load leaves out
+        faults = dict.fromkeys(CASES, 0)
+        rounds = 1 if smoke else ROUNDS
+        for _ in range(rounds):  # interleaved: one flush period of each case in turn
             for name, c in cases.items():
+                f0, c0 = minor_faults(), time.thread_time()
                 times[name].append(c.run(FLUSH_EVERY))
+                cpu[name].append((time.thread_time() - c0) / FLUSH_EVERY)
+                if f0 is not None:
+                    faults[name] += minor_faults() - f0
         # The fastest flush period of each case: on a shared machine a busy neighbour only ever adds time, and
         # the cases ran interleaved, so their fastest periods saw the same quiet machine. Medians go along.
         best = {c: min(v) for c, v in times.items()}
-        ratios = {c: best[c] / best["none"] for c in CASES}
         med = {c: statistics.median(v) for c, v in times.items()}
-        benchmark.group = f"large-step-{model_name}"
-        benchmark.extra_info.update(family="large", bench="step", model=model_name, flush_every=FLUSH_EVERY,
-                                    modules=len(list(cases["none"].model.modules())), records_per_step=records,
-                                    step_s=best, ratios=ratios, median_step_s=med,
-                                    median_ratios={c: med[c] / med["none"] for c in CASES},
-                                    torch_threads=torch.get_num_threads(), case="monitor")
-        benchmark.pedantic(cases["monitor"].step, rounds=1 if smoke else 2 * FLUSH_EVERY, iterations=1)
+        return dict(modules=len(list(cases["none"].model.modules())), records_per_step=records,
+                    step_s=best, ratios={c: best[c] / best["none"] for c in CASES}, median_step_s=med,
+                    median_ratios={c: med[c] / med["none"] for c in CASES},
+                    cpu_ratios={c: min(cpu[c]) / min(cpu["none"]) for c in CASES},
+                    **({"faults": {c: n / (rounds * FLUSH_EVERY) for c, n in faults.items()}}
+                       if minor_faults() is not None else {}))
     finally:
         for c in cases.values():
             c.close()
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_large_model_step(benchmark, hookstats, one_thread, model_name):
+    """The cases twice: in this process (glibc's default allocator, which hands freed blocks back to the system, so
+    that steps fault their memory in again as often as everything allocated before makes them: the faults fields
+    count them a step), and in a fresh process whose allocator keeps freed memory (_benching.KEEP_FREED; the fields
+    prefixed with keep_freed_): each case's own arithmetic and Python, which does not move with the heap's history."""
+    smoke = benchmark.disabled
+    info = measure_steps(hookstats, model_name, smoke)
+    kept = run_keeping_freed(__file__, model_name, "smoke" if smoke else "timed")
+    info.update({f"keep_freed_{k}": kept[k] for k in ("ratios", "median_ratios", "cpu_ratios", "faults") if k in kept})
+    benchmark.group = f"large-step-{model_name}"
+    benchmark.extra_info.update(family="large", bench="step", model=model_name, flush_every=FLUSH_EVERY,
+                                torch_threads=torch.get_num_threads(), case="monitor", **info)
+    monitored = Case(hookstats, model_name, "monitor", smoke)
+    try:
+        monitored.run(FLUSH_EVERY)
+        benchmark.pedantic(monitored.step, rounds=1 if smoke else 2 * FLUSH_EVERY, iterations=1)
+    finally:
+        monitored.close()
 
 
 def test_large_host_costs(benchmark, hookstats, one_thread):
@@ -291,3 +326,13 @@ def test_large_host_costs(benchmark, hookstats, one_thread):
                                 hist_kept_bytes=kept, hist_dense_bytes=dense, flush_every=FLUSH_EVERY)
     assert math.isfinite(record_host)
     benchmark.pedantic(lambda: lin(x), rounds=1 if smoke else 100, iterations=1 if smoke else 100)
+
+
+if __name__ == "__main__":  # test_large_model_step's keep-freed worker: prints measure_steps' fields as one JSON line
+    import json
+    import sys
+
+    import hookstats as _hs
+
+    torch.set_num_threads(1)
+    print(json.dumps(measure_steps(_hs, sys.argv[1], sys.argv[2] == "smoke")))

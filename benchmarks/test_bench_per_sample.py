@@ -377,26 +377,11 @@ def vs_opacus(hookstats, name: str, device: str, smoke: bool) -> dict:
         torch.set_num_threads(threads)
 
 
-# glibc told to keep what is freed (no trimming of the heap's top, no separate mappings for large blocks): what a
-# caching allocator (jemalloc, tcmalloc) gives. Set in the environment of a fresh process, before its first malloc.
-KEEP_FREED = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
-
-
 def vs_opacus_keeping_freed(name: str, device: str, smoke: bool) -> dict:
-    """vs_opacus in a fresh Python process whose C allocator keeps freed memory (KEEP_FREED)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    """vs_opacus in a fresh Python process whose C allocator keeps freed memory (_benching.KEEP_FREED)."""
+    from _benching import run_keeping_freed
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env = dict(os.environ, **KEEP_FREED, PYTHONPATH=path)
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), name, device, "smoke" if smoke else "timed"],
-                         env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"the keep-freed run failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_keeping_freed(__file__, name, device, "smoke" if smoke else "timed")
 
 
 @pytest.mark.parametrize("name", ["cnn", "tied"])
