@@ -216,8 +216,35 @@ int32_t Recorder::site_for(int32_t hook, int32_t index, int32_t call, const at::
   return id;
 }
 
+// Note [successor prefetch]: the last site written learns that `site` follows it; `site`'s own successor is fetched.
+void Recorder::prefetch_successor(Site& s, int32_t site, int64_t slot) {
+  if (last_site_ >= 0 && last_site_ < static_cast<int32_t>(sites_.size()) && last_site_ != site) {
+    Site& last = sites_[last_site_];  // in cache: written a hook ago
+    last.succ = site;
+    last.succ_hook = s.hook;
+    last.succ_row = s.dev == last.dev ? s.row : -1;
+  }
+  last_site_ = site;
+  if (s.succ < 0 || s.succ >= static_cast<int32_t>(sites_.size()) || s.succ_hook < 0 ||
+      s.succ_hook >= static_cast<int32_t>(hooks_.size())) {
+    return;
+  }
+  const auto* h = reinterpret_cast<const char*>(&hooks_[s.succ_hook]);
+  __builtin_prefetch(h);
+  __builtin_prefetch(h + sizeof(HookState) - 1);
+  __builtin_prefetch(&sites_[s.succ]);
+  const DeviceBuffer& b = devs_[s.dev];
+  if (s.succ_row >= 0 && b.device.is_cpu() && s.succ_row < b.cap) {
+    const auto* row = reinterpret_cast<const char*>(b.stats.data_ptr<double>() +
+                                                    (slot * b.cap + s.succ_row) * static_cast<int64_t>(kNumStatFields));
+    __builtin_prefetch(row, 1);
+    __builtin_prefetch(row + kNumStatFields * sizeof(double) - 1, 1);
+  }
+}
+
 void Recorder::write(int32_t site, const at::Tensor& x, int64_t slot, bool hist) {
-  const Site& s = sites_[site];
+  Site& s = sites_[site];
+  prefetch_successor(s, site, slot);
   const DeviceBuffer& b = devs_[s.dev];
   order_slots_.push_back(static_cast<int32_t>(slot));
   order_sites_.push_back(site);

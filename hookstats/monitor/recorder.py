@@ -168,6 +168,10 @@ class Recorder:
     def _device_rows(self, blocks: list, slot: np.ndarray, site: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = the row (slot[i], site[i]) of its device's block (blocks[d]: [slots, rows, k]), for every i."""
         dev, row = self.table.dev[site], self.table.row[site]
+        if len(blocks) == 1 and blocks[0].dtype == out.dtype and not dev.any():
+            # every row on one device (device 0): the gather is the result, with no second copy of the rows (on a
+            # large model megabytes a flush, which the C allocator maps afresh and faults in each time)
+            return blocks[0][slot, row]
         for d, b in enumerate(blocks):
             sel = np.flatnonzero(dev == d)
             if len(sel):
