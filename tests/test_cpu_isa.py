@@ -218,6 +218,19 @@ def onehot_inputs(dtype: torch.dtype):
         if c % 2:
             one[c * 4096 + 4 * c + 2] = float("nan")
     yield "one_outside_per_chunk", one.to(dtype)
+    # Note [one-hot misses]: chunks that leave most values outside any window (exponents of both clusters, a range's
+    # under- and overflow 65 apart) send the next kOneHotWait (8) chunks to the per-value counting, then the window
+    # comes back, its carried counts intact: bad chunks at 0-1, 12 and 23, 26 (the wait cut short by the end and by
+    # another bad chunk), randn between them, and the range's far-out values on both sides in chunks 5 and 30.
+    mix = torch.randn(32 * 4096 + 77, generator=g)
+    for c in (0, 1, 12, 23, 26):
+        ch = mix[c * 4096:(c + 1) * 4096]
+        ch.copy_(torch.where(torch.rand(4096, generator=g) < 0.5, ch * 1e30, ch * 1e-30))
+    for c in (5, 30):
+        mix[c * 4096:(c + 1) * 4096] *= 1e20
+    mix[-77:] *= 1e25
+    yield "misses_then_window", mix.to(dtype)
+    yield "far_out_both_sides", (torch.randn(6 * 4096 + 5, generator=g) * 1e20).to(dtype)
     edge = narrow_window_edges(g, dtype, 24)
     yield "narrow_window_edges", edge.to(dtype)
     yield "narrow_window_edges_strided", edge.to(dtype)[1::2]

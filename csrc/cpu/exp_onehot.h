@@ -72,15 +72,20 @@ HS_INLINE void exp_chunk_onehot(const scalar_t* p, int64_t n, HistCounters& h, d
     else u = static_cast<uint32_t>(p[i].x) << 16;
     count_one(u);
   }
-  if (missed > zero + nan - tail_special) {  // values outside the window: count them
-    tail_special = 0;
+  if (missed > zero + nan - tail_special) {  // values outside the window: count them (Note [one-hot misses])
+    int64_t outside = 0;
     for (int64_t i = 0; i < nvec; ++i) {
       const U u = bits(i);
-      for (int j = 0; j < W; ++j) {
-        const uint32_t t = u[j] >> 23;
-        if (t - static_cast<uint32_t>(lo) >= 32u && t - static_cast<uint32_t>(lo + 256) >= 32u) count_one(u[j]);
+      for (int j = 0; j < W; ++j) {  // branch-free: 0 or 1 a value; zeros and NaNs come from the statistics
+        const uint32_t t = u[j] >> 23, a = u[j] & 0x7fffffffu;
+        const uint32_t m = static_cast<uint32_t>(t - static_cast<uint32_t>(lo) >= 32u) &
+                           static_cast<uint32_t>(t - static_cast<uint32_t>(lo + 256) >= 32u) &
+                           static_cast<uint32_t>(a != 0) & static_cast<uint32_t>(a <= 0x7f800000u);
+        h.c[exp_slot<8, 23>(u[j])] += m;
+        outside += m;
       }
     }
+    if (outside > kOneHotMaxMissed) h.onehot_wait = kOneHotWait;
   }
   h.c[2 * nE + 2] += static_cast<uint32_t>(zero);
   h.c[2 * nE + 5] += static_cast<uint32_t>(nan);

@@ -318,17 +318,25 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
   constexpr int W = L::W;
   constexpr bool kWide = B >= 32;
   if constexpr (kWide && HM == kHistExp && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>)) {
+    if (h.onehot_wait > 0) {  // Note [one-hot misses]: value by value, below
+      --h.onehot_wait;
+    } else {
 #if HS_X86_BUILTINS
-    if constexpr (B == 64) {
-      if (exp_chunk_narrow(p, n, h, std::fmax(-mn, mx), zero, nan)) return;
-    }
+      if constexpr (B == 64) {
+        if (exp_chunk_narrow(p, n, h, std::fmax(-mn, mx), zero, nan)) return;
+      }
 #endif
-    exp_chunk_onehot<B>(p, n, h, std::fmax(-mn, mx), zero, nan);
-    return;
+      exp_chunk_onehot<B>(p, n, h, std::fmax(-mn, mx), zero, nan);
+      return;
+    }
   }
   // (not for Note [16-bit ordinal tables]: a table load and an increment per value beat a table load, a store and
   // the one-hot pass)
-  const bool onehot = kWide && HM == kHistRange && bp.spec.bins <= kOneHotMaxBins && bp.lut == nullptr;
+  bool onehot = kWide && HM == kHistRange && bp.spec.bins <= kOneHotMaxBins && bp.lut == nullptr;
+  if (onehot && h.onehot_wait > 0) {  // Note [one-hot misses]
+    --h.onehot_wait;
+    onehot = false;
+  }
   alignas(64) int32_t idx[kChunk];
   int64_t i = 0;
   if constexpr (std::is_same_v<typename L::acc_t, float>) {

@@ -42,6 +42,7 @@ struct HistCounters {
   int64_t sliced_total;  // how many values the bit-sliced counts hold (their population count, weighted)
   bool keys16;           // the bit-sliced counts are of 16-bit lanes: bit b of a 32-bit word is key b % 16
   int32_t narrow_wait;   // Note [narrow exponent windows]: chunks to count in the wide window before trying again
+  int32_t onehot_wait;   // Note [one-hot misses]: chunks to count value by value before trying the window again
 };
 
 constexpr int kOneHotGroupLevels = 5;  // ones .. sixteens: a Harley-Seal group of 32 words
@@ -115,6 +116,18 @@ inline void flush_counters(HistCounters& h) {
 // uncounted than the chunk's zeros and NaNs explain (a value far below the largest, a subnormal, an infinity, a bin
 // outside the window: rare in most data), the chunk's values outside the window are counted again one by one. Counts
 // are integers: the result is bit for bit the per-value counting's, on every level.
+//
+// Note [one-hot misses]
+// Data whose chunks do not fit a window (a range histogram of values far outside its range on both sides, 64 bins'
+// underflow and overflow counters 65 apart; exponents spread over more than 32 binades: gradients of mixed scales,
+// randn * 1e30 next to randn * 1e-30) leaves most of a chunk to the second read, which was a branch per value on a
+// coin flip: 38x the time of randn for the exponent histogram, 15x for the range one (2^20 float32, 5 ms). The second
+// read is branch-free (an increment of 0 or 1 per value), and a chunk that leaves more than kOneHotMaxMissed values
+// to it sends the next kOneHotWait chunks to the per-value counting (HistCounters::onehot_wait: the indices, then
+// count_indices' copies), which costs the same on every distribution: such data then costs what the value-by-value
+// histogram costs (~2x the window's on randn), and spread data within the window keeps the window's speed.
+constexpr int64_t kOneHotMaxMissed = kChunk / 16;
+constexpr int32_t kOneHotWait = 8;
 // Cost, per vector on AVX-512: one shift for t (bfloat16: one vpmovzxwd and a shift), two subtractions, two vpsllvd,
 // ~3.9 vpternlogd and ~1 logic instruction for the deep levels. The one-hot words are made right before their adder
 // takes them and each adder overwrites only operands that are dead (csa), so nothing spills and nothing is copied
@@ -352,11 +365,15 @@ HS_INLINE void count_indices_onehot(const int32_t* idx, int64_t n, HistCounters&
     if (nan_apart && idx[i] == nan_idx) ++tail_nan;
     else h.c[idx[i]] += 1;
   }
-  if (missed > (nan_apart ? nan - tail_nan : 0)) {
+  if (missed > (nan_apart ? nan - tail_nan : 0)) {  // Note [one-hot misses]: branch-free, 0 or 1 a value
+    int64_t outside = 0;
     for (int64_t i = 0; i < nvec * W; ++i) {
       const int32_t o = idx[i];
-      if (static_cast<uint32_t>(o - kb) >= 64u && o != nan_idx) h.c[o] += 1;
+      const uint32_t m = static_cast<uint32_t>(static_cast<uint32_t>(o - kb) >= 64u) & static_cast<uint32_t>(o != nan_idx);
+      h.c[o] += m;
+      outside += m;
     }
+    if (outside > kOneHotMaxMissed) h.onehot_wait = kOneHotWait;
   }
   if (nan_apart) h.c[nan_idx] += static_cast<uint32_t>(nan);
 }
