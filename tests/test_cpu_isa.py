@@ -231,6 +231,14 @@ def onehot_inputs(dtype: torch.dtype):
     mix[-77:] *= 1e25
     yield "misses_then_window", mix.to(dtype)
     yield "far_out_both_sides", (torch.randn(6 * 4096 + 5, generator=g) * 1e20).to(dtype)
+    # Values on every edge of the 64-, 61- and 5-bin ranges and one ulp either side of them, in runs where the edge
+    # changes from vector to vector and runs where it stays (the threshold cache moves, or holds)
+    edges = torch.cat([torch.linspace(-4.0, 4.0, 65), torch.linspace(-4.0, 4.0, 62), torch.linspace(-1.0, 1.0, 6)])
+    e = edges.to(dtype)[torch.randint(0, len(edges), (3 * 4096,), generator=g)]
+    e[4096:8192] = e[4096]
+    ups, downs = torch.nextafter(e, e.new_tensor(float("inf"))), torch.nextafter(e, e.new_tensor(-float("inf")))
+    which = torch.randint(0, 3, e.shape, generator=g)
+    yield "on_and_beside_edges", torch.where(which == 0, e, torch.where(which == 1, ups, downs))
     edge = narrow_window_edges(g, dtype, 24)
     yield "narrow_window_edges", edge.to(dtype)
     yield "narrow_window_edges_strided", edge.to(dtype)[1::2]
@@ -243,9 +251,10 @@ def onehot_inputs(dtype: torch.dtype):
         yield f"tail_{tail}", t.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_onehot_counts_on_every_level(dtype, isa):
-    """The register-counted histograms (Note [one-hot chunk counts]) against the reference on each level."""
+    """The register-counted histograms (Note [one-hot chunk counts]) against the reference on each level; float64
+    takes the same inputs through its own ordinals (range_ordinals_avx512_f64 on AVX-512)."""
     for name, x in onehot_inputs(dtype):
         for spec in (EXP, RANGE, hookstats.Histogram.range(61, -4.0, 4.0), hookstats.Histogram.range(5, -1.0, 1.0)):
             got = hookstats.stats(x, histogram=spec)[1]

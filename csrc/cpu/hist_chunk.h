@@ -305,6 +305,49 @@ HS_INLINE int64_t range_ordinals_avx512(const scalar_t* p, int64_t n, const Rang
   }
   return i;
 }
+
+// The same rule for 8 double lanes (the thresholds T64, the transform in double), their ordinals as 8 int32 lanes:
+// GCC 12 scalarized range_ordinals' double body at this width, lane by lane (2^20 randn, 64 bins: 2.2 ms, 2.4x the
+// AVX2 level's 0.9 ms).
+template <int P>
+HS_INLINE unsigned char cmp_f64x8(const simd::VT<64>::f64& a, const simd::VT<64>::f64& b) {
+  return __builtin_ia32_cmppd512_mask(a, b, P, (unsigned char)0xFF, 4);  // _CMP_* predicates of _mm512_cmp_pd_mask
+}
+
+HS_INLINE int64_t range_ordinals_avx512_f64(const double* p, int64_t n, const BinPlan& bp, int32_t* idx) {
+  using V = simd::VT<64>::f64;
+  using Q = simd::VT<64>::i64;
+  using M = simd::VT<32>::i32;
+  typedef unsigned char mask;
+  const V scale = V{} + bp.spec.scale, shift = V{} + bp.spec.shift, band = V{} + bp.rc.band64;
+  const V top = V{} + static_cast<double>(bp.spec.bins);
+  const M one = M{} + 1, nan_slot = M{} + (bp.spec.bins + 2);
+  V er = V{} - 1.0, eT = V{};  // the edge cache (EdgeCache): no edge yet
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    V v;
+    std::memcpy(&v, p + i, sizeof v);
+    const V t = v * scale + shift;
+    const V rf = simd::round_nonneg_of<64, V, Q>(simd::min_of<64>(simd::max_of<64>(t, V{}), top));  // NaN -> 0
+    const V d = t - rf;
+    const mask near = cmp_f64x8<2 /*LE_OS*/>(simd::abs_bits<V, Q>(d), band) & cmp_f64x8<7 /*ORD_Q*/>(v, v);
+    const mask far_above = static_cast<mask>(~near) & cmp_f64x8<13 /*GE_OS*/>(d, V{});
+    mask above = (near & cmp_f64x8<13>(v, eT)) | far_above;
+    const mask moved = near & cmp_f64x8<4 /*NEQ_UQ*/>(rf, er);
+    const M r = __builtin_convertvector(rf, M);
+    if (moved != 0) {  // a near lane at another edge than the cached one: thresholds per lane, cache moves
+      const V g = __builtin_ia32_gathersiv8df(V{}, bp.rc.T64, r, near, 8);
+      above = (near & cmp_f64x8<13>(v, g)) | far_above;
+      const int j = __builtin_ctz(moved);
+      er = V{} + rf[j];
+      eT = V{} + g[j];
+    }
+    const M o = __builtin_ia32_paddd256_mask(r, one, r, above);
+    const M out = __builtin_ia32_blendmd_256_mask(o, nan_slot, cmp_f64x8<3 /*UNORD_Q*/>(v, v));
+    std::memcpy(idx + i, &out, sizeof out);
+  }
+  return i;
+}
 #endif
 
 // The histogram of one chunk: counter indices into a buffer (SIMD, or one table load per value for
@@ -361,6 +404,9 @@ HS_INLINE void bin_chunk(const scalar_t* p, int64_t n, HistCounters& h, const Bi
     }
   } else if constexpr (std::is_same_v<scalar_t, double>) {
     if (HM == kHistExp || bp.rc.T64 != nullptr) {
+#if HS_X86_BUILTINS
+      if constexpr (B == 64 && HM == kHistRange) i = range_ordinals_avx512_f64(p, n, bp, idx);
+#endif
       EdgeCache<typename simd::VT<B>::f64> ec{typename simd::VT<B>::f64{} - 1.0, typename simd::VT<B>::f64{}};
       const BinPlan plan = bp;
       for (; i + W <= n; i += W) {
