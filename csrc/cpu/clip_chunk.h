@@ -1,0 +1,251 @@
+// The clipping kernels' chunk bodies: a chunk's norm partial (Note [norm piece]), its scaling by a coefficient and
+// its clamping with a count of the changed values, written once over B-byte vectors and compiled per ISA into the
+// entry points of cpu/clip_chunk_{default,avx2,avx512}.cpp (Note [cpu dispatch]); cpu/clip_cpu.cpp walks the
+// pieces of a tensor list (Note [cpu tensor lists]) and picks the table at run time.
+// Across levels: the inf-norm, max |x|, the NaN / Inf flags, the clamped values and the counts are the same bits, and
+// so are the scaled values for the same coefficient; the 1- and 2-norms' sums differ in rounding only (the lanes
+// they are summed in, and the fused multiply-adds of the wide levels, depend on the vector width).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "../core/norm_ops.h"
+#include "cpu_common.h"
+#include "simd.h"
+
+namespace hookstats {
+namespace clip_cpu {
+
+constexpr int64_t kChunk = 4096;  // values a norm chunk reads (<= kMaxFastPiece)
+constexpr int64_t kNormBlock = 512;
+static_assert(kChunk <= kMaxFastPiece, "a fast norm piece must stay within NormLimits");
+
+// ---------------------------------------------------------------------------------------
+// Norms. The fast path of core/norm_ops.h in SIMD lanes, two interleaved sets, the values scaled
+// by 2^-e first when SCALED (Note [norm scaling]); max |x| is of the unscaled values.
+template <int B, int KIND, typename scalar_t, bool SCALED>
+HS_INLINE FastNorm<acc_of<scalar_t>> fast_norm_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> sc) {
+  HS_LANE_TYPES(scalar_t, B);
+  const V vsc = V{} + sc;
+  V m0{}, m1{};
+  auto step = [&](V& s, V& m, const V& v) {
+    const V a = simd::abs_bits<V, M>(v);
+    if (KIND == kNorm1) s += SCALED ? a * vsc : a;
+    if (KIND == kNorm2) {
+      if constexpr (SCALED) {
+        const V y = v * vsc;
+        s += y * y;
+      } else {
+        s += v * v;
+      }
+    }
+    if (KIND == kNormInf) {
+      m = ((a > m) | (a != a)) ? a : m;
+      s += v - v;
+    } else {
+      m = a > m ? a : m;
+    }
+  };
+  FastNorm<acc_t> f;
+  fast_norm_init(f);
+  // The sum lanes restart every kNormBlock values (as in stats_cpu.cpp): a constant tensor's
+  // l1 then stays within ~1e-7 instead of drifting to ~3e-6 over a chunk.
+  int64_t i = 0;
+  const int64_t n_vec = n - n % W;
+  while (i < n_vec) {
+    V s0{}, s1{};
+    const int64_t end = std::min(n_vec, i + kNormBlock);
+    for (; i + 2 * W <= end; i += 2 * W) {
+      step(s0, m0, L::load(p + i));
+      step(s1, m1, L::load(p + i + W));
+    }
+    if (i + W <= end) {
+      step(s0, m0, L::load(p + i));
+      i += W;
+    }
+    acc_t s = 0;
+    for (int j = 0; j < W; ++j) s += s0[j] + s1[j];
+    f.s += s;
+  }
+  for (int j = 0; j < W; ++j) {
+    const acc_t m = (m1[j] > m0[j] || m1[j] != m1[j]) ? m1[j] : m0[j];
+    f.amax = (m > f.amax || m != m) ? m : f.amax;
+  }
+  for (; i < n; ++i) {
+    const acc_t v = static_cast<acc_t>(p[i]);
+    if (SCALED && KIND != kNormInf) fast_norm_add_scaled<KIND, acc_t>(f, v, sc);
+    else fast_norm_add<KIND, acc_t>(f, v);
+  }
+  return f;
+}
+
+// NaN / Inf flags of a piece by vector compares.
+template <int B, typename scalar_t>
+HS_INLINE int32_t nonfinite_flags_simd(const scalar_t* p, int64_t n) {
+  HS_LANE_TYPES(scalar_t, B);
+  const V inf = V{} + static_cast<acc_t>(INFINITY);
+  M nan{}, isinf{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const V v = L::load(p + i);
+    nan |= (v != v);
+    isinf |= (simd::abs_bits<V, M>(v) == inf);
+  }
+  int32_t flags = (simd::any_lane(nan) ? kNormHasNan : 0) | (simd::any_lane(isinf) ? kNormHasInf : 0);
+  for (; i < n; ++i) flags |= nonfinite_norm_flag<acc_t>(static_cast<acc_t>(p[i]));
+  return flags;
+}
+
+template <typename scalar_t>
+NormPartial careful_norm_chunk(const scalar_t* p, int64_t n, const NormSpec& ns) {
+  CarefulNorm c = careful_norm_init();
+  for (int64_t j = 0; j < n; ++j) careful_norm_scan(c, static_cast<double>(p[j]));
+  const int32_t e = careful_norm_exponent(c, ns);
+  double s = 0.0;
+  if (ns.kind != kNormInf && !(c.flags & kNormHasNan)) {
+    for (int64_t j = 0; j < n; ++j) s += careful_norm_term(static_cast<double>(p[j]), e, ns);
+  }
+  return careful_norm_partial(c, s, e, ns);
+}
+
+template <int B, int KIND, typename scalar_t>
+HS_INLINE FastNorm<acc_of<scalar_t>> fast_norm_scaled(const scalar_t* p, int64_t n, int32_t e) {
+  using acc_t = acc_of<scalar_t>;
+  if (e == 0) return fast_norm_simd<B, KIND, scalar_t, false>(p, n, acc_t(1));
+  return fast_norm_simd<B, KIND, scalar_t, true>(p, n, static_cast<acc_t>(ldexp(1.0, -e)));
+}
+
+// A chunk as Note [norm piece] reads it: SIMD passes over p[0, n).
+template <int B, int KIND, typename scalar_t>
+struct SimdNormReader {
+  const scalar_t* p;
+  int64_t n;
+  HS_INLINE FastNorm<acc_of<scalar_t>> fast(int32_t e) const {
+    if (KIND == kNormInf) return fast_norm_simd<B, kNormInf, scalar_t, false>(p, n, acc_of<scalar_t>(1));
+    return fast_norm_scaled<B, KIND, scalar_t>(p, n, e);
+  }
+  HS_INLINE int32_t flags() const { return nonfinite_flags_simd<B, scalar_t>(p, n); }
+};
+
+// One chunk; `e` and `flags_seen` are the state of the piece so far (Note [norm scaling]).
+template <int B, typename scalar_t>
+HS_INLINE NormPartial norm_chunk_body(const scalar_t* p, int64_t n, const NormSpec& ns, int32_t& e,
+                                      int32_t flags_seen) {
+  using acc_t = acc_of<scalar_t>;
+  if (ns.kind == kNormP) return careful_norm_chunk(p, n, ns);
+  if (flags_seen & kNormHasInf) {  // the norm is inf unless a NaN follows
+    NormPartial r = empty_norm();
+    r.flags = nonfinite_flags_simd<B, scalar_t>(p, n);
+    return r;
+  }
+  switch (ns.kind) {
+    case kNorm2: return fast_norm_piece<acc_t>(SimdNormReader<B, kNorm2, scalar_t>{p, n}, kNorm2, e);
+    case kNorm1: return fast_norm_piece<acc_t>(SimdNormReader<B, kNorm1, scalar_t>{p, n}, kNorm1, e);
+    default: return fast_norm_piece<acc_t>(SimdNormReader<B, kNormInf, scalar_t>{p, n}, kNormInf, e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Scaling in place by a coefficient (or to zero).
+template <int B, typename scalar_t>
+HS_INLINE void scale_chunk_body(scalar_t* p, int64_t n, acc_of<scalar_t> coef, bool zero) {
+  HS_LANE_TYPES(scalar_t, B);
+  int64_t i = 0;
+  if (zero) {
+    std::fill(p, p + n, static_cast<scalar_t>(0));
+    return;
+  }
+  const V c = V{} + coef;
+  for (; i + W <= n; i += W) L::store(p + i, L::load(p + i) * c);
+  for (; i < n; ++i) p[i] = static_cast<scalar_t>(static_cast<acc_t>(p[i]) * coef);
+}
+
+// ---------------------------------------------------------------------------------------
+// Clamping in place with a count of the changed elements.
+template <int B, typename scalar_t>
+HS_INLINE int64_t clamp_chunk_body(scalar_t* p, int64_t n, scalar_t lo_t, scalar_t hi_t) {
+  HS_LANE_TYPES(scalar_t, B);
+  const acc_t lo = static_cast<acc_t>(lo_t), hi = static_cast<acc_t>(hi_t);
+  const V vlo = V{} + lo, vhi = V{} + hi;
+  M cnt{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const V v = L::load(p + i);
+    const M m = (M)(v < vlo) | (M)(v > vhi);
+    if (simd::any_lane(m)) {
+      cnt -= m;
+      for (int j = 0; j < W; ++j) {
+        if (m[j]) p[i + j] = v[j] < lo ? lo_t : hi_t;
+      }
+    }
+  }
+  int64_t count = 0;
+  for (int j = 0; j < W; ++j) count += cnt[j];
+  for (; i < n; ++i) {
+    const acc_t v = static_cast<acc_t>(p[i]);
+    if (is_clipped(v, lo, hi)) {
+      p[i] = v < lo ? lo_t : hi_t;
+      ++count;
+    }
+  }
+  return count;
+}
+
+// The chunk entry points of one ISA (Note [cpu dispatch]). norm: the partial of p[0, n) given the piece's scale
+// exponent so far (in and out) and its flags so far; scale: p[0, n) *= coef (or = 0); clamp: p[0, n) clamped to
+// [lo, hi], returning how many values changed.
+template <typename scalar_t>
+struct ClipFns {
+  NormPartial (*norm)(const scalar_t*, int64_t, const NormSpec&, int32_t&, int32_t);
+  void (*scale)(scalar_t*, int64_t, acc_of<scalar_t>, bool);
+  int64_t (*clamp)(scalar_t*, int64_t, scalar_t, scalar_t);
+};
+struct ClipTable {
+  ClipFns<float> f32;
+  ClipFns<double> f64;
+  ClipFns<c10::Half> f16;
+  ClipFns<c10::BFloat16> bf16;
+};
+
+template <typename scalar_t>
+HS_INLINE const ClipFns<scalar_t>& table_entry(const ClipTable& t) {
+  if constexpr (std::is_same_v<scalar_t, double>) return t.f64;
+  else if constexpr (std::is_same_v<scalar_t, c10::Half>) return t.f16;
+  else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return t.bf16;
+  else return t.f32;
+}
+
+// Each defined in its own unit, compiled for its ISA (the wider ones alias the baseline off x86).
+extern const ClipTable kClipDefault;
+extern const ClipTable kClipAvx2;
+extern const ClipTable kClipAvx512;
+
+// HS_CLIP_TABLE(name, B, TARGET): the table of one ISA, its entry points the chunk bodies at B bytes, marked TARGET.
+#define HS_CLIP_TABLE(NAME, B, TARGET)                                                                          \
+  namespace {                                                                                                 \
+  template <typename scalar_t>                                                                                \
+  TARGET NormPartial norm_entry(const scalar_t* p, int64_t n, const NormSpec& ns, int32_t& e, int32_t flags) { \
+    return norm_chunk_body<B, scalar_t>(p, n, ns, e, flags);                                                  \
+  }                                                                                                           \
+  template <typename scalar_t>                                                                                \
+  TARGET void scale_entry(scalar_t* p, int64_t n, acc_of<scalar_t> coef, bool zero) {                          \
+    scale_chunk_body<B, scalar_t>(p, n, coef, zero);                                                          \
+  }                                                                                                           \
+  template <typename scalar_t>                                                                                \
+  TARGET int64_t clamp_entry(scalar_t* p, int64_t n, scalar_t lo, scalar_t hi) {                               \
+    return clamp_chunk_body<B, scalar_t>(p, n, lo, hi);                                                       \
+  }                                                                                                           \
+  }                                                                                                           \
+  const ClipTable NAME = {{&norm_entry<float>, &scale_entry<float>, &clamp_entry<float>},                     \
+                          {&norm_entry<double>, &scale_entry<double>, &clamp_entry<double>},                  \
+                          {&norm_entry<c10::Half>, &scale_entry<c10::Half>, &clamp_entry<c10::Half>},         \
+                          {&norm_entry<c10::BFloat16>, &scale_entry<c10::BFloat16>, &clamp_entry<c10::BFloat16>}};
+
+}  // namespace clip_cpu
+}  // namespace hookstats
