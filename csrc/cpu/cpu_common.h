@@ -20,10 +20,13 @@ template <> struct BitsOf<c10::BFloat16> { using type = simd::BF16Bits; };
 template <typename scalar_t>
 using acc_of = typename simd::Lanes<typename BitsOf<scalar_t>::type, 16>::acc_t;
 
+template <typename scalar_t, int B>
+using LanesOf = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
+
 // The lane types of a kernel body over B-byte vectors of scalar_t (Note [cpu dispatch]), declared in its scope:
 // L (loads and stores), acc_t (the type values are read in), V (W lanes of acc_t) and M (their -1 / 0 masks).
 #define HS_LANE_TYPES(scalar_t, B)                                   \
-  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;         \
+  using L = LanesOf<scalar_t, B>;                                    \
   using acc_t [[maybe_unused]] = typename L::acc_t;                  \
   using V [[maybe_unused]] = typename L::V;                          \
   using M [[maybe_unused]] = typename L::M;                          \
