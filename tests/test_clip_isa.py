@@ -185,7 +185,7 @@ def test_scale_pass_same_bits_on_every_level(dtype):
             assert torch.equal(bits(y), bits(y0)), (level, first_level, k)
 
 
-BOUNDS = ((-0.5, 0.5), (-2.5, 1.0), (0.0, 0.0), (0.1, 0.3), (-1e30, 1e30))
+BOUNDS = ((-0.5, 0.5), (-2.5, 1.0), (0.0, 0.0), (-0.0, 0.0), (0.1, 0.3), (-1e30, 1e30))  # -0.0 stored as -0.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
