@@ -230,10 +230,10 @@ HS_INLINE bool any_lane(const Vec& m) {
   return a != 0;
 }
 
-// The sum and the greatest of a vector's lanes, by halves (log2(W) vector steps instead of a chain of W scalar ones;
-// the order of the sum is fixed by the width). max_lanes takes lanes without NaN.
-template <typename Vec>
-HS_INLINE auto sum_lanes(const Vec& v) {
+// A vector's lanes folded by halves with op (log2(W) vector steps instead of a chain of W scalar ones; the order is
+// fixed by the width): sum_lanes, and max_lanes for lanes without NaN.
+template <typename Vec, typename Op>
+HS_INLINE auto fold_lanes(const Vec& v, Op op) {
   using S = decltype(v[0] + 0);
   if constexpr (sizeof(Vec) == sizeof(S)) {
     return v[0];
@@ -242,22 +242,17 @@ HS_INLINE auto sum_lanes(const Vec& v) {
     Half lo, hi;
     std::memcpy(&lo, &v, sizeof lo);
     std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-    return sum_lanes(lo + hi);
+    return fold_lanes(op(lo, hi), op);
   }
 }
-template <typename Vec>
-HS_INLINE auto max_lanes(const Vec& v) {
-  using S = decltype(v[0] + 0);
-  if constexpr (sizeof(Vec) == sizeof(S)) {
-    return v[0];
-  } else {
-    typedef S Half __attribute__((vector_size(sizeof(Vec) / 2)));
-    Half lo, hi;
-    std::memcpy(&lo, &v, sizeof lo);
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-    return max_lanes(lo > hi ? lo : hi);
-  }
-}
+struct Plus {
+  template <typename T> HS_INLINE T operator()(const T& a, const T& b) const { return a + b; }
+};
+struct Larger {
+  template <typename T> HS_INLINE T operator()(const T& a, const T& b) const { return a > b ? a : b; }
+};
+template <typename Vec> HS_INLINE auto sum_lanes(const Vec& v) { return fold_lanes(v, Plus{}); }
+template <typename Vec> HS_INLINE auto max_lanes(const Vec& v) { return fold_lanes(v, Larger{}); }
 
 // any_lane for a mask of a B-byte kernel body (Note [cpu dispatch]): one vptest in the AVX2 entry
 // points (B = 32; a GCC builtin is checked against the function it is finally inlined into, unlike
