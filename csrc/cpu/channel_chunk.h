@@ -152,11 +152,7 @@ HS_INLINE void rows_flush(const scalar_t* const* rowp, int64_t nrows, int64_t j,
 // before they reach the accumulators. Then the block is flushed into the tile's double sums.
 template <int B, typename scalar_t>
 HS_INLINE void rows_block(const scalar_t* const* rowp, int64_t nrows, int64_t nch, TileAcc<acc_of<scalar_t>>& t) {
-  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
-  using acc_t = typename L::acc_t;
-  using V = typename L::V;
-  using M = typename L::M;
-  constexpr int W = L::W;
+  HS_LANE_TYPES(scalar_t, B);
   const int64_t nvec = nch / W;
   alignas(64) acc_t bsa[kChanTile<acc_t>], bsq[kChanTile<acc_t>], bmn[kChanTile<acc_t>], bmx[kChanTile<acc_t>];
   if (nvec > 0) {
@@ -250,11 +246,7 @@ HS_INLINE void rows_task_body(const ChannelView& v, const RowsTask& task, Channe
 // kRunBlock-sized blocks of one contiguous span, merged into q.
 template <int B, typename scalar_t>
 HS_INLINE void span_body(const scalar_t* p, int64_t n, ChannelPartial& q) {
-  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
-  using acc_t = typename L::acc_t;
-  using V = typename L::V;
-  using M = typename L::M;
-  constexpr int W = L::W;
+  HS_LANE_TYPES(scalar_t, B);
   const V inf = V{} + static_cast<acc_t>(INFINITY);
   int64_t i = 0;
   while (i < n) {

@@ -1,4 +1,4 @@
-// Pieces shared by the CPU kernels (stats_cpu.cpp, clip_cpu.cpp): the SIMD lane type of each
+// Pieces shared by the CPU kernels (stats, channel and clip): the SIMD lane types of each
 // dtype, and walking a strided tensor (Note [layouts]) in contiguous runs.
 #pragma once
 
@@ -19,6 +19,18 @@ template <> struct BitsOf<c10::BFloat16> { using type = simd::BF16Bits; };
 
 template <typename scalar_t>
 using acc_of = typename simd::Lanes<typename BitsOf<scalar_t>::type, 16>::acc_t;
+
+template <typename scalar_t, int B>
+using LanesOf = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
+
+// The lane types of a kernel body over B-byte vectors of scalar_t (Note [cpu dispatch]), declared in its scope:
+// L (loads and stores), acc_t (the type values are read in), V (W lanes of acc_t) and M (their -1 / 0 masks).
+#define HS_LANE_TYPES(scalar_t, B)                                   \
+  using L = LanesOf<scalar_t, B>;                                    \
+  using acc_t [[maybe_unused]] = typename L::acc_t;                  \
+  using V [[maybe_unused]] = typename L::V;                          \
+  using M [[maybe_unused]] = typename L::M;                          \
+  [[maybe_unused]] constexpr int W = L::W
 
 // Calls f(q, stride, n) for the runs of the innermost dimension that hold logical elements
 // [start, start + len) of a strided tensor, in logical order: q points at the run's first

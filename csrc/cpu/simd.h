@@ -8,9 +8,11 @@
 // before vector lowering, the same source becomes AVX2+FMA code in the second and AVX-512 code in the third:
 // one source of the math, no per-file compiler flags, and every function that is not inlined (the C++
 // library's, c10's) keeps the baseline target, so nothing compiled for a wider ISA can be picked by the
-// linker for a caller on an older CPU. The statistics and per-channel kernels keep each ISA's entry points in a
-// translation unit of its own (cpu/stats_chunk_{default,avx2,avx512}.cpp over cpu/stats_chunk.h,
-// cpu/channel_chunk_{default,avx2,avx512}.cpp over cpu/channel_chunk.h).
+// linker for a caller on an older CPU. The statistics, per-channel and clipping kernels keep each ISA's entry points
+// in a translation unit of its own (cpu/stats_chunk_{default,avx2,avx512}.cpp over cpu/stats_chunk.h,
+// cpu/channel_chunk_{default,avx2,avx512}.cpp over cpu/channel_chunk.h, cpu/clip_chunk_{default,avx2,avx512}.cpp
+// over cpu/clip_chunk.h), each a table of function pointers that its driver picks once per call; a body declares its
+// lane types with HS_LANE_TYPES (cpu/cpu_common.h).
 // Which entry point runs is isa(): the level ATen's own kernels run at (at::get_cpu_capability(), which
 // honours the ATEN_CPU_CAPABILITY environment variable: "default", "avx2", "avx512"), or
 // HOOKSTATS_CPU_ISA when it is set, never above what the CPU supports. Tests pick each level with set_isa
@@ -227,6 +229,30 @@ HS_INLINE bool any_lane(const Vec& m) {
   for (size_t j = 0; j < sizeof(Vec) / 8; ++j) a |= w[j];
   return a != 0;
 }
+
+// A vector's lanes folded by halves with op (log2(W) vector steps instead of a chain of W scalar ones; the order is
+// fixed by the width): sum_lanes, and max_lanes for lanes without NaN.
+template <typename Vec, typename Op>
+HS_INLINE auto fold_lanes(const Vec& v, Op op) {
+  using S = decltype(v[0] + 0);
+  if constexpr (sizeof(Vec) == sizeof(S)) {
+    return v[0];
+  } else {
+    typedef S Half __attribute__((vector_size(sizeof(Vec) / 2)));
+    Half lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return fold_lanes(op(lo, hi), op);
+  }
+}
+struct Plus {
+  template <typename T> HS_INLINE T operator()(const T& a, const T& b) const { return a + b; }
+};
+struct Larger {
+  template <typename T> HS_INLINE T operator()(const T& a, const T& b) const { return a > b ? a : b; }
+};
+template <typename Vec> HS_INLINE auto sum_lanes(const Vec& v) { return fold_lanes(v, Plus{}); }
+template <typename Vec> HS_INLINE auto max_lanes(const Vec& v) { return fold_lanes(v, Larger{}); }
 
 // any_lane for a mask of a B-byte kernel body (Note [cpu dispatch]): one vptest in the AVX2 entry
 // points (B = 32; a GCC builtin is checked against the function it is finally inlined into, unlike

@@ -46,11 +46,7 @@ using CpuAcc = FastAcc<acc_of<scalar_t>, double>;
 // one vector operation fewer per element group, for the data whose mean is small beside its spread).
 template <int B, typename scalar_t, bool SCALED, bool SHIFTED, bool PREFETCH>
 HS_INLINE CpuAcc<scalar_t> fast_chunk_simd(const scalar_t* p, int64_t n, acc_of<scalar_t> k, int32_t e) {
-  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
-  using acc_t = typename L::acc_t;
-  using V = typename L::V;
-  using M = typename L::M;
-  constexpr int W = L::W;
+  HS_LANE_TYPES(scalar_t, B);
   struct Lanes {
     V sd, ssd, l1, mn, mx;
     M z;
@@ -198,11 +194,7 @@ HS_INLINE CpuAcc<scalar_t> fast_chunk(const scalar_t* p, int64_t n, acc_of<scala
 // counts by vector compares, NaN-free min and max.
 template <int B, typename scalar_t>
 HS_INLINE NonfiniteAcc<acc_of<scalar_t>> nonfinite_chunk_simd(const scalar_t* p, int64_t n) {
-  using L = simd::Lanes<typename BitsOf<scalar_t>::type, B>;
-  using acc_t = typename L::acc_t;
-  using V = typename L::V;
-  using M = typename L::M;
-  constexpr int W = L::W;
+  HS_LANE_TYPES(scalar_t, B);
   const V inf = V{} + static_cast<acc_t>(INFINITY);
   M cn0{}, ci0{}, cz0{}, cn1{}, ci1{}, cz1{};
   V mn0 = inf, mx0 = -inf, mn1 = inf, mx1 = -inf;
