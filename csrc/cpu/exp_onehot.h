@@ -124,8 +124,10 @@ HS_INLINE bool exp_chunk_narrow(const scalar_t* p, int64_t n, HistCounters& h, d
   const int32_t last = h.base[1] + 1;
   const int32_t lo = h.keys16 && h.base[1] >= 0 && top >= last + 12 && top <= last + 15
                          ? last : std::min(std::max(top - 15, 1), 239);
-  const v32hu_t vlo = v32hu_t{} + static_cast<unsigned short>(lo);
-  const v32hu_t vlo_n = v32hu_t{} + static_cast<unsigned short>(lo + 256);
+  // (broadcast as 32-bit lanes: GCC 12 builds v32hu_t{} + x lane by lane, 32 masked vpbroadcastw a chunk)
+  auto words = [](uint32_t x) { return (v32hu_t)(OneHotTypes<64>::U{} + (x | x << 16)); };
+  const v32hu_t vlo = words(static_cast<uint32_t>(lo));
+  const v32hu_t vlo_n = words(static_cast<uint32_t>(lo + 256));
   constexpr int G = 32;  // values a vector of 16-bit lanes
   auto sign_exp = [&](int64_t i) __attribute__((always_inline)) -> v32hu_t {  // the 9 sign and exponent bits
     if constexpr (sizeof(scalar_t) == 4) {  // t of values 16..31 (>> 23) in the even lanes, merged with the odd
