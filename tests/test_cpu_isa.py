@@ -242,6 +242,17 @@ def onehot_inputs(dtype: torch.dtype):
     edge = narrow_window_edges(g, dtype, 24)
     yield "narrow_window_edges", edge.to(dtype)
     yield "narrow_window_edges_strided", edge.to(dtype)[1::2]
+    # The narrow window at either end of the normals: a largest |x| of exponent 127 (lo = 112 + 127 = 239, the
+    # highest window: a NaN's key byte is then one below a zero's) and of exponent -117 (lo = 1: no normal lies below
+    # it), each chunk with values below the window, subnormals, zeros of either sign and a NaN
+    ends = torch.randn(4 * 4096 + 45, generator=g) * 2.0 ** 125
+    for c, e in enumerate((127, -117, 127, -117)):
+        ch = ends[c * 4096:(c + 1) * 4096]
+        ch.copy_(torch.randn(4096, generator=g) * 2.0 ** (e - 2))
+        ch[c] = 1.5 * 2.0 ** e * (1 - 2 * (c % 2))
+        ch[10:16] = torch.tensor([2.0 ** (e - 16), -(2.0 ** (e - 17)), 1e-40 if dtype != torch.bfloat16 else 1e-39,
+                                  0.0, -0.0, float("nan")])
+    yield "narrow_window_ends", ends.to(dtype)
     yield "randn_2^18", torch.randn(2**18 + 45, generator=g).to(dtype)
     # Chunk tails whose vector count leaves a group of 16 to 31 words (389 values: 24 vectors of 16, 48 of 8) and a
     # group under 16 (77 values), with spread exponents

@@ -235,8 +235,9 @@ struct SlicedCounts {
     if constexpr (B == 64) {  // per level: nibble counts by table (vpshufb), the two planes' bytes added, vpsadbw
       typedef char v64qi __attribute__((vector_size(64)));
       typedef long long v8di __attribute__((vector_size(64)));
-      v64qi lut;
-      for (int j = 0; j < 64; ++j) lut[j] = static_cast<char>(__builtin_popcount(j & 15));
+      // (a constant: filled by a loop, the table was built anew each chunk, 64 scalar popcounts and stores)
+      constexpr v64qi lut = {0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4,
+                             0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4};
       v8di acc{};
       for (int l = 0; l < kSlicedLevels; ++l) {
         v64qi bytes{};
