@@ -23,11 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-try:
-    import resource  # minor page faults (Unix)
-except ImportError:  # pragma: no cover
-    resource = None
-
 VOCAB = 256
 
 
@@ -263,7 +258,7 @@ def vs_opacus(hookstats, name: str, device: str, smoke: bool) -> dict:
     import copy
     import warnings
 
-    from _benching import interleaved_timer
+    from _benching import interleaved_timer, minor_faults
 
     import opacus
     from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
@@ -340,12 +335,11 @@ def vs_opacus(hookstats, name: str, device: str, smoke: bool) -> dict:
         if device == "cpu":
             def counted(case, fn):
                 def run():
-                    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
-                    c0 = time.thread_time()
+                    f0, c0 = minor_faults(), time.thread_time()
                     fn()
                     cpu[case].append(time.thread_time() - c0)
-                    if resource is not None:
-                        faults[case] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+                    if f0 is not None:
+                        faults[case] += minor_faults() - f0
                 return run
             fns = {case: counted(case, fn) for case, fn in fns.items()}
         times, timed = interleaved_timer(fns, device)
@@ -368,7 +362,7 @@ def vs_opacus(hookstats, name: str, device: str, smoke: bool) -> dict:
                     **({f"cpu_overhead_{c}": statistics.median(v) / statistics.median(cpu["plain"])
                         for c, v in cpu.items() if c != "plain"} if device == "cpu" else {}),
                     **({f"faults_{c}": n / reps for c, n in faults.items()}
-                       if resource is not None and device == "cpu" else {}))
+                       if minor_faults() is not None and device == "cpu" else {}))
         ours()
         psn.remove()
         psn_clip.remove()
